@@ -1,0 +1,142 @@
+"""PEFT bridge: a method's trainable state travels as a standard PEFT (LoRA) adapter.
+
+An lcx adapter folder is what PEFT writes (``adapter_config.json`` +
+``adapter_model.safetensors``) plus a sidecar ``lcx.json`` that PEFT ignores:
+which methods (and hyperparameters) the adapter was trained with, and the
+identity of the base model.  Plain LoRA is what vLLM can serve, so that is
+what we write.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from torch import nn
+
+from lcx.adapters import families
+from lcx.errors import LcxError
+
+SIDECAR = "lcx.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+FORMAT_VERSION = 1
+
+
+def base_identity(model: nn.Module) -> dict[str, Any]:
+    """Architecture fields plus a fingerprint of the input embeddings (cheap, weight-sensitive)."""
+    model = unwrap(model)
+    cfg = model.config
+    emb = model.get_input_embeddings().weight.detach()
+    rows = emb[: min(16, emb.shape[0])].float().contiguous().cpu().numpy().tobytes()
+    return {
+        "model_type": cfg.model_type,
+        "num_hidden_layers": getattr(cfg, "num_hidden_layers", None),
+        "hidden_size": getattr(cfg, "hidden_size", None),
+        "vocab_size": getattr(cfg, "vocab_size", None),
+        "name_or_path": str(getattr(cfg, "_name_or_path", "")),
+        "embedding_sha256": hashlib.sha256(rows).hexdigest(),
+    }
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PeftModel (or the model itself)."""
+    return model.get_base_model() if isinstance(model, PeftModel) else model
+
+
+def lora_targets(model: nn.Module, roles: tuple[str, ...]) -> list[str]:
+    """Module names (suffixes) for attention ``roles`` ("q", "k", "v", "o") in this family."""
+    fam = families.family_of(unwrap(model))
+    unknown = [r for r in roles if r not in fam.roles]
+    if unknown:
+        raise LcxError(f"unknown LoRA role {unknown[0]!r}; roles are {', '.join(fam.roles)}")
+    return sorted({fam.roles[r] for r in roles})
+
+
+def add_adapter(
+    model: nn.Module,
+    roles: tuple[str, ...] = ("q", "k", "v", "o"),
+    rank: int = 8,
+    alpha: int | None = None,
+    dropout: float = 0.0,
+    target_modules: list[str] | None = None,
+) -> PeftModel:
+    """Wrap ``model`` with a fresh LoRA adapter on its attention projections."""
+    if rank <= 0:
+        raise LcxError(f"LoRA rank must be > 0, got {rank}")
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha if alpha is not None else 2 * rank,
+        lora_dropout=dropout,
+        target_modules=target_modules or lora_targets(model, roles),
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
+
+
+def save_adapter(model: PeftModel, out_dir: str | os.PathLike, methods: list[dict], extra: dict | None = None) -> Path:
+    """Write the PEFT adapter (safetensors) and the lcx sidecar into ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    sidecar = {
+        "format": FORMAT_VERSION,
+        "methods": methods,
+        "base_model": base_identity(model),
+        **(extra or {}),
+    }
+    tmp = out / (SIDECAR + ".tmp")
+    tmp.write_text(json.dumps(sidecar, indent=2))
+    os.replace(tmp, out / SIDECAR)
+    return out
+
+
+def read_sidecar(adapter_dir: str | os.PathLike) -> dict[str, Any]:
+    d = Path(adapter_dir)
+    if not d.is_dir():
+        raise LcxError(f"adapter folder {str(d)!r} does not exist; pass the folder `lcx train` wrote")
+    path = d / SIDECAR
+    if not path.exists():
+        raise LcxError(f"{str(d)!r} has no {SIDECAR}: not an lcx adapter (PEFT-only adapters load with peft directly)")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LcxError(f"{str(path)!r} is corrupted ({e}); re-save the adapter") from None
+
+
+def check_base(model: nn.Module, sidecar: dict[str, Any], adapter_dir: str | os.PathLike) -> None:
+    """Refuse an adapter trained for another base model, naming the first field that differs."""
+    want = sidecar.get("base_model") or {}
+    have = base_identity(model)
+    for key in ("model_type", "num_hidden_layers", "hidden_size", "vocab_size", "embedding_sha256"):
+        if want.get(key) != have.get(key):
+            raise LcxError(
+                f"adapter {str(adapter_dir)!r} was trained for another base model "
+                f"({key}: adapter {want.get(key)!r}, model {have.get(key)!r}; "
+                f"adapter base {want.get('name_or_path')!r}); load it on that model"
+            )
+
+
+def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike, trainable: bool = False) -> tuple[PeftModel, dict]:
+    """Load an lcx adapter onto ``model``: checks the base model, loads safetensors only."""
+    sidecar = read_sidecar(adapter_dir)
+    d = Path(adapter_dir)
+    if not (d / ADAPTER_WEIGHTS).exists():
+        raise LcxError(
+            f"{str(d)!r} has no {ADAPTER_WEIGHTS}; lcx loads adapters from safetensors only (never pickle)"
+        )
+    check_base(model, sidecar, adapter_dir)
+    try:
+        peft_model = PeftModel.from_pretrained(model, str(d), is_trainable=trainable, use_safetensors=True)
+    except Exception as e:  # safetensors header errors, shape mismatches
+        raise LcxError(f"could not load adapter {str(d)!r}: {type(e).__name__}: {e}") from None
+    peft_model.eval()
+    return peft_model, sidecar
+
+
+def trainable_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}

@@ -1,0 +1,70 @@
+"""rope: stretch rotary positions (linear interpolation, NTK, dynamic NTK, YaRN).
+
+Uses transformers' own RoPE initialisers: the method swaps the model's rotary
+embedding module for one built from a copy of the config with new
+``rope_parameters`` and puts the original back on detach.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Literal
+
+from lcx.adapters import families
+from lcx.hookspecs import hookimpl
+from lcx.method import Method, option
+
+
+@dataclass
+class Rope(Method):
+    name = "rope"
+    description = "position interpolation / NTK / YaRN through the model's rope parameters"
+    requires = frozenset({"rotary"})
+    lora_roles = ("q", "k")
+
+    type: Literal["linear", "ntk", "dynamic", "yarn"] = option("yarn", "scaling rule: linear (PI), ntk (static NTK-aware base), dynamic (dynamic NTK), yarn")
+    factor: float = option(4.0, "context extension factor: new window = factor x trained window")
+
+    def __post_init__(self) -> None:
+        if self.factor < 1.0:
+            raise ValueError(f"factor must be >= 1, got {self.factor}")
+        if self.type not in ("linear", "ntk", "dynamic", "yarn"):
+            raise ValueError(f"type must be linear, ntk, dynamic or yarn, got {self.type!r}")
+
+    def scaled_parameters(self, params: dict, window: int, head_dim: int) -> dict:
+        """New rope parameters for one attention type."""
+        new = dict(params)
+        if self.type == "ntk":  # NTK-aware: raise the base so the lowest frequency stretches by `factor`
+            new["rope_theta"] = params["rope_theta"] * self.factor ** (head_dim / max(head_dim - 2, 1))
+            new["rope_type"] = "default"
+        else:
+            new["rope_type"] = {"linear": "linear", "dynamic": "dynamic", "yarn": "yarn"}[self.type]
+            new["factor"] = float(self.factor)
+            new["original_max_position_embeddings"] = window
+        return new
+
+    @hookimpl
+    def lcx_patch_model(self, run, model):
+        fam = run.family
+        rot = families.rotary_embedding(model, fam)
+        window = run.window
+        cfg = copy.deepcopy(rot.config)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        head_dim = int(head_dim * (cfg.rope_parameters.get("partial_rotary_factor", 1.0) if "rope_theta" in cfg.rope_parameters else 1.0))
+        if "rope_theta" in cfg.rope_parameters:
+            cfg.rope_parameters = self.scaled_parameters(cfg.rope_parameters, window, head_dim)
+        else:  # per-layer-type parameters (gemma3): stretch the full-attention layers only
+            params = dict(cfg.rope_parameters)
+            params["full_attention"] = self.scaled_parameters(params["full_attention"], window, head_dim)
+            cfg.rope_parameters = params
+        new_rot = type(rot)(config=cfg).to(device=rot.inv_freq.device if hasattr(rot, "inv_freq") else None)
+        parent_path, _, attr = fam.rotary.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        setattr(parent, attr, new_rot)
+        run.patches.callback(setattr, parent, attr, rot)
+
+
+@hookimpl
+def lcx_register_methods(register):
+    register(Rope)

@@ -1,0 +1,162 @@
+"""streaming: attention sinks + a recent window (StreamingLLM, Xiao et al. 2023).
+
+The memory is a cache that keeps the first ``sinks`` tokens and the last
+``window`` tokens of every layer.  Keys arrive already rotated at their true
+positions; the recent block is contiguous with the queries, so only the sink
+keys need moving: they are re-rotated to sit right before the recent block
+(RoPE rotations compose, R(a) R(b) = R(a + b)), which keeps every query-key
+distance inside the trained window.  The attention stage slices the full
+logical mask down to the kept keys, so padding still works.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from lcx.adapters import families
+from lcx.hookspecs import hookimpl
+from lcx.method import Method, option
+from lcx.plan import Plan
+
+
+def rotate_keys(keys: torch.Tensor, shift: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate already-rotated RoPE keys (B, H, S, D) by ``shift`` more positions (rotate-half layout).
+
+    With partial rotary (``inv_freq`` shorter than D/2) only the first ``2 * len(inv_freq)``
+    dims rotate, as in the family's own ``apply_rotary_pos_emb``.
+    """
+    rot = 2 * inv_freq.numel()
+    angle = shift * inv_freq.to(torch.float64)  # (rot/2,) float64: shifts can be ~1e5 radians
+    cos = torch.cat([angle.cos(), angle.cos()]).to(torch.float32)  # (rot,)
+    sin = torch.cat([angle.sin(), angle.sin()]).to(torch.float32)
+    k = keys[..., :rot].float()
+    half = rot // 2
+    rotated_half = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
+    out = (k * cos + rotated_half * sin).to(keys.dtype)
+    return torch.cat([out, keys[..., rot:]], dim=-1) if rot < keys.shape[-1] else out
+
+
+class SinkWindowLayer(CacheLayerMixin):
+    """Per-layer cache: ``sinks`` first tokens + ``window`` most recent tokens."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, sinks: int, window: int, inv_freq: torch.Tensor) -> None:
+        super().__init__()
+        self.sinks, self.window, self.inv_freq = sinks, window, inv_freq
+        self.cumulative_length = 0
+        #: After each update: (number of sink keys, absolute position of the first non-sink key returned).
+        self.visible: tuple[int, int] = (0, 0)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        empty = key_states[:, :, :0]
+        self.sink_k, self.sink_v = empty, value_states[:, :, :0]
+        self.keys, self.values = empty, value_states[:, :, :0]
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        ns = self.sink_k.shape[-2]
+        recent_start = self.cumulative_length - self.keys.shape[-2]  # absolute position of the first recent key
+        self.cumulative_length += key_states.shape[-2]
+        rest_k = torch.cat([self.keys, key_states], dim=-2)  # (B, H, S_rest, D), contiguous from recent_start
+        rest_v = torch.cat([self.values, value_states], dim=-2)
+        self.visible = (ns, recent_start)
+        shift = recent_start - ns
+        sink_k = rotate_keys(self.sink_k, shift, self.inv_freq) if shift and ns else self.sink_k
+        out_k = torch.cat([sink_k, rest_k], dim=-2)
+        out_v = torch.cat([self.sink_v, rest_v], dim=-2)
+        # Keep: fill the sinks first (only before any eviction), then the last `window` tokens.
+        if ns < self.sinks:
+            take = min(self.sinks - ns, rest_k.shape[-2])
+            self.sink_k = torch.cat([self.sink_k, rest_k[:, :, :take]], dim=-2)
+            self.sink_v = torch.cat([self.sink_v, rest_v[:, :, :take]], dim=-2)
+            rest_k, rest_v = rest_k[:, :, take:], rest_v[:, :, take:]
+        self.keys, self.values = rest_k[:, :, -self.window:], rest_v[:, :, -self.window:]
+        return out_k, out_v
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # The mask covers every position ever seen; the attention stage keeps the visible columns.
+        return self.cumulative_length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.is_initialized = False
+        self.cumulative_length = 0
+        self.visible = (0, 0)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        for name in ("sink_k", "sink_v", "keys", "values"):
+            setattr(self, name, getattr(self, name).index_select(0, beam_idx.to(self.device)))
+
+
+@dataclass
+class Streaming(Method):
+    name = "streaming"
+    description = "attention sinks + recent window with re-rotated keys (StreamingLLM)"
+    requires = frozenset({"attention_interface", "rotary"})
+
+    sinks: int = option(4, "number of initial tokens always kept (attention sinks)")
+    window: int = option(0, "recent tokens kept per layer; 0 = model window - sinks - chunk")
+    chunk: int = option(512, "prompt tokens ingested per forward pass")
+
+    def __post_init__(self) -> None:
+        for k in ("sinks", "window"):
+            if getattr(self, k) < 0:
+                raise ValueError(f"{k} must be >= 0, got {getattr(self, k)}")
+        if self.chunk <= 0:
+            raise ValueError(f"chunk must be > 0, got {self.chunk}")
+
+    def recent(self, run) -> int:
+        w = self.window or run.window - self.sinks - self.chunk
+        if w <= 0:
+            raise ValueError(f"streaming window {w} <= 0: sinks={self.sinks} + chunk={self.chunk} exceed the model window {run.window}")
+        return w
+
+    @hookimpl
+    def lcx_plan(self, run, input_ids, attention_mask, max_new_tokens):
+        return Plan.chunked(input_ids, attention_mask, self.chunk)
+
+    @hookimpl
+    def lcx_memory(self, run, batch_size):
+        inv = families.rotary_inv_freq(run.model, run.family)
+        n = families.num_layers(run.model, run.family)
+        return Cache(layers=[SinkWindowLayer(self.sinks, self.recent(run), inv) for _ in range(n)])
+
+    @hookimpl
+    def lcx_attention(self, run, module, query, key, value, attention_mask, kwargs):
+        cache = run.state.get("memory")
+        layer = cache.layers[module.layer_idx] if isinstance(cache, Cache) else None
+        if not isinstance(layer, SinkWindowLayer):
+            return None
+        ns, recent_start = layer.visible
+        if recent_start == ns:  # nothing evicted: keys are positions [0, S), the mask fits as is
+            return None
+        S, T = key.shape[-2], query.shape[-2]
+        idx = torch.cat([torch.arange(ns), torch.arange(recent_start, recent_start + S - ns)]).to(query.device)
+        if attention_mask is not None:
+            mask = attention_mask[..., idx]
+        else:  # the base skipped the mask (pure causal): build it for the kept keys
+            total = recent_start + S - ns
+            q_pos = torch.arange(total - T, total, device=query.device)
+            mask = (idx[None, :] <= q_pos[:, None])[None, None]  # (1, 1, T, S)
+            if run.base_impl == "eager":
+                mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(~mask, torch.finfo(query.dtype).min)
+        return run.base_attention(module, query, key, value, mask, **kwargs)
+
+
+@hookimpl
+def lcx_register_methods(register):
+    register(Streaming)

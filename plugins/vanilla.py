@@ -1,0 +1,53 @@
+"""vanilla: the model as it is, with the input truncated to its window.
+
+The comparison point for every method: it keeps the start and the end of the
+prompt (where instructions and the question usually are) and drops the middle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lcx.hookspecs import hookimpl
+from lcx.method import Method, option
+from lcx.plan import Plan, left_pad, unpad
+
+
+@dataclass
+class Vanilla(Method):
+    name = "vanilla"
+    description = "truncate the middle of the prompt to fit the model's window (baseline)"
+
+    head_fraction: float = option(0.5, "share of the token budget kept from the start of the prompt; the rest is its end")
+    window: int = option(0, "token budget incl. generated tokens; 0 = the model's trained window")
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.head_fraction <= 1.0:
+            raise ValueError(f"head_fraction must be in [0, 1], got {self.head_fraction}")
+        if self.window < 0:
+            raise ValueError(f"window must be >= 0 (0 = model window), got {self.window}")
+
+    @hookimpl
+    def lcx_plan(self, run, input_ids, attention_mask, max_new_tokens):
+        budget = (self.window or run.window) - max_new_tokens
+        if budget <= 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room in a window of {self.window or run.window}")
+        rows, dropped = [], 0
+        for row in unpad(input_ids, attention_mask):
+            if row.numel() > budget:
+                head = int(budget * self.head_fraction)
+                dropped = max(dropped, row.numel() - budget)
+                row = torch.cat([row[:head], row[row.numel() - (budget - head):]])
+            rows.append(row)
+        if not dropped:
+            return Plan.whole(input_ids, attention_mask)
+        pad = int(input_ids[attention_mask == 0][0]) if (attention_mask == 0).any() else 0
+        ids, mask = left_pad(rows, pad)
+        return Plan(ids, mask, [(0, ids.shape[1])], dropped=dropped)
+
+
+@hookimpl
+def lcx_register_methods(register):
+    register(Vanilla)

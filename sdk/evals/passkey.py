@@ -1,0 +1,151 @@
+"""Passkey retrieval (Mohtashami & Jaggi 2023), as used by FoT and FocusLLM.
+
+A 5-digit key hidden at a given depth inside repeated filler; the model must
+repeat it.  Grid over total length (tokens) x needle depth, several random keys
+per cell; a sample counts as found when the key appears in the first generated
+tokens.  See DESIGN.md section 5.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from lcx.errors import LcxError
+
+INSTRUCTION = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the important information there."
+)
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = "What is the pass key? The pass key is"
+
+
+def build_prompt_ids(tokenizer: Any, length: int, depth: float, key: int) -> torch.Tensor:
+    """Token ids (1-D) of a passkey prompt of about ``length`` tokens with the needle at ``depth``."""
+    if not 0.0 <= depth <= 1.0:
+        raise LcxError(f"depth must be in [0, 1], got {depth}")
+    enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    head, question = enc(INSTRUCTION + "\n"), enc("\n" + QUESTION)
+    needle = enc(" " + NEEDLE.format(key=key) + " ")
+    filler = enc(" " + FILLER)
+    n_fill = max(0, length - len(head) - len(question) - len(needle))
+    reps = n_fill // len(filler) + 1
+    fill = (filler * reps)[: (n_fill // len(filler)) * len(filler)]  # whole sentences only
+    cut = int(round(depth * (len(fill) // len(filler)))) * len(filler)
+    bos = [tokenizer.bos_token_id] if getattr(tokenizer, "bos_token_id", None) is not None and tokenizer.bos_token_id != tokenizer.eos_token_id else []
+    ids = bos + head + fill[:cut] + needle + fill[cut:] + question
+    return torch.tensor(ids, dtype=torch.long)
+
+
+@dataclass
+class PasskeyConfig:
+    lengths: list[int]
+    depths: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9])
+    samples: int = 5
+    seed: int = 0
+    max_new_tokens: int = 8
+
+    def validate(self) -> None:
+        if not self.lengths or any(n <= 0 for n in self.lengths):
+            raise LcxError(f"lengths must be positive token counts, got {self.lengths}")
+        if self.samples <= 0:
+            raise LcxError(f"samples must be >= 1, got {self.samples}")
+        for d in self.depths:
+            if not 0.0 <= d <= 1.0:
+                raise LcxError(f"depths must be in [0, 1], got {d}")
+
+
+def evaluate(
+    generate_fn: Callable[[torch.Tensor, int], torch.Tensor],
+    tokenizer: Any,
+    config: PasskeyConfig,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run the grid; ``generate_fn(ids (1, T), max_new_tokens) -> new ids (1, N)``."""
+    config.validate()
+    rng = random.Random(config.seed)
+    cells = [(n, d) for n in config.lengths for d in config.depths]
+    samples: list[dict[str, Any]] = []
+    bar = tqdm(total=len(cells) * config.samples, desc="passkey", disable=not progress, unit="sample")
+    for n, d in cells:
+        for _ in range(config.samples):
+            key = rng.randint(10000, 99999)
+            ids = build_prompt_ids(tokenizer, n, d, key)[None]
+            t0 = time.perf_counter()
+            new = generate_fn(ids, config.max_new_tokens)
+            dt = time.perf_counter() - t0
+            text = tokenizer.decode(new[0], skip_special_tokens=True)
+            found = str(key) in re.sub(r"\s+", "", text)
+            samples.append({"length": n, "tokens": int(ids.shape[1]), "depth": d, "key": key,
+                            "output": text, "found": found, "seconds": round(dt, 3)})
+            bar.update(1)
+            bar.set_postfix(acc=f"{sum(s['found'] for s in samples) / len(samples):.2f}")
+    bar.close()
+    return {"config": asdict(config), "samples": samples, "summary": summarize(samples)}
+
+
+def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    by_len: dict[int, list[bool]] = {}
+    grid: dict[str, float] = {}
+    cells: dict[tuple[int, float], list[bool]] = {}
+    for s in samples:
+        by_len.setdefault(s["length"], []).append(s["found"])
+        cells.setdefault((s["length"], s["depth"]), []).append(s["found"])
+    for (n, d), v in cells.items():
+        grid[f"{n}@{d}"] = sum(v) / len(v)
+    return {
+        "accuracy": sum(s["found"] for s in samples) / max(len(samples), 1),
+        "accuracy_by_length": {str(n): sum(v) / len(v) for n, v in sorted(by_len.items())},
+        "accuracy_by_cell": grid,
+        "n": len(samples),
+    }
+
+
+def plot_heatmap(result: dict[str, Any], path: Path, title: str) -> Path:
+    """Accuracy heatmap: depth (rows) x length (columns)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = result["config"]["lengths"]
+    depths = result["config"]["depths"]
+    grid = result["summary"]["accuracy_by_cell"]
+    data = [[grid.get(f"{n}@{d}", float("nan")) for n in lengths] for d in depths]
+    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(lengths), 1.2 + 0.5 * len(depths)))
+    im = ax.imshow(data, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" if n >= 1024 else str(n) for n in lengths])
+    ax.set_yticks(range(len(depths)), [f"{d:.1f}" for d in depths])
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("needle depth")
+    for i, row in enumerate(data):
+        for j, v in enumerate(row):
+            ax.text(j, i, f"{v:.0%}", ha="center", va="center", fontsize=8)
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_result(result: dict[str, Any], out_dir: Path, stem: str = "passkey") -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    js = out_dir / f"{stem}.json"
+    tmp = js.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    tmp.replace(js)
+    title = f"passkey — {result.get('model', '?')} — {result.get('methods_label', '')}"
+    png = plot_heatmap(result, out_dir / f"{stem}.png", title)
+    return js, png

@@ -1,0 +1,81 @@
+"""Generation through a run: chunking plan -> memory -> prefill windows -> ``model.generate``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from lcx.attach import Run
+from lcx.errors import LcxError
+from lcx.plan import Plan
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding: 0 at each row's first real token."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def prefill(run: Run, plan: Plan) -> Any:
+    """Create the run's memory and feed every window of the plan but the last one into it."""
+    model = run.model
+    B = plan.input_ids.shape[0]
+    cache = run.hook.lcx_memory(run=run, batch_size=B) or DynamicCache(config=model.config)
+    run.state["memory"] = cache
+    pos = position_ids_from_mask(plan.attention_mask)
+    for s, e in plan.windows[:-1]:
+        model(
+            input_ids=plan.input_ids[:, s:e],
+            attention_mask=plan.attention_mask[:, :e],
+            position_ids=pos[:, s:e],
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+    return cache
+
+
+def make_plan(run: Run, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int) -> Plan:
+    if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+        raise LcxError(f"empty input: got input_ids of shape {tuple(input_ids.shape)}; give at least one token")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    plan = run.hook.lcx_plan(
+        run=run, input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens
+    )
+    return plan if plan is not None else Plan.whole(input_ids, attention_mask)
+
+
+@torch.no_grad()
+def generate(
+    run: Run,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    max_new_tokens: int = 32,
+    **generate_kwargs: Any,
+) -> torch.Tensor:
+    """Generate ``max_new_tokens`` after a (possibly very long) prompt; returns only the new tokens (B, N)."""
+    plan = make_plan(run, input_ids, attention_mask, max_new_tokens)
+    run.state["plan"] = plan
+    cache = prefill(run, plan)
+    kwargs = dict(do_sample=False, pad_token_id=_pad_id(run.model))
+    kwargs.update(generate_kwargs)
+    out = run.model.generate(
+        input_ids=plan.input_ids,
+        attention_mask=plan.attention_mask,
+        past_key_values=cache,
+        max_new_tokens=max_new_tokens,
+        **kwargs,
+    )
+    return out[:, plan.input_ids.shape[1]:]
+
+
+def _pad_id(model: Any) -> int | None:
+    gc = getattr(model, "generation_config", None)
+    pad = getattr(gc, "pad_token_id", None)
+    if pad is None:
+        eos = getattr(gc, "eos_token_id", None)
+        pad = eos[0] if isinstance(eos, list) else eos
+    return pad

@@ -1,0 +1,126 @@
+"""Every extension point of lcx, in one file.
+
+A long-context method is a plugin that implements some of the *stages* below.
+Reading this file top to bottom tells you the whole architecture:
+
+    discovery     lcx_register_methods   which methods a plugin provides
+    1 chunking    lcx_plan               how a long input is split (local / memory / windows)
+    2 memory      lcx_memory             the store of (key, value) that outlives one window
+    3 attention   lcx_patch_model        reversible changes to the model at attach time
+                  lcx_attention          what one attention layer computes
+    4 sampling    lcx_sample             training-time reshaping of a batch
+    5 loss        lcx_loss               named loss terms the trainer sums
+
+Two plugin managers exist.  The *global* one (``lcx.registry``) holds plugins
+(in-tree modules and third-party packages from the ``lcx.methods`` entry-point
+group) and only answers ``lcx_register_methods``.  Each call to ``lcx.attach``
+builds a *per-run* manager that holds only the method instances the user chose,
+so an installed but unselected method never fires.
+
+Stages marked EXCLUSIVE accept one implementation per run: two selected methods
+that both implement one are refused by ``attach`` with a message naming both.
+
+Hook implementations must not give their arguments default values (pluggy 1.6 and
+1.7 treat them differently).
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT = "lcx"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# --------------------------------------------------------------------- discovery
+@hookspec
+def lcx_register_methods(register):
+    """At plugin load: call ``register(MethodClass)`` once per method this plugin provides. Collected."""
+
+
+# --------------------------------------------------------------------- 1 chunking
+@hookspec(firstresult=True)
+def lcx_plan(run, input_ids, attention_mask, max_new_tokens):
+    """Before generation: turn a long input into a ``lcx.plan.Plan``. EXCLUSIVE, first result.
+
+    Gets the run, ``input_ids`` (B, T) and ``attention_mask`` (B, T) of the whole
+    prompt, and the generation budget.  Returns a Plan saying which tokens the
+    model sees, which are prefilled window by window into memory, and at which
+    positions; ``None`` means "feed the input as it is".
+    """
+
+
+# --------------------------------------------------------------------- 2 memory
+@hookspec(firstresult=True)
+def lcx_memory(run, batch_size):
+    """Before a forward pass over a new input: create the method's memory. EXCLUSIVE, first result.
+
+    Returns a ``transformers.Cache`` (a custom Cache subclass may keep, evict,
+    re-rotate or retrieve entries) used as ``past_key_values`` for the whole
+    input; ``None`` means the model's ordinary ``DynamicCache``.
+    """
+
+
+# --------------------------------------------------------------------- 3 attention
+@hookspec
+def lcx_patch_model(run, model):
+    """At attach time, once: change the model, reversibly. Collected.
+
+    Register every change on ``run.patches`` (a ``contextlib.ExitStack``) so that
+    detaching undoes it; e.g. ``run.patches.callback(restore)`` or
+    ``run.patches.enter_context(...)``.  Returns nothing.
+    """
+
+
+@hookspec(firstresult=True)
+def lcx_attention(run, module, query, key, value, attention_mask, kwargs):
+    """In every attention layer's forward: compute attention. EXCLUSIVE, first result.
+
+    Gets the attention module (``module.layer_idx`` is set), ``query`` (B, Hq, T, D),
+    ``key``/``value`` (B, Hkv, S, D) as returned by the cache (already rotated),
+    the 4D mask built by the base implementation's mask function (or None), and
+    the remaining keyword arguments transformers passed (``scaling``, ``dropout``,
+    ``sliding_window``, ...).  Returns ``(output (B, T, Hq, D), weights | None)``,
+    or ``None`` to let the base implementation (sdpa / eager) compute this layer.
+    ``run.base_attention(module, query, key, value, attention_mask, **kwargs)``
+    calls the base implementation.
+    """
+
+
+# --------------------------------------------------------------------- 4 sampling
+@hookspec(firstresult=True)
+def lcx_sample(run, batch, step):
+    """In training, before each forward: reshape a batch. EXCLUSIVE, first result.
+
+    Gets a dict batch (``input_ids``, ``attention_mask``, ``labels`` ...) and the
+    optimizer step.  Returns the batch to feed (may add ``position_ids`` or
+    extra keys its loss stage reads); ``None`` means "use it unchanged".
+    """
+
+
+# --------------------------------------------------------------------- 5 loss
+@hookspec
+def lcx_loss(run, model, batch):
+    """In training, for each batch: return named loss terms. Collected.
+
+    Returns ``{"name": scalar tensor}``; the trainer sums every term from every
+    method and logs each separately.  Returning nothing leaves the ordinary
+    next-token loss as the only term.
+    """
+
+
+#: Stages that accept one implementation per run, with the name users see.
+EXCLUSIVE_STAGES: dict[str, str] = {
+    "lcx_plan": "chunking",
+    "lcx_memory": "memory",
+    "lcx_attention": "attention",
+    "lcx_sample": "sampling",
+}
+
+#: Every stage hook with the name users see (for `lcx methods`).
+STAGES: dict[str, str] = {
+    **EXCLUSIVE_STAGES,
+    "lcx_patch_model": "patching",
+    "lcx_loss": "loss",
+}

@@ -1,0 +1,107 @@
+"""The base class every long-context method derives from.
+
+A method is a small dataclass: its fields are its hyperparameters (each with
+``metadata={"help": ...}``), and its stage hooks are ordinary methods decorated
+with ``@hookimpl``.  An instance is what a run's plugin manager holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, ClassVar
+
+from lcx.errors import LcxError
+from lcx.hookspecs import STAGES
+
+
+def option(default: Any, help: str, **kwargs: Any) -> Any:
+    """A dataclass field with help text (shown by ``lcx methods -v`` and ``--help``)."""
+    return dataclasses.field(default=default, metadata={"help": help}, **kwargs)
+
+
+@dataclasses.dataclass
+class Method:
+    """Base class: subclass it, set ``name``, add option fields and ``@hookimpl`` methods."""
+
+    #: Registry name, used on the command line (``--method NAME``).
+    name: ClassVar[str] = ""
+    #: One line for ``lcx methods``.
+    description: ClassVar[str] = ""
+    #: Capabilities the model family must have (see ``lcx.adapters.families.Family``):
+    #: "attention_interface" (transformers' attention registry), "rotary" (RoPE positions).
+    requires: ClassVar[frozenset[str]] = frozenset()
+    #: Attention roles a LoRA adapter targets by default when this method is trained.
+    lora_roles: ClassVar[tuple[str, ...]] = ("q", "k", "v", "o")
+
+    # ------------------------------------------------------------------ options
+    @classmethod
+    def options(cls) -> list[dataclasses.Field]:
+        return [f for f in dataclasses.fields(cls) if f.init]
+
+    @classmethod
+    def from_options(cls, **options: Any) -> "Method":
+        """Build an instance from user options, converting strings (CLI) to field types."""
+        known = {f.name: f for f in cls.options()}
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise LcxError(
+                f"unknown option {unknown[0]!r} for method {cls.name!r}; "
+                f"its options are: {', '.join(known) or '(none)'} (see `lcx methods -v`)"
+            )
+        hints = typing.get_type_hints(cls)
+        values = {k: _convert(cls.name, k, v, hints.get(k)) for k, v in options.items()}
+        try:
+            return cls(**values)
+        except (TypeError, ValueError) as e:
+            raise LcxError(f"bad options for method {cls.name!r}: {e}") from e
+
+    def to_options(self) -> dict[str, Any]:
+        """Hyperparameters as plain JSON-able values (for sidecars and result files)."""
+        return {f.name: getattr(self, f.name) for f in self.options()}
+
+    # ------------------------------------------------------------------ introspection
+    @classmethod
+    def stages(cls) -> list[str]:
+        """The stages this method implements, by their user-facing names."""
+        return [label for hook, label in STAGES.items() if _is_hookimpl(getattr(cls, hook, None))]
+
+    def __str__(self) -> str:
+        opts = ", ".join(f"{k}={v}" for k, v in self.to_options().items())
+        return f"{self.name}({opts})"
+
+
+def _is_hookimpl(fn: Any) -> bool:
+    return fn is not None and hasattr(fn, "lcx_impl")
+
+
+def _convert(method: str, key: str, value: Any, hint: Any) -> Any:
+    """Convert a CLI string to the field's declared type; other values pass through."""
+    if not isinstance(value, str) or hint in (str, None, Any):
+        return value
+    origin = typing.get_origin(hint)
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    target = args[0] if origin in (typing.Union, getattr(__import__("types"), "UnionType", ())) and args else hint
+    if origin is typing.Literal:
+        if value not in typing.get_args(hint):
+            raise LcxError(
+                f"option {key}={value!r} of method {method!r} must be one of {', '.join(map(str, typing.get_args(hint)))}"
+            )
+        return value
+    try:
+        if target is bool:
+            if value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if target in (int, float):
+            return target(value)
+        if typing.get_origin(target) in (list, tuple):
+            inner = typing.get_args(target)[0] if typing.get_args(target) else str
+            return [inner(x) for x in value.split(",") if x]
+    except ValueError:
+        raise LcxError(
+            f"option {key}={value!r} of method {method!r} is not a valid {getattr(target, '__name__', target)}"
+        ) from None
+    return value

@@ -1,0 +1,68 @@
+"""What the chunking stage returns: the tokens the model sees, and in which windows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lcx.errors import LcxError
+
+
+@dataclass
+class Plan:
+    """A chunking plan for one (batched) input.
+
+    ``input_ids``/``attention_mask`` (B, T) are the tokens the model will see, in
+    order (a method may drop or reorder tokens).  ``windows`` are contiguous
+    ``(start, end)`` spans covering ``[0, T)``: all but the last are prefilled
+    into the memory one at a time; generation starts from the last one.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    windows: list[tuple[int, int]]
+    #: Tokens of the original input the model will never see (vanilla truncation).
+    dropped: int = 0
+    info: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        T = self.input_ids.shape[1]
+        expected = 0
+        for s, e in self.windows:
+            if s != expected or e <= s:
+                raise LcxError(f"invalid plan windows {self.windows}: spans must be contiguous and non-empty")
+            expected = e
+        if expected != T:
+            raise LcxError(f"invalid plan windows {self.windows}: they cover {expected} of {T} tokens")
+
+    @classmethod
+    def whole(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> "Plan":
+        """Feed the input as it is, in one window."""
+        return cls(input_ids, attention_mask, [(0, input_ids.shape[1])])
+
+    @classmethod
+    def chunked(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor, chunk: int) -> "Plan":
+        """Feed the whole input in windows of ``chunk`` tokens (the last one may be shorter)."""
+        if chunk <= 0:
+            raise LcxError(f"chunk size must be positive, got {chunk}")
+        T = input_ids.shape[1]
+        spans = [(s, min(s + chunk, T)) for s in range(0, T, chunk)]
+        return cls(input_ids, attention_mask, spans)
+
+
+def left_pad(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack 1-D token rows into (B, T) ids and mask, padding on the left."""
+    T = max(int(r.numel()) for r in rows)
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), T), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r.numel():
+            ids[i, T - r.numel():] = r
+            mask[i, T - r.numel():] = 1
+    return ids, mask
+
+
+def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.Tensor]:
+    """The real tokens of each row, without padding."""
+    return [input_ids[i][attention_mask[i].bool()] for i in range(input_ids.shape[0])]
