@@ -132,14 +132,15 @@ def rotary_embedding(model: nn.Module, family: Family) -> nn.Module | None:
     return get_submodule(model, family.rotary) if family.rotary else None
 
 
-def rotary_inv_freq(model: nn.Module, family: Family) -> torch.Tensor:
-    """Inverse frequencies (D_rot/2,) of the model's RoPE, for re-rotating cached keys."""
+def rotary_inv_freq(model: nn.Module, family: Family, layer_idx: int = 0) -> torch.Tensor:
+    """Inverse frequencies (D_rot/2,) of layer ``layer_idx``'s RoPE, for re-rotating cached keys."""
     rot = rotary_embedding(model, family)
     if rot is None:
         raise UnsupportedModelError(f"model family {family.model_type!r} has no rotary embedding")
     inv = getattr(rot, "inv_freq", None)
-    if inv is None:  # per-layer-type RoPE (gemma3): use the full-attention one
-        inv = getattr(rot, "full_attention_inv_freq", None)
+    layer_types = getattr(model.config, "layer_types", None)
+    if inv is None and layer_types:  # per-layer-type RoPE (gemma3): "<type>_inv_freq"
+        inv = getattr(rot, f"{layer_types[layer_idx]}_inv_freq", None)
     if inv is None:
         raise UnsupportedModelError(
             f"cannot find RoPE frequencies in {type(rot).__name__} of family {family.model_type!r}"

@@ -131,9 +131,11 @@ class Streaming(Method):
 
     @hookimpl
     def lcx_memory(self, run, batch_size):
-        inv = families.rotary_inv_freq(run.model, run.family)
         n = families.num_layers(run.model, run.family)
-        return Cache(layers=[SinkWindowLayer(self.sinks, self.recent(run), inv) for _ in range(n)])
+        return Cache(layers=[
+            SinkWindowLayer(self.sinks, self.recent(run), families.rotary_inv_freq(run.model, run.family, i))
+            for i in range(n)
+        ])
 
     @hookimpl
     def lcx_attention(self, run, module, query, key, value, attention_mask, kwargs):

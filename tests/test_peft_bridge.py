@@ -1,0 +1,69 @@
+"""PEFT bridge: standard LoRA adapter + lcx sidecar; base-model check; safetensors only."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import lcx
+from lcx.adapters import peft_bridge
+from tests.conftest import tiny_model
+
+
+def _trained_adapter(model):
+    peft_model = peft_bridge.add_adapter(model, roles=("q", "k", "v", "o"), rank=4)
+    with torch.no_grad():  # stand-in for training: make the adapter non-trivial
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    return peft_model
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox", "phi3"])
+def test_save_load_roundtrip_identical_logits(tmp_path, family):
+    ids = torch.randint(3, 256, (1, 20))
+    peft_model = _trained_adapter(tiny_model(family))
+    assert all("lora" in n for n in peft_bridge.trainable_parameters(peft_model))
+    ref = peft_model(ids).logits
+    peft_bridge.save_adapter(peft_model, tmp_path, methods=[{"name": "vanilla", "options": {}}])
+    assert (tmp_path / "adapter_config.json").exists() and (tmp_path / "adapter_model.safetensors").exists()
+    side = json.loads((tmp_path / "lcx.json").read_text())
+    assert side["methods"][0]["name"] == "vanilla" and side["base_model"]["model_type"] == family
+
+    loaded, sidecar = peft_bridge.load_adapter(tiny_model(family), tmp_path)
+    torch.testing.assert_close(loaded(ids).logits, ref, atol=0, rtol=0)
+    with lcx.attach(loaded, ["vanilla"]) as run:  # attaching to a PeftModel reaches the model inside
+        torch.testing.assert_close(run.model(ids).logits, ref, atol=1e-5, rtol=0)
+
+
+def test_adapter_for_another_base_is_refused(tmp_path):
+    peft_bridge.save_adapter(_trained_adapter(tiny_model("llama", seed=0)), tmp_path, methods=[])
+    with pytest.raises(lcx.LcxError, match="trained for another base model.*embedding_sha256"):
+        peft_bridge.load_adapter(tiny_model("llama", seed=1), tmp_path)
+    with pytest.raises(lcx.LcxError, match="model_type"):
+        peft_bridge.load_adapter(tiny_model("qwen2", seed=0), tmp_path)
+
+
+def test_pickle_weights_and_broken_sidecar_are_refused(tmp_path):
+    peft_bridge.save_adapter(_trained_adapter(tiny_model("llama")), tmp_path, methods=[])
+    (tmp_path / "adapter_model.safetensors").rename(tmp_path / "adapter_model.bin")
+    with pytest.raises(lcx.LcxError, match="safetensors only"):
+        peft_bridge.load_adapter(tiny_model("llama"), tmp_path)
+    (tmp_path / "lcx.json").write_text("{not json")
+    with pytest.raises(lcx.LcxError, match="corrupted"):
+        peft_bridge.load_adapter(tiny_model("llama"), tmp_path)
+    with pytest.raises(lcx.LcxError, match="does not exist"):
+        peft_bridge.load_adapter(tiny_model("llama"), tmp_path / "nothing")
+    (tmp_path / "lcx.json").unlink()
+    with pytest.raises(lcx.LcxError, match="not an lcx adapter"):
+        peft_bridge.load_adapter(tiny_model("llama"), tmp_path)
+
+
+def test_truncated_weights_give_a_clear_error(tmp_path):
+    peft_bridge.save_adapter(_trained_adapter(tiny_model("llama")), tmp_path, methods=[])
+    w = tmp_path / "adapter_model.safetensors"
+    w.write_bytes(w.read_bytes()[:100])
+    with pytest.raises(lcx.LcxError, match="could not load adapter"):
+        peft_bridge.load_adapter(tiny_model("llama"), tmp_path)

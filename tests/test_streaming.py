@@ -1,0 +1,70 @@
+"""streaming: sink keys are re-rotated exactly; the cache keeps sinks + window; long inputs work."""
+
+from __future__ import annotations
+
+import torch
+
+import lcx
+from lcx.generate import make_plan, position_ids_from_mask, prefill
+from lcx.plugins.streaming import SinkWindowLayer, rotate_keys
+from tests.conftest import tiny_model
+
+
+def test_rotate_keys_composes_like_rope():
+    """Rotating a key rotated at position p by s equals rotating it at p + s (rotate-half RoPE)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    model = tiny_model("llama")
+    rot = model.model.rotary_emb
+    k = torch.randn(1, 1, 5, 32)
+    p = torch.arange(5)[None]
+    cos, sin = rot(k, p)
+    cos_s, sin_s = rot(k, p + 1000)
+    _, k_p = apply_rotary_pos_emb(k, k, cos, sin)
+    _, k_ps = apply_rotary_pos_emb(k, k, cos_s, sin_s)
+    torch.testing.assert_close(rotate_keys(k_p, 1000, rot.inv_freq), k_ps, atol=1e-4, rtol=1e-4)
+
+
+def test_partial_rotary_leaves_pass_through_dims():
+    k = torch.randn(1, 1, 3, 32)
+    inv = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))  # 8 rotary dims of 32
+    out = rotate_keys(k, 77, inv)
+    assert torch.equal(out[..., 8:], k[..., 8:])
+    assert not torch.allclose(out[..., :8], k[..., :8])
+
+
+def test_one_layer_streaming_equals_explicit_sink_window_computation():
+    """With one layer, K/V depend only on token and position, so the streamed logits of the last
+    token must equal the base model run on [sink tokens ; recent window ; last chunk] with the sinks
+    placed right before the window (StreamingLLM's positions)."""
+    model = tiny_model("llama", num_hidden_layers=1)
+    sinks, window, chunk, N = 2, 20, 8, 64
+    ids = torch.randint(3, 256, (1, N), generator=torch.Generator().manual_seed(0))
+    with lcx.attach(model, ["streaming"], sinks=sinks, window=window, chunk=chunk) as run:
+        plan = make_plan(run, ids, None, 1)
+        cache = prefill(run, plan)
+        s_last = plan.windows[-1][0]
+        out = model(input_ids=ids[:, s_last:], position_ids=position_ids_from_mask(plan.attention_mask)[:, s_last:],
+                    past_key_values=cache, use_cache=True).logits[0, -1]
+        layer = cache.layers[0]
+        assert isinstance(layer, SinkWindowLayer)
+        assert layer.sink_k.shape[-2] == sinks and layer.keys.shape[-2] == window
+    start = s_last - window
+    keep = list(range(sinks)) + list(range(start, N))
+    pos = list(range(start - sinks, start)) + list(range(start, N))
+    ref = model(input_ids=ids[:, keep], position_ids=torch.tensor([pos])).logits[0, -1]
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_streaming_generates_far_beyond_the_window_with_bounded_cache():
+    model = tiny_model("qwen3")  # window 128
+    ids = torch.randint(3, 256, (2, 700))
+    mask = torch.ones_like(ids)
+    mask[0, :50] = 0
+    with lcx.attach(model, ["streaming"], chunk=32) as run:
+        new = lcx.generate(run, ids, mask, max_new_tokens=5)
+        cache = run.state["memory"]
+        assert new.shape == (2, 5)
+        kept = cache.layers[0].sink_k.shape[-2] + cache.layers[0].keys.shape[-2]
+        assert kept <= run.window
+        assert cache.get_seq_length() == 700 + 4  # every token seen, absolute positions preserved
