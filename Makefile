@@ -1,0 +1,20 @@
+# Two entry points (see README): `make demo` and `make test`. Both set everything up first;
+# re-running is fast once set up (scripts/setup.sh is idempotent).
+.PHONY: setup demo test test-fast bench
+
+VENV ?= .venv
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	$(VENV)/bin/lcx demo
+
+test: setup
+	$(VENV)/bin/python -m pytest -q
+
+test-fast: setup
+	$(VENV)/bin/python -m pytest -q -m "not slow and not vllm"
+
+bench: setup
+	$(VENV)/bin/python bench/overhead.py

@@ -1,0 +1,73 @@
+"""Overhead of attaching lcx with no method: forward time of SmolLM2 at 2K tokens.
+
+Untouched and attached forwards alternate in one run (this machine is noisy), so
+their ratio is meaningful even when absolute times drift.  Goal: ratio <= 1.03.
+
+    .venv/bin/python bench/overhead.py [--model smollm2-135m] [--tokens 2048] [--rounds 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import lcx
+from lcx.models import load_model
+
+OUT = Path(__file__).parent / "results" / "overhead.json"
+
+
+def timed_forward(model, ids) -> float:
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model(ids, logits_to_keep=1)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=2)
+    args = ap.parse_args()
+
+    model, _ = load_model(args.model)
+    ids = torch.randint(100, 40000, (1, args.tokens), generator=torch.Generator().manual_seed(0))
+    for _ in range(args.warmup):
+        timed_forward(model, ids)
+        with lcx.attach(model):
+            timed_forward(model, ids)
+    plain, attached = [], []
+    for r in range(args.rounds):
+        # alternate which one goes first, so drift does not favour either
+        order = ("plain", "attached") if r % 2 == 0 else ("attached", "plain")
+        for kind in order:
+            if kind == "plain":
+                plain.append(timed_forward(model, ids))
+            else:
+                with lcx.attach(model):
+                    attached.append(timed_forward(model, ids))
+    ratio = statistics.median(attached) / statistics.median(plain)
+    result = {
+        "benchmark": "overhead", "model": args.model, "tokens": args.tokens, "rounds": args.rounds,
+        "torch_threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+        "plain_median_s": round(statistics.median(plain), 4), "attached_median_s": round(statistics.median(attached), 4),
+        "plain_s": [round(x, 4) for x in plain], "attached_s": [round(x, 4) for x in attached],
+        "ratio_attached_over_plain": round(ratio, 4), "goal": "<= 1.03", "pass": ratio <= 1.03,
+    }
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(result, indent=2))
+    print(f"forward @ {args.tokens} tokens: untouched {result['plain_median_s']:.3f}s, "
+          f"attached (no method) {result['attached_median_s']:.3f}s, ratio {ratio:.3f} (goal <= 1.03)")
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
