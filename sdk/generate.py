@@ -79,3 +79,34 @@ def _pad_id(model: Any) -> int | None:
         eos = getattr(gc, "eos_token_id", None)
         pad = eos[0] if isinstance(eos, list) else eos
     return pad
+
+
+@torch.no_grad()
+def score_tail(run: Run, input_ids: torch.Tensor, n_target: int) -> dict[str, float]:
+    """Next-token NLL and accuracy of the last ``n_target`` tokens of ``input_ids`` (1, T), seen
+    through the run's plan and memory (each window's logits are kept only where they predict a target)."""
+    if input_ids.shape[1] <= n_target:
+        raise LcxError(f"input of {input_ids.shape[1]} tokens is too short to score its last {n_target}")
+    plan = make_plan(run, input_ids, None, 0)
+    ids = plan.input_ids
+    T = ids.shape[1]
+    if not torch.equal(ids[0, T - n_target - 1:], input_ids[0, -n_target - 1:]):
+        raise LcxError(f"the {run!r} plan dropped scored tokens; score fewer than the window ({T} tokens kept)")
+    model = run.model
+    cache = run.hook.lcx_memory(run=run, batch_size=1) or DynamicCache(config=model.config)
+    run.state["memory"] = cache
+    pos = position_ids_from_mask(plan.attention_mask)
+    first_pred = T - n_target - 1  # logits at positions [first_pred, T-2] predict the targets
+    chunks = []
+    for s, e in plan.windows:
+        keep = max(0, min(e, T - 1) - max(s, first_pred))
+        out = model(input_ids=ids[:, s:e], attention_mask=plan.attention_mask[:, :e], position_ids=pos[:, s:e],
+                    past_key_values=cache, use_cache=True, logits_to_keep=(keep + (1 if e == T else 0)) or 1)
+        if keep:
+            logits = out.logits[0, :keep] if e != T else out.logits[0, :-1][-keep:]
+            chunks.append(logits.float())
+    logits = torch.cat(chunks)[-n_target:]
+    targets = ids[0, T - n_target:]
+    nll = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
+    correct = (logits.argmax(-1) == targets).sum()
+    return {"nll_sum": float(nll), "correct": int(correct), "count": int(n_target)}

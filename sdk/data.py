@@ -1,0 +1,132 @@
+"""Training and evaluation data: local text files, folders, JSONL, through `datasets`.
+
+    docs = load_documents(["../shared/data/books/"])            # one document per file
+    windows = token_windows(docs, tokenizer, seq_len=2048)       # cached tokenisation
+
+A folder contributes every text-like file below it (one document each); a
+``.jsonl`` file contributes one document per line (its ``text`` field, or the
+field you name).  Tokenisation is cached by `datasets` (fingerprinted by the
+files' paths, sizes and modification times, and the tokenizer).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+from lcx.errors import LcxError
+
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".text")
+JSONL_SUFFIXES = (".jsonl", ".json")
+
+
+def _files(paths: Iterable[str | os.PathLike]) -> list[Path]:
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if not p.exists():
+            raise LcxError(f"data path {str(p)!r} does not exist; pass text files, folders or .jsonl files")
+        if p.is_dir():
+            found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES + JSONL_SUFFIXES)
+            if not found:
+                raise LcxError(
+                    f"data folder {str(p)!r} has no documents (looked for {', '.join(TEXT_SUFFIXES + JSONL_SUFFIXES)})"
+                )
+            out.extend(found)
+        else:
+            out.append(p)
+    if not out:
+        raise LcxError("no data paths given; pass text files, folders or .jsonl files")
+    return out
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise LcxError(f"data file {str(path)!r} is not UTF-8 text (offset {e.start}); convert it or remove it") from None
+
+
+def iter_documents(paths: Iterable[str | os.PathLike], text_field: str = "text") -> Iterable[dict[str, str]]:
+    for f in _files(paths):
+        if f.suffix.lower() in JSONL_SUFFIXES:
+            for i, line in enumerate(_read_text(f).splitlines()):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise LcxError(f"{str(f)!r} line {i + 1} is not JSON ({e.msg}); one JSON object per line") from None
+                if not isinstance(row, dict) or text_field not in row:
+                    raise LcxError(f"{str(f)!r} line {i + 1} has no {text_field!r} field; pass --text-field NAME")
+                yield {"text": str(row[text_field]), "source": f"{f}:{i + 1}"}
+        else:
+            yield {"text": _read_text(f), "source": str(f)}
+
+
+def load_documents(paths: Iterable[str | os.PathLike], text_field: str = "text"):
+    """A `datasets.Dataset` with columns ``text`` and ``source``; empty documents are dropped."""
+    import datasets
+
+    paths = [str(p) for p in paths]
+    files = _files(paths)
+    # The fingerprint makes `datasets` cache per file set + content version.
+    stamp = hashlib.sha256(
+        json.dumps([(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files] + [text_field]).encode()
+    ).hexdigest()[:16]
+    docs = [d for d in iter_documents(paths, text_field) if d["text"].strip()]
+    if not docs:
+        raise LcxError(f"the corpus {paths} is empty: every document is blank")
+    ds = datasets.Dataset.from_list(docs)
+    ds._fingerprint = f"lcx-docs-{stamp}"
+    return ds
+
+
+def tokenize(docs, tokenizer: Any, num_proc: int | None = None):
+    """Add ``input_ids`` (no special tokens; an EOS ends each document); cached by `datasets`."""
+    eos = tokenizer.eos_token_id
+
+    def fn(batch: dict[str, list]) -> dict[str, list]:
+        ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+        return {"input_ids": [x + ([eos] if eos is not None else []) for x in ids]}
+
+    return docs.map(fn, batched=True, remove_columns=["text"], num_proc=num_proc, desc="tokenizing")
+
+
+def token_windows(docs, tokenizer: Any, seq_len: int, concat: bool = True, min_len: int | None = None):
+    """Fixed-length training windows of ``seq_len`` tokens.
+
+    Documents longer than ``seq_len`` are cut into consecutive windows; with
+    ``concat`` the remainders and short documents are concatenated (EOS between
+    them) into further windows, as long-context training does.  Without
+    ``concat``, documents shorter than ``min_len`` (default ``seq_len``) are an error.
+    """
+    if seq_len <= 1:
+        raise LcxError(f"seq_len must be > 1, got {seq_len}")
+    tok = tokenize(docs, tokenizer)
+    min_len = seq_len if min_len is None else min_len
+
+    def fn(batch: dict[str, list]) -> dict[str, list]:
+        out, src, carry = [], [], []
+        for ids, s in zip(batch["input_ids"], batch["source"]):
+            if not concat and len(ids) < min_len:
+                continue
+            stream = carry + ids if concat else ids
+            n_full = len(stream) // seq_len
+            for k in range(n_full):
+                out.append(stream[k * seq_len:(k + 1) * seq_len])
+                src.append(s)
+            carry = stream[n_full * seq_len:] if concat else []
+        return {"input_ids": out, "source": src}
+
+    # one batch so documents concatenate across the whole corpus (deterministic order)
+    windows = tok.map(fn, batched=True, batch_size=None, remove_columns=tok.column_names, desc="windowing")
+    if len(windows) == 0:
+        longest = max(len(x) for x in tok["input_ids"])
+        raise LcxError(
+            f"no training window of {seq_len} tokens can be formed: the longest document has {longest} tokens"
+            + ("" if concat else "; allow concatenation (--concat) or lower --seq-len")
+        )
+    return windows.with_format("torch")

@@ -1,0 +1,126 @@
+"""Perplexity vs context (the FocusLLM / CEPE protocol, DESIGN.md section 5).
+
+For each document and each context length N, score the ``target`` tokens
+(default 256) that follow N tokens of context: perplexity and next-token
+accuracy of those tokens.  Samples are taken at ``samples`` evenly spaced
+offsets in each document where N + target tokens fit; the same offsets serve
+every N (the target spans end at the same place), so curves compare context
+lengths on identical targets.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from lcx.errors import LcxError
+
+
+@dataclass
+class PplConfig:
+    contexts: list[int]
+    target: int = 256
+    samples: int = 1
+
+    def validate(self) -> None:
+        if not self.contexts or any(n <= 0 for n in self.contexts):
+            raise LcxError(f"contexts must be positive token counts, got {self.contexts}")
+        if self.target <= 0 or self.samples <= 0:
+            raise LcxError(f"target and samples must be >= 1 (got target={self.target}, samples={self.samples})")
+
+
+def sample_ends(n_tokens: int, longest: int, target: int, samples: int) -> list[int]:
+    """End positions (exclusive) of the scored spans: evenly spaced where the longest context fits."""
+    lo = longest + target
+    if n_tokens < lo:
+        return []
+    if samples == 1:
+        return [lo]
+    step = (n_tokens - lo) / (samples - 1)
+    return sorted({lo + int(round(i * step)) for i in range(samples)})
+
+
+def evaluate(
+    score_fn: Callable[[torch.Tensor, int], dict[str, float]],
+    documents: list[tuple[str, list[int]]],
+    config: PplConfig,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """``documents``: (name, token ids); ``score_fn(ids (1, T), n_target)`` -> nll_sum/correct/count."""
+    config.validate()
+    longest = max(config.contexts)
+    work = []
+    for name, ids in documents:
+        ends = sample_ends(len(ids), longest, config.target, config.samples)
+        if not ends:
+            continue
+        for end in ends:
+            for n in config.contexts:
+                work.append((name, ids, end, n))
+    if not work:
+        raise LcxError(
+            f"no document has {longest + config.target} tokens (longest context + target); "
+            "use longer documents or smaller --contexts"
+        )
+    per_sample = []
+    for name, ids, end, n in tqdm(work, desc="ppl", disable=not progress, unit="span"):
+        span = torch.tensor(ids[end - n - config.target:end])[None]
+        r = score_fn(span, config.target)
+        per_sample.append({"document": name, "context": n, "end": end, **r,
+                           "ppl": math.exp(r["nll_sum"] / r["count"]), "accuracy": r["correct"] / r["count"]})
+    return {"config": asdict(config), "samples": per_sample, "summary": summarize(per_sample, config.contexts)}
+
+
+def summarize(samples: list[dict[str, Any]], contexts: list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {"ppl": {}, "accuracy": {}, "by_document": {}}
+    for n in contexts:
+        rows = [s for s in samples if s["context"] == n]
+        nll = sum(s["nll_sum"] for s in rows)
+        cnt = sum(s["count"] for s in rows)
+        out["ppl"][str(n)] = math.exp(nll / cnt)
+        out["accuracy"][str(n)] = sum(s["correct"] for s in rows) / cnt
+        for doc in sorted({s["document"] for s in rows}):
+            d = [s for s in rows if s["document"] == doc]
+            out["by_document"].setdefault(doc, {})[str(n)] = math.exp(sum(s["nll_sum"] for s in d) / sum(s["count"] for s in d))
+    return out
+
+
+def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> Path:
+    """Perplexity and accuracy vs context, one line per method stack."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for label, res in results.items():
+        xs = [int(n) for n in res["summary"]["ppl"]]
+        a1.plot(xs, list(res["summary"]["ppl"].values()), marker="o", label=label)
+        a2.plot(xs, list(res["summary"]["accuracy"].values()), marker="o", label=label)
+    for ax, name in ((a1, "perplexity of the last 256 tokens"), (a2, "next-token accuracy")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context tokens")
+        ax.set_title(name, fontsize=9)
+        ax.grid(alpha=0.3)
+    a1.set_yscale("log")
+    a1.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_json(obj: dict[str, Any], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    tmp.replace(path)
+    return path

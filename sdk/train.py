@@ -1,0 +1,408 @@
+"""`lcx train`: methods' sampling and loss stages on long documents -> an lcx (PEFT) adapter.
+
+The loop is a small accelerate loop rather than the HF Trainer, for two reasons
+that matter to users: resumption is exact by construction (the rows of step s
+are a pure function of (seed, s), and every piece of state is restored), and
+checkpoints are safetensors + JSON only (no pickle).  Scaling out is
+accelerate's job: ``accelerate launch [--config_file fsdp.yaml] -m lcx.cli train ...``.
+
+Per optimizer step, for each gradient-accumulation micro-batch:
+    batch = lcx_sample(batch, step) or batch          # sampling stage
+    terms = lcx_loss(model, batch) or {"lm": loss}     # training-loss stage (named terms)
+    backward(sum(terms) / accumulation)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from lcx.errors import LcxError
+
+CHECKPOINTS = "checkpoints"
+METRICS = "metrics.jsonl"
+CONFIG = "train_config.json"
+
+
+@dataclass
+class TrainConfig:
+    model: str = field(metadata={"help": "known model name or local HF folder"})
+    data: list[str] = field(metadata={"help": "text files, folders (one document per file) or .jsonl"})
+    out: str = field(metadata={"help": "output folder: adapter, metrics.jsonl, checkpoints/"})
+    methods: list[str] = field(default_factory=lambda: ["vanilla"], metadata={"help": "methods to train with"})
+    options: dict[str, Any] = field(default_factory=dict, metadata={"help": "method options"})
+    seq_len: int = field(default=1024, metadata={"help": "tokens per training window"})
+    steps: int = field(default=100, metadata={"help": "optimizer steps"})
+    batch_size: int = field(default=1, metadata={"help": "windows per process per micro-batch"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    lr: float = field(default=2e-4, metadata={"help": "peak learning rate (AdamW)"})
+    warmup: int = field(default=0, metadata={"help": "linear warm-up steps"})
+    schedule: str = field(default="constant", metadata={"help": "constant or cosine after warm-up"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping (0 = off)"})
+    lora_rank: int = field(default=8, metadata={"help": "LoRA rank"})
+    lora_roles: list[str] | None = field(default=None, metadata={"help": "attention roles q,k,v,o (default: the method's)"})
+    seed: int = field(default=0, metadata={"help": "seed for data order, init and sampling"})
+    bf16: bool = field(default=False, metadata={"help": "bf16 autocast"})
+    save_every: int = field(default=50, metadata={"help": "checkpoint every N steps (0 = only at the end)"})
+    keep_checkpoints: int = field(default=2, metadata={"help": "how many recent checkpoints to keep"})
+    concat: bool = field(default=True, metadata={"help": "concatenate short documents into windows"})
+    text_field: str = field(default="text", metadata={"help": "JSONL field holding the text"})
+
+    def validate(self) -> None:
+        for k in ("seq_len", "steps", "batch_size", "grad_accum", "lora_rank"):
+            if getattr(self, k) <= 0:
+                raise LcxError(f"{k} must be > 0, got {getattr(self, k)}")
+        if self.lr <= 0:
+            raise LcxError(f"lr must be > 0, got {self.lr}")
+        if self.schedule not in ("constant", "cosine"):
+            raise LcxError(f"schedule must be constant or cosine, got {self.schedule!r}")
+
+
+class Interrupted(LcxError):
+    exit_code = 130
+
+
+# ---------------------------------------------------------------------- data order
+def rows_for(step: int, micro: int, rank: int, cfg: TrainConfig, world: int, n: int) -> list[int]:
+    """Dataset rows of one micro-batch: a pure function of (seed, step, micro, rank)."""
+    global_bs = cfg.batch_size * world
+    start = (step * cfg.grad_accum + micro) * global_bs + rank * cfg.batch_size
+    out = []
+    for g in range(start, start + cfg.batch_size):
+        epoch, pos = divmod(g, n)
+        perm = _perm(cfg.seed, epoch, n)
+        out.append(int(perm[pos]))
+    return out
+
+
+_PERM_CACHE: dict[tuple[int, int, int], torch.Tensor] = {}
+
+
+def _perm(seed: int, epoch: int, n: int) -> torch.Tensor:
+    key = (seed, epoch, n)
+    if key not in _PERM_CACHE:
+        _PERM_CACHE.clear()
+        _PERM_CACHE[key] = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    return _PERM_CACHE[key]
+
+
+# ---------------------------------------------------------------------- checkpoint I/O (no pickle)
+def _atomic_dir_write(dest: Path, write: Callable[[Path], None]) -> None:
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write(tmp)
+    if dest.exists():
+        old = dest.with_name(dest.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dest, old)
+        os.replace(tmp, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, dest)
+
+
+def _optimizer_to_files(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    sd = opt.state_dict()
+    tensors = {}
+    for idx, st in sd["state"].items():
+        for k, v in st.items():
+            tensors[f"state.{idx}.{k}"] = v if torch.is_tensor(v) else torch.tensor(v)
+    return tensors, {"param_groups": sd["param_groups"]}
+
+
+def _optimizer_from_files(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, v in tensors.items():
+        _, idx, k = key.split(".", 2)
+        state.setdefault(int(idx), {})[k] = v
+    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def _rng_state() -> tuple[dict[str, torch.Tensor], dict]:
+    np_state = np.random.get_state()
+    return ({"torch": torch.get_rng_state()},
+            {"python": _jsonable(random.getstate()), "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]})
+
+
+def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    torch.set_rng_state(tensors["torch"])
+    random.setstate(_tuplify(meta["python"]))
+    n = meta["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
+
+
+def _jsonable(x: Any) -> Any:
+    return [_jsonable(v) for v in x] if isinstance(x, (tuple, list)) else x
+
+
+def _tuplify(x: Any) -> Any:
+    return tuple(_tuplify(v) for v in x) if isinstance(x, list) else x
+
+
+# ---------------------------------------------------------------------- the loop
+def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, progress: bool = True,
+          stop_after: int | None = None) -> Path:
+    """Train and write the adapter to ``cfg.out``; returns that folder.
+
+    ``stop_after`` ends the run after that many optimizer steps of this call
+    (with a checkpoint), as if interrupted; used to test exact resumption.
+    """
+    from accelerate import Accelerator
+    from tqdm.auto import tqdm
+
+    from lcx.adapters.peft_bridge import add_adapter, save_adapter, trainable_parameters
+    from lcx.attach import attach
+    from lcx.data import load_documents, token_windows
+    from lcx.models import load_model
+    from lcx.registry import registry
+
+    cfg.validate()
+    out = Path(cfg.out)
+    ckpt_root = out / CHECKPOINTS
+    accel = Accelerator(gradient_accumulation_steps=1, mixed_precision="bf16" if cfg.bf16 else "no", cpu=not torch.cuda.is_available())
+    rank, world = accel.process_index, accel.num_processes
+
+    if accel.is_main_process:
+        _prepare_out(out, cfg, resume, overwrite)
+    accel.wait_for_everyone()
+
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    model, tok = load_model(cfg.model)
+    model.train()
+    roles = tuple(cfg.lora_roles) if cfg.lora_roles else _method_roles(cfg.methods, registry())
+    peft_model = add_adapter(model, roles=roles, rank=cfg.lora_rank)
+    run = attach(peft_model, cfg.methods, **cfg.options)
+    run.state["seed"] = cfg.seed
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    names = list(trainable_parameters(peft_model))
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
+
+    with accel.main_process_first():
+        windows = token_windows(load_documents(cfg.data, cfg.text_field), tok, cfg.seq_len, concat=cfg.concat)
+    n = len(windows)
+
+    start = 0
+    latest = _latest_checkpoint(ckpt_root) if resume else None
+    if latest is not None:
+        start = _load_checkpoint(latest, peft_model, names, opt, sched, rank)
+    ddp_model, opt = accel.prepare(peft_model, opt)
+
+    bar = tqdm(total=cfg.steps, initial=start, desc="train", disable=not (progress and accel.is_main_process))
+    metrics_f = open(out / METRICS, "a") if accel.is_main_process else None
+    step = start
+    stop_at = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
+    # Ctrl-C (SIGINT) or SIGTERM asks to stop at the next step boundary, so the checkpoint is exact;
+    # a second Ctrl-C interrupts at once.
+    stop = {"requested": False}
+
+    def request_stop(signum, frame):
+        if stop["requested"]:
+            raise KeyboardInterrupt
+        stop["requested"] = True
+        if accel.is_main_process:
+            print(f"\nstopping after step {step + 1} (Ctrl-C again to abort without a checkpoint)", flush=True)
+
+    handlers = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            handlers[sig] = signal.signal(sig, request_stop)
+        except ValueError:  # not the main thread
+            pass
+    interrupted = False
+    try:
+        while step < stop_at:
+            requested = float(stop["requested"])
+            if world > 1:  # every rank stops at the same step
+                requested = float(accel.reduce(torch.tensor(requested), reduction="sum"))
+            if requested:
+                interrupted = True
+                break
+            t0 = time.perf_counter()
+            sums: dict[str, float] = {}
+            for micro in range(cfg.grad_accum):
+                rows = rows_for(step, micro, rank, cfg, world, n)
+                ids = windows[rows]["input_ids"]
+                batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+                batch = run.hook.lcx_sample(run=run, batch=batch, step=step) or batch
+                terms = _loss_terms(run, ddp_model, batch)
+                loss = sum(terms.values()) / cfg.grad_accum
+                ctx = accel.no_sync(ddp_model) if micro < cfg.grad_accum - 1 else _nullcontext()
+                with ctx:
+                    accel.backward(loss)
+                for k, v in terms.items():
+                    sums[k] = sums.get(k, 0.0) + float(v.detach()) / cfg.grad_accum
+            if cfg.max_grad_norm > 0:
+                accel.clip_grad_norm_(params, cfg.max_grad_norm)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            reduced = {k: float(accel.reduce(torch.tensor(v), reduction="mean")) for k, v in sums.items()}
+            record = {"step": step, "loss": sum(reduced.values()), **{f"loss/{k}": v for k, v in reduced.items()},
+                      "lr": sched.get_last_lr()[0], "seconds": round(time.perf_counter() - t0, 4)}
+            if metrics_f:
+                metrics_f.write(json.dumps(record) + "\n")
+                metrics_f.flush()
+            bar.update(1)
+            bar.set_postfix({k.split("/")[-1]: f"{v:.4f}" for k, v in record.items() if k.startswith("loss")})
+            if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
+                _save_checkpoint(ckpt_root, step, peft_model, names, opt, sched, cfg, accel)
+    finally:
+        bar.close()
+        if metrics_f:
+            metrics_f.close()
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
+    if stop["requested"]:
+        interrupted = True
+    if interrupted or step < cfg.steps:
+        path = _save_checkpoint(ckpt_root, step, peft_model, names, opt, sched, cfg, accel)
+        run.detach()
+        if interrupted:
+            raise Interrupted(
+                f"training interrupted after step {step}/{cfg.steps}; checkpoint kept in {path}; "
+                f"continue with the same command plus --resume"
+            )
+        return out
+    accel.wait_for_everyone()
+    if accel.is_main_process:
+        save_adapter(accel.unwrap_model(ddp_model), out, methods=run.describe()["methods"],
+                     extra={"training": dataclasses.asdict(cfg), "steps_done": step})
+    run.detach()
+    return out
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _loss_terms(run, model, batch) -> dict[str, torch.Tensor]:
+    results = run.hook.lcx_loss(run=run, model=model, batch=batch)
+    terms: dict[str, torch.Tensor] = {}
+    for r in results:
+        for k, v in (r or {}).items():
+            if k in terms:
+                raise LcxError(f"two methods return a loss term named {k!r}; rename one")
+            terms[k] = v
+    if not terms:
+        model_inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "labels", "position_ids")}
+        terms["lm"] = model(**model_inputs).loss
+    return terms
+
+
+def _method_roles(methods: list[str], reg) -> tuple[str, ...]:
+    roles: list[str] = []
+    for m in methods:
+        for r in reg.get(m).lora_roles:
+            if r not in roles:
+                roles.append(r)
+    return tuple(roles) or ("q", "k", "v", "o")
+
+
+def _lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
+    def f(step: int) -> float:
+        if cfg.warmup and step < cfg.warmup:
+            return (step + 1) / cfg.warmup
+        if cfg.schedule == "cosine":
+            t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+        return 1.0
+
+    return f
+
+
+def _prepare_out(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool) -> None:
+    if resume:
+        if not (out / CHECKPOINTS).is_dir() or _latest_checkpoint(out / CHECKPOINTS) is None:
+            raise LcxError(f"--resume: {str(out)!r} has no checkpoint to resume from; start without --resume")
+        saved = json.loads((out / CONFIG).read_text())
+        for k in ("model", "methods", "options", "seq_len", "batch_size", "grad_accum", "seed", "lr", "lora_rank", "data"):
+            if saved.get(k) != getattr(cfg, k):
+                raise LcxError(
+                    f"--resume: {k} differs from the interrupted run ({saved.get(k)!r} there, {getattr(cfg, k)!r} now); "
+                    "resume with the same settings"
+                )
+        return
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise LcxError(f"output folder {str(out)!r} exists and is not empty; pass --overwrite to replace it or --resume to continue")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG).write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+
+
+def _latest_checkpoint(root: Path) -> Path | None:
+    if not root.is_dir():
+        return None
+    done = [p for p in root.glob("step-*") if p.is_dir() and (p / "meta.json").exists()]
+    return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
+
+
+def _save_checkpoint(root: Path, step: int, model, names: list[str], opt, sched, cfg: TrainConfig, accel) -> Path:
+    dest = root / f"step-{step}"
+    rank = accel.process_index
+    accel.wait_for_everyone()
+    if accel.is_main_process:
+        params = dict(accel.unwrap_model(model).named_parameters())
+
+        def write(d: Path) -> None:
+            save_file({n: params[n].detach().contiguous().cpu() for n in names}, str(d / "trainable.safetensors"))
+            opt_t, opt_meta = _optimizer_to_files(opt.optimizer if hasattr(opt, "optimizer") else opt)
+            save_file(opt_t, str(d / "optimizer.safetensors"))
+            rng_t, rng_meta = _rng_state()
+            save_file(rng_t, str(d / f"rng-{rank}.safetensors"))
+            sd = {k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"}
+            (d / "meta.json").write_text(json.dumps(
+                {"step": step, "optimizer": opt_meta, "scheduler": sd, "rng": {str(rank): rng_meta},
+                 "world_size": accel.num_processes}, indent=2))
+
+        root.mkdir(parents=True, exist_ok=True)
+        _atomic_dir_write(dest, write)
+        ckpts = sorted((p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith((".tmp", ".old"))),
+                       key=lambda p: int(p.name.split("-")[1]))
+        for old in ckpts[:-cfg.keep_checkpoints] if cfg.keep_checkpoints > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    accel.wait_for_everyone()
+    return dest
+
+
+def _load_checkpoint(path: Path, model, names: list[str], opt, sched, rank: int) -> int:
+    meta = json.loads((path / "meta.json").read_text())
+    weights = load_file(str(path / "trainable.safetensors"))
+    missing = set(names) - set(weights)
+    if missing:
+        raise LcxError(f"checkpoint {str(path)!r} lacks {sorted(missing)[0]!r}: it was written by another setup")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for n in names:
+            params[n].copy_(weights[n])
+    _optimizer_from_files(opt, load_file(str(path / "optimizer.safetensors")), meta["optimizer"])
+    sd = sched.state_dict()
+    sd.update(meta["scheduler"])
+    sched.load_state_dict(sd)
+    rng_file = path / f"rng-{rank}.safetensors"
+    if rng_file.exists() and str(rank) in meta["rng"]:
+        _set_rng_state(load_file(str(rng_file)), meta["rng"][str(rank)])
+    return int(meta["step"])

@@ -1,0 +1,53 @@
+"""score_tail (the ppl suite's scorer) equals a direct computation, through any plan."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import lcx
+from lcx.evals import ppl
+from lcx.generate import score_tail
+from tests.conftest import tiny_model
+
+
+def _direct(model, ids, n):
+    with torch.no_grad():
+        logits = model(ids).logits[0, -n - 1:-1]
+    t = ids[0, -n:]
+    return float(torch.nn.functional.cross_entropy(logits, t, reduction="sum")), int((logits.argmax(-1) == t).sum())
+
+
+@pytest.mark.parametrize("methods,opts", [([], {}), (["vanilla"], {}), (["streaming"], {"chunk": 7, "window": 500})])
+def test_score_tail_matches_direct_within_window(methods, opts):
+    model = tiny_model("llama")
+    ids = torch.randint(3, 256, (1, 100))
+    nll, correct = _direct(model, ids, 30)
+    with lcx.attach(model, methods, **opts) as run:
+        r = score_tail(run, ids, 30)
+    assert r["count"] == 30 and r["correct"] == correct
+    assert math.isclose(r["nll_sum"], nll, rel_tol=1e-4)
+
+
+def test_vanilla_scores_only_what_it_keeps():
+    model = tiny_model("llama")  # window 128
+    ids = torch.randint(3, 256, (1, 300))
+    with lcx.attach(model, ["vanilla"]) as run:
+        r = score_tail(run, ids, 40)  # the tail survives middle truncation
+        assert r["count"] == 40
+        with pytest.raises(lcx.LcxError, match="dropped scored tokens"):
+            score_tail(run, ids, 100)  # the plan keeps only the last 64 of the tail
+
+
+def test_ppl_suite_reports_per_context_and_document():
+    model = tiny_model("llama")
+    docs = [("a", list(range(3, 203))), ("b", list(range(5, 250)))]
+    with lcx.attach(model, ["streaming"], chunk=16) as run:
+        res = ppl.evaluate(lambda x, n: score_tail(run, x, n), docs, ppl.PplConfig(contexts=[32, 64], target=16, samples=2),
+                           progress=False)
+    assert set(res["summary"]["ppl"]) == {"32", "64"} and set(res["summary"]["by_document"]) == {"a", "b"}
+    assert len(res["samples"]) == 2 * 2 * 2
+    with pytest.raises(lcx.LcxError, match="no document has"):
+        ppl.evaluate(lambda x, n: {}, docs, ppl.PplConfig(contexts=[1000]), progress=False)
