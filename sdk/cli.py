@@ -267,6 +267,112 @@ def eval_passkey(model, methods, options, adapter, trust_remote_code, lengths, d
         click.echo(f"wrote {js} and {png}")
 
 
+def _ppl_documents(data: tuple[str, ...], tokenizer, max_docs: int | None) -> list[tuple[str, list[int]]]:
+    from lcx.data import iter_documents
+
+    docs = []
+    for d in iter_documents(data):
+        if d["text"].strip():
+            docs.append((Path(d["source"]).name, tokenizer(d["text"], add_special_tokens=False)["input_ids"]))
+        if max_docs and len(docs) >= max_docs:
+            break
+    if not docs:
+        raise LcxError(f"no non-empty document in {list(data)}")
+    return docs
+
+
+@eval_grp.command("ppl", context_settings=CONTEXT)
+@model_option
+@method_options
+@click.option("--data", "-d", multiple=True, required=True, metavar="PATH", help="Documents: files, folders, .jsonl.")
+@click.option("--max-docs", type=click.IntRange(1), default=None, help="Use at most this many documents.")
+@click.option("--contexts", callback=_int_list, default="2K,4K,8K,16K", show_default=True,
+              help="Context lengths N before the scored tokens; K suffix allowed.")
+@click.option("--target", type=click.IntRange(1), default=256, show_default=True, help="Scored tokens after the context.")
+@click.option("--samples", type=click.IntRange(1), default=1, show_default=True, help="Scored spans per document.")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("out/ppl"), show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def eval_ppl(model, methods, options, adapter, trust_remote_code, data, max_docs, contexts, target, samples, out, as_json):
+    """Perplexity and next-token accuracy of the last TARGET tokens given N tokens of context.
+
+    Writes OUT/ppl.json and OUT/ppl.png.  The same scored spans serve every N.
+    """
+    from lcx.evals import ppl
+    from lcx.generate import score_tail
+
+    s = _open(model, methods, options, adapter, trust_remote_code)
+    try:
+        docs = _ppl_documents(data, s.tokenizer, max_docs)
+        cfg = ppl.PplConfig(contexts=contexts, target=target, samples=samples)
+        label = "+".join(m.name for m in s.run.methods) or "none"
+        result = {"model": model, **s.run.describe(), "methods_label": label, "data": list(data),
+                  "adapter": str(adapter) if adapter else None,
+                  **ppl.evaluate(lambda ids, n: score_tail(s.run, ids, n), docs, cfg, progress=not as_json)}
+    finally:
+        s.close()
+    js = ppl.write_json(result, out / "ppl.json")
+    png = ppl.plot({label: result}, out / "ppl.png", f"{model}: perplexity vs context")
+    if as_json:
+        _echo_json({"json": str(js), "plot": str(png), **result["summary"]})
+    else:
+        for n in result["summary"]["ppl"]:
+            click.echo(f"N={n:>6}: ppl {result['summary']['ppl'][n]:8.3f}  acc {result['summary']['accuracy'][n]:.3f}")
+        click.echo(f"wrote {js} and {png}")
+
+
+# ---------------------------------------------------------------------- train
+@main.command("train", context_settings=CONTEXT)
+@model_option
+@click.option("--method", "methods", multiple=True, metavar="NAME", help="Method(s) to train with (default: vanilla).")
+@click.option("--option", "-o", "options", multiple=True, metavar="KEY=VALUE", help="Method option (see `lcx methods -v`).")
+@click.option("--data", "-d", multiple=True, required=True, metavar="PATH",
+              help="Text file, folder (one document per file) or .jsonl; repeatable.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Output folder for the adapter.")
+@click.option("--seq-len", type=click.IntRange(2), default=1024, show_default=True, help="Tokens per training window.")
+@click.option("--steps", type=click.IntRange(1), default=100, show_default=True)
+@click.option("--batch-size", type=click.IntRange(1), default=1, show_default=True, help="Windows per process per micro-batch.")
+@click.option("--grad-accum", type=click.IntRange(1), default=1, show_default=True, help="Micro-batches per optimizer step.")
+@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=2e-4, show_default=True)
+@click.option("--warmup", type=click.IntRange(0), default=0, show_default=True, help="Linear warm-up steps.")
+@click.option("--schedule", type=click.Choice(["constant", "cosine"]), default="constant", show_default=True)
+@click.option("--lora-rank", type=click.IntRange(1), default=8, show_default=True)
+@click.option("--lora-targets", default=None, metavar="ROLES", help="Comma-separated attention roles q,k,v,o (default: the method's).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--bf16", is_flag=True, help="bf16 autocast (where the hardware supports it).")
+@click.option("--save-every", type=click.IntRange(0), default=50, show_default=True, help="Checkpoint every N steps.")
+@click.option("--concat/--no-concat", default=True, show_default=True, help="Concatenate short documents into windows.")
+@click.option("--text-field", default="text", show_default=True, help="JSONL field holding the text.")
+@click.option("--resume", is_flag=True, help="Continue exactly from the latest checkpoint in --out.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing --out folder.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary at the end.")
+def train_cmd(model, methods, options, data, out, seq_len, steps, batch_size, grad_accum, lr, warmup, schedule,
+              lora_rank, lora_targets, seed, bf16, save_every, concat, text_field, resume, overwrite, as_json):
+    """Fine-tune the few parameters a method needs; writes an lcx (PEFT LoRA) adapter to --out.
+
+    \b
+    Example (tiny budget, books as data):
+      lcx train -m smollm2-135m --method vanilla -d ../shared/data/books --seq-len 1024 --steps 50 --out out/vanilla
+    Scale out with accelerate (same command):
+      accelerate launch --cpu --num_processes 2 -m lcx.cli train ...
+    Ctrl-C stops after the current step and keeps a checkpoint; rerun with --resume.
+    """
+    from lcx.session import parse_options
+    from lcx.train import TrainConfig, train
+
+    cfg = TrainConfig(
+        model=model, data=list(data), out=str(out), methods=list(methods) or ["vanilla"], options=parse_options(options),
+        seq_len=seq_len, steps=steps, batch_size=batch_size, grad_accum=grad_accum, lr=lr, warmup=warmup,
+        schedule=schedule, lora_rank=lora_rank, lora_roles=lora_targets.split(",") if lora_targets else None,
+        seed=seed, bf16=bf16, save_every=save_every, concat=concat, text_field=text_field,
+    )
+    path = train(cfg, resume=resume, overwrite=overwrite, progress=not as_json)
+    if as_json:
+        lines = (path / "metrics.jsonl").read_text().splitlines()
+        _echo_json({"adapter": str(path), "steps": len(lines), "last": json.loads(lines[-1]) if lines else None})
+    else:
+        click.echo(f"adapter written to {path} (load it with --adapter {path})")
+
+
 # ---------------------------------------------------------------------- demo
 @main.command("demo", context_settings=CONTEXT)
 @click.option("--model", "-m", default="smollm2-135m", show_default=True, metavar="NAME|DIR")

@@ -35,15 +35,15 @@ def build_prompt_ids(tokenizer: Any, length: int, depth: float, key: int) -> tor
     if not 0.0 <= depth <= 1.0:
         raise LcxError(f"depth must be in [0, 1], got {depth}")
     enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-    head, question = enc(INSTRUCTION + "\n"), enc("\n" + QUESTION)
+    head = tokenizer(INSTRUCTION + "\n", add_special_tokens=True)["input_ids"]  # keeps the tokenizer's BOS, if any
+    question = enc("\n" + QUESTION)
     needle = enc(" " + NEEDLE.format(key=key) + " ")
     filler = enc(" " + FILLER)
     n_fill = max(0, length - len(head) - len(question) - len(needle))
     reps = n_fill // len(filler) + 1
     fill = (filler * reps)[: (n_fill // len(filler)) * len(filler)]  # whole sentences only
     cut = int(round(depth * (len(fill) // len(filler)))) * len(filler)
-    bos = [tokenizer.bos_token_id] if getattr(tokenizer, "bos_token_id", None) is not None and tokenizer.bos_token_id != tokenizer.eos_token_id else []
-    ids = bos + head + fill[:cut] + needle + fill[cut:] + question
+    ids = head + fill[:cut] + needle + fill[cut:] + question
     return torch.tensor(ids, dtype=torch.long)
 
 

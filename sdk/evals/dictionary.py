@@ -1,0 +1,87 @@
+"""Dictionary lookup (FoT, Tworkowski et al. 2023, appendix F): generator and scorer.
+
+A document is a dictionary followed by queries.  Vocabulary: 64 ordinary
+tokens plus the specials <k> <v> <q> (and <pad>).  A definition is
+``<k> k1 k2 k3 k4 <v> v1 v2 v3 v4``; a query is ``<q> k1 k2 k3 k4 <v> v1 v2 v3 v4``
+for a key defined earlier.  Training documents are 512 tokens (first half
+definitions, second half queries) with the loss only on the queried values;
+evaluation uses longer dictionaries and the last ``query_tokens`` (256) as
+queries.  A query counts as correct when all four value tokens are predicted
+(greedy, teacher-forced).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from lcx.errors import LcxError
+
+N_SYMBOLS = 64
+KEY, VALUE, QUERY, PAD = 64, 65, 66, 67
+VOCAB_SIZE = 68
+KEY_LEN = VALUE_LEN = 4
+ENTRY = 2 + KEY_LEN + VALUE_LEN  # <k>/<q> + key + <v> + value = 10 tokens
+
+
+@dataclass
+class Document:
+    input_ids: torch.Tensor  # (T,)
+    labels: torch.Tensor  # (T,) -100 except on queried value tokens
+    n_queries: int
+
+
+def make_document(rng: random.Random, dict_tokens: int, query_tokens: int) -> Document:
+    """A dictionary of ``dict_tokens // 10`` definitions followed by ``query_tokens // 10`` queries."""
+    n_def, n_q = dict_tokens // ENTRY, query_tokens // ENTRY
+    if n_def < 1 or n_q < 1:
+        raise LcxError(f"dictionary needs >= {ENTRY} tokens for definitions and queries (got {dict_tokens}, {query_tokens})")
+    if n_def > N_SYMBOLS ** KEY_LEN:
+        raise LcxError(f"{n_def} definitions exceed the {N_SYMBOLS ** KEY_LEN} distinct keys")
+    keys: set[tuple[int, ...]] = set()
+    entries = []
+    while len(entries) < n_def:
+        k = tuple(rng.randrange(N_SYMBOLS) for _ in range(KEY_LEN))
+        if k in keys:
+            continue
+        keys.add(k)
+        entries.append((k, tuple(rng.randrange(N_SYMBOLS) for _ in range(VALUE_LEN))))
+    ids: list[int] = []
+    for k, v in entries:
+        ids += [KEY, *k, VALUE, *v]
+    ids += [PAD] * (dict_tokens - len(ids))
+    labels = [-100] * len(ids)
+    for _ in range(n_q):
+        k, v = entries[rng.randrange(n_def)]
+        ids += [QUERY, *k, VALUE]
+        labels += [-100] * (2 + KEY_LEN)
+        ids += list(v)
+        labels += list(v)
+    pad = query_tokens - n_q * ENTRY
+    ids += [PAD] * pad
+    labels += [-100] * pad
+    return Document(torch.tensor(ids), torch.tensor(labels), n_q)
+
+
+def training_batch(rng: random.Random, batch_size: int, length: int = 512) -> dict[str, torch.Tensor]:
+    """Training documents: first half definitions, second half queries; loss on queried values only."""
+    docs = [make_document(rng, length // 2, length - length // 2) for _ in range(batch_size)]
+    ids = torch.stack([d.input_ids for d in docs])
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.stack([d.labels for d in docs])}
+
+
+def score(doc: Document, logits_fn: Callable[[torch.Tensor, int], torch.Tensor], query_tokens: int) -> dict[str, int]:
+    """``logits_fn(ids (1, T), n)`` -> logits (n, V) predicting the last n tokens.  Teacher-forced greedy check."""
+    n = query_tokens
+    logits = logits_fn(doc.input_ids[None], n)
+    labels = doc.labels[-n:]
+    pred = logits.argmax(-1)
+    mask = labels != -100
+    tok_ok = (pred == labels) & mask
+    # group each query's 4 value tokens
+    q_ok = tok_ok[mask].view(-1, VALUE_LEN).all(-1)
+    return {"queries": int(q_ok.numel()), "correct": int(q_ok.sum()), "tokens": int(mask.sum()),
+            "tokens_correct": int(tok_ok.sum())}
