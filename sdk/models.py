@@ -215,6 +215,13 @@ def load_model(
         config = AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
     except ValueError as e:
         raise LcxError(f"cannot read the config of {str(path)!r}: {e}".splitlines()[0]) from None
+    archs = getattr(config, "architectures", None) or []
+    if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        # e.g. BERT: transformers would build an encoder-as-decoder head with fresh weights
+        raise LcxError(
+            f"{str(path)!r} is not a causal language model (model_type {config.model_type!r}, "
+            f"architectures {', '.join(archs)}); lcx works with decoder-only models (AutoModelForCausalLM)"
+        )
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(path), config=config, dtype=dtype or torch.float32, local_files_only=True,
