@@ -320,6 +320,157 @@ def eval_ppl(model, methods, options, adapter, trust_remote_code, data, max_docs
         click.echo(f"wrote {js} and {png}")
 
 
+@eval_grp.command("compare", context_settings=CONTEXT)
+@click.argument("suite", type=click.Choice(["passkey", "ppl"]))
+@model_option
+@click.option("--stack", "stacks", multiple=True, required=True, metavar="METHODS",
+              help="A method stack: none, a method, or methods joined by + (rope+streaming). Repeat per stack.")
+@click.option("--option", "-o", "options", multiple=True, metavar="METHOD.KEY=VALUE",
+              help="Per-method option, applied in every stack that has the method.")
+@click.option("--lengths", callback=_int_list, default="4096", show_default=True, help="passkey: prompt lengths.")
+@click.option("--depths", callback=_float_list, default="0.1,0.3,0.5,0.7,0.9", show_default=True, help="passkey: depths.")
+@click.option("--samples", type=click.IntRange(1), default=None, help="Keys per cell (passkey, default 5) or spans per document (ppl, default 1).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--data", "-d", multiple=True, metavar="PATH", help="ppl: documents.")
+@click.option("--max-docs", type=click.IntRange(1), default=None, help="ppl: at most this many documents.")
+@click.option("--contexts", callback=_int_list, default="2K,4K,8K,16K", show_default=True, help="ppl: context lengths.")
+@click.option("--target", type=click.IntRange(1), default=256, show_default=True, help="ppl: scored tokens.")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("out/compare"), show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
+def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, data, max_docs, contexts, target, out, as_json):
+    """Run one suite over several method stacks; writes OUT/compare-SUITE.{json,md,png}.
+
+    \b
+    Example:
+      lcx eval compare passkey -m smollm2-135m --stack vanilla --stack streaming --stack rope+streaming \\
+          --lengths 8K,16K --samples 3 -o rope.factor=2
+    """
+    from lcx.evals import compare as cmp
+    from lcx.evals import passkey, ppl
+    from lcx.generate import generate, score_tail
+    from lcx.models import load_model
+    from lcx.session import parse_options
+
+    opts = parse_options(options)
+    hf_model, tok = load_model(model)
+    if suite == "passkey":
+        cfg = passkey.PasskeyConfig(lengths=lengths, depths=depths, samples=samples or 5, seed=seed)
+        ev = lambda run: passkey.evaluate(lambda ids, n: generate(run, ids, max_new_tokens=n), tok, cfg,  # noqa: E731
+                                          progress=not as_json)
+    else:
+        if not data:
+            raise LcxError("ppl needs documents: give --data PATH (e.g. ../shared/data/books)")
+        docs = _ppl_documents(data, tok, max_docs)
+        cfg = ppl.PplConfig(contexts=contexts, target=target, samples=samples or 1)
+        ev = lambda run: ppl.evaluate(lambda ids, n: score_tail(run, ids, n), docs, cfg, progress=not as_json)  # noqa: E731
+    results = cmp.compare(hf_model, list(stacks), opts, ev, log=(lambda m: None) if as_json else click.echo)
+    command = "lcx " + " ".join(sys.argv[1:])
+    header, rows = (cmp.passkey_table if suite == "passkey" else cmp.ppl_table)(results)
+    js = cmp.write_json({"suite": suite, "model": model, "command": command, "stacks": results}, out / f"compare-{suite}.json")
+    md = cmp.write_markdown(header, rows, out / f"compare-{suite}.md", command)
+    title = f"{model}: {suite} by method stack"
+    png = (cmp.plot_passkey(results, out / "compare-passkey.png", title) if suite == "passkey"
+           else ppl.plot(results, out / "compare-ppl.png", title))
+    if as_json:
+        _echo_json({"json": str(js), "table": str(md), "plot": str(png), "header": header, "rows": rows})
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title)
+    for h in header:
+        t.add_column(h)
+    for r in rows:
+        t.add_row(*r)
+    Console().print(t)
+    click.echo(f"wrote {js}, {md} and {png}")
+
+
+@eval_grp.command("dictionary", context_settings=CONTEXT)
+@model_option
+@method_options
+@click.option("--dict-tokens", callback=_int_list, default="512,1K,4K", show_default=True,
+              help="Dictionary sizes in tokens (definitions before the queries); K suffix allowed.")
+@click.option("--query-tokens", type=click.IntRange(10), default=256, show_default=True, help="Query tokens at the end.")
+@click.option("--samples", type=click.IntRange(1), default=5, show_default=True, help="Documents per size.")
+@click.option("--seed", type=int, default=1234, show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("out/dictionary"), show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def eval_dictionary(model, methods, options, adapter, trust_remote_code, dict_tokens, query_tokens, samples, seed, out, as_json):
+    """FoT's dictionary lookup (appendix F): accuracy of queried values vs dictionary size.
+
+    The model must use the task's 68-token vocabulary (64 symbols + <k> <v> <q> <pad>); see lcx.evals.dictionary.
+    """
+    import random
+
+    from lcx.evals import dictionary
+    from lcx.evals.compare import write_json
+    from lcx.generate import tail_logits
+    from lcx.session import parse_options
+
+    from lcx.attach import attach
+    from lcx.models import load_model
+
+    hf_model, _ = load_model(model, trust_remote_code=trust_remote_code, require_tokenizer=False)
+    if hf_model.config.vocab_size < dictionary.VOCAB_SIZE:
+        raise LcxError(f"model vocab_size {hf_model.config.vocab_size} < {dictionary.VOCAB_SIZE}: not a dictionary-task model")
+    if adapter:
+        from lcx.adapters.peft_bridge import load_adapter
+
+        hf_model, _ = load_adapter(hf_model, adapter)
+    rng = random.Random(seed)
+    per_size = {}
+    with attach(hf_model, list(methods), **parse_options(options)) as run:
+        for n in dict_tokens:
+            rows = [dictionary.score(dictionary.make_document(rng, n, query_tokens),
+                                     lambda ids, k: tail_logits(run, ids, k), query_tokens) for _ in range(samples)]
+            per_size[str(n)] = {"accuracy": sum(r["correct"] for r in rows) / sum(r["queries"] for r in rows),
+                                "token_accuracy": sum(r["tokens_correct"] for r in rows) / sum(r["tokens"] for r in rows),
+                                "samples": rows}
+            if not as_json:
+                click.echo(f"{n:>8} dictionary tokens: accuracy {per_size[str(n)]['accuracy']:.3f}")
+        desc = run.describe()
+    js = write_json({"model": model, **desc, "adapter": str(adapter) if adapter else None,
+                     "query_tokens": query_tokens, "results": per_size}, out / "dictionary.json")
+    if as_json:
+        _echo_json({"json": str(js), **{k: v["accuracy"] for k, v in per_size.items()}})
+
+
+# ---------------------------------------------------------------------- analyze
+@main.group("analyze", cls=LcxGroup, context_settings=CONTEXT)
+def analyze_grp() -> None:
+    """Analyses of what a model attends to."""
+
+
+@analyze_grp.command("attention", context_settings=CONTEXT)
+@model_option
+@click.option("--data", "-d", multiple=True, required=True, metavar="PATH", help="Documents (files, folders, .jsonl).")
+@click.option("--length", type=click.IntRange(2), default=4096, show_default=True, help="Tokens per document analysed.")
+@click.option("--max-docs", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--chunk", type=click.IntRange(1), default=256, show_default=True, help="Queries per recomputation block.")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("out/attention"), show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def analyze_attention(model, data, length, max_docs, chunk, out, as_json):
+    """Attention mass by distance, per 1024-token bin and by rank (SMT's Pareto analysis); JSON + plot."""
+    from lcx import analyze
+    from lcx.models import load_model
+
+    hf_model, tok = load_model(model)
+    docs = [(n, ids) for n, ids in _ppl_documents(data, tok, None) if len(ids) >= length][:max_docs]
+    if not docs:
+        raise LcxError(f"no document in {list(data)} has {length} tokens; lower --length")
+    result = {"model": model, **analyze.analyze(hf_model, docs, length, chunk=chunk, progress=not as_json)}
+    js = analyze.write_json(result, out / "attention.json")
+    png = analyze.plot(result, out / "attention.png", f"{model}: attention over {length} tokens")
+    if as_json:
+        _echo_json({"json": str(js), "plot": str(png), "mass_per_bin": result["mass_per_bin"]})
+    else:
+        first = next(iter(result["mass_per_bin"].values()))
+        click.echo(f"mass in the first 1024-token bin: {first:.1%}; top fraction with 80% of the mass: "
+                   f"{result['smallest_top_fraction_with_80pct_mass']:.0%}")
+        click.echo(f"wrote {js} and {png}")
+
+
 # ---------------------------------------------------------------------- train
 @main.command("train", context_settings=CONTEXT)
 @model_option

@@ -201,6 +201,7 @@ def load_model(
     dtype: Any = None,
     trust_remote_code: bool = False,
     attn_implementation: str | None = "sdpa",
+    require_tokenizer: bool = True,
 ) -> tuple[Any, Any]:
     """(model in eval mode, tokenizer with left padding) from a local folder or a pulled known model."""
     os.environ["HF_HUB_OFFLINE"] = "1"
@@ -236,9 +237,14 @@ def load_model(
         ) from None
     except OSError as e:
         raise LcxError(f"cannot load weights from {str(path)!r}: {str(e).splitlines()[0]}") from None
-    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
+    model.eval()
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError) as e:
+        if not require_tokenizer:  # synthetic-token models (dictionary lookup) need none
+            return model, None
+        raise LcxError(f"{str(path)!r} has no usable tokenizer ({str(e).splitlines()[0]}); save one into the folder") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
-    model.eval()
     return model, tok

@@ -1,0 +1,168 @@
+"""Attention statistics (the SMT paper's "Pareto" analysis), without full attention matrices.
+
+A probe is attached as an lcx method whose attention stage records statistics and
+then lets the base implementation compute the layer as usual.  Attention
+probabilities are recomputed for ``chunk`` queries at a time (B, H, chunk, S), so
+memory stays linear in the input length.  Accumulated, over layers, heads and queries:
+
+- mass by distance: attention mass at each query-key distance (cumulative curve);
+- mass per 1024-token distance bin;
+- mass by rank: for each query, the share of its mass held by its top ``f`` fraction
+  of keys (f on a grid), averaged — how concentrated ("Pareto") attention is.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lcx.hookspecs import hookimpl
+from lcx.method import Method
+
+RANK_FRACTIONS = [0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+
+
+@dataclass
+class AttentionStats:
+    max_len: int
+    bin_size: int = 1024
+    by_distance: torch.Tensor = field(init=False)  # (max_len,) float64 summed mass
+    by_rank: torch.Tensor = field(init=False)  # (len(RANK_FRACTIONS),) summed cumulative shares
+    queries: int = 0  # (layer, head, query) rows accumulated
+
+    def __post_init__(self) -> None:
+        self.by_distance = torch.zeros(self.max_len, dtype=torch.float64)
+        self.by_rank = torch.zeros(len(RANK_FRACTIONS), dtype=torch.float64)
+
+    def add(self, probs: torch.Tensor, q_pos: torch.Tensor) -> None:
+        """``probs`` (R, S): attention rows of queries at positions ``q_pos`` (R,) over keys 0..S-1."""
+        R, S = probs.shape
+        k_pos = torch.arange(S)
+        dist = (q_pos[:, None] - k_pos[None, :])  # (R, S)
+        valid = dist >= 0
+        self.by_distance.index_add_(0, dist[valid], probs[valid].double())
+        ctx = (q_pos + 1).clamp(max=S)  # keys each query can see
+        srt = probs.sort(dim=-1, descending=True).values.double().cumsum(-1)  # (R, S)
+        for i, f in enumerate(RANK_FRACTIONS):
+            r = (torch.ceil(f * ctx.double()).long() - 1).clamp(min=0)
+            self.by_rank[i] += srt.gather(1, r[:, None]).sum()
+        self.queries += R
+
+    def summary(self) -> dict[str, Any]:
+        total = self.by_distance.sum().item() or 1.0
+        mass = (self.by_distance / total).tolist()
+        cum = torch.tensor(mass).cumsum(0).tolist()
+        n_bins = (self.max_len + self.bin_size - 1) // self.bin_size
+        bins = [sum(mass[b * self.bin_size:(b + 1) * self.bin_size]) for b in range(n_bins)]
+        by_rank = (self.by_rank / max(self.queries, 1)).tolist()
+        pareto = next((f for f, v in zip(RANK_FRACTIONS, by_rank) if v >= 0.8), 1.0)
+        return {
+            "queries": self.queries,
+            "mass_per_bin": {f"{b * self.bin_size}-{(b + 1) * self.bin_size}": v for b, v in enumerate(bins)},
+            "cumulative_mass_by_distance": {str(d): cum[d - 1] for d in _log_points(self.max_len)},
+            "mass_share_of_top_fraction": {str(f): v for f, v in zip(RANK_FRACTIONS, by_rank)},
+            "smallest_top_fraction_with_80pct_mass": pareto,
+        }
+
+
+def _log_points(n: int) -> list[int]:
+    pts, d = [], 1
+    while d < n:
+        pts.append(d)
+        d *= 2
+    return pts + [n]
+
+
+@dataclass
+class AttentionProbe(Method):
+    """Not a registered method: attach an instance to record attention statistics."""
+
+    name = "attention-probe"
+    description = "records attention statistics; computes attention unchanged"
+
+    max_len: int = 4096
+    chunk: int = 256
+    layers: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        self.stats = AttentionStats(self.max_len)
+
+    @hookimpl
+    def lcx_attention(self, run, module, query, key, value, attention_mask, kwargs):
+        if self.layers is not None and module.layer_idx not in self.layers:
+            return None
+        B, H, T, D = query.shape
+        S = key.shape[-2]
+        rep = H // key.shape[1]
+        k = key.repeat_interleave(rep, dim=1).float()  # (B, H, S, D)
+        scaling = kwargs.get("scaling") or D ** -0.5
+        q_pos_all = torch.arange(S - T, S)
+        for s in range(0, T, self.chunk):
+            q = query[:, :, s:s + self.chunk].float()  # (B, H, c, D)
+            c = q.shape[2]
+            scores = (q @ k.transpose(-1, -2)) * scaling  # (B, H, c, S)
+            qp = q_pos_all[s:s + c]
+            causal = torch.arange(S)[None, :] <= qp[:, None]  # (c, S)
+            scores = scores.masked_fill(~causal, float("-inf"))
+            if attention_mask is not None and attention_mask.dtype == torch.bool:
+                scores = scores.masked_fill(~attention_mask[:, :, s:s + c, :S], float("-inf"))
+            probs = scores.softmax(-1).nan_to_num(0.0)  # (B, H, c, S)
+            self.stats.add(probs.reshape(-1, S), qp.repeat(B * H))
+        return None
+
+
+def analyze(model: Any, documents: list[tuple[str, list[int]]], length: int, chunk: int = 256,
+            layers: list[int] | None = None, progress: bool = True) -> dict[str, Any]:
+    from tqdm.auto import tqdm
+
+    from lcx.attach import attach
+
+    probe = AttentionProbe(max_len=length, chunk=chunk, layers=layers)
+    with attach(model, [probe]), torch.no_grad():
+        for name, ids in tqdm(documents, desc="attention", disable=not progress):
+            x = torch.tensor(ids[:length])[None]
+            model(x, logits_to_keep=1)
+    return {"length": length, "documents": [n for n, _ in documents], "layers": layers or "all",
+            **probe.stats.summary()}
+
+
+def plot(result: dict[str, Any], path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    cum = result["cumulative_mass_by_distance"]
+    axes[0].plot([int(d) for d in cum], list(cum.values()), marker="o")
+    axes[0].set_xscale("log", base=2)
+    axes[0].set_xlabel("query-key distance (tokens)")
+    axes[0].set_title("cumulative attention mass by distance", fontsize=9)
+    bins = result["mass_per_bin"]
+    axes[1].bar(range(len(bins)), list(bins.values()))
+    axes[1].set_xticks(range(len(bins)), [k.split("-")[0] for k in bins], rotation=45, fontsize=7)
+    axes[1].set_xlabel("distance bin start (tokens)")
+    axes[1].set_title("attention mass per 1024-token bin", fontsize=9)
+    rk = result["mass_share_of_top_fraction"]
+    axes[2].plot([float(f) for f in rk], list(rk.values()), marker="o")
+    axes[2].plot([0, 1], [0, 1], ls="--", c="grey", lw=0.8)
+    axes[2].set_xlabel("top fraction of keys (by attention)")
+    axes[2].set_title("share of mass held by the top keys", fontsize=9)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_json(obj: dict[str, Any], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2))
+    return path

@@ -1,0 +1,108 @@
+"""Run one suite over several method stacks and show them side by side (how a user picks a method).
+
+A *stack* is ``"none"`` (the bare model), one method (``"streaming"``) or several
+joined by ``+`` (``"rope+streaming"``).  The model is loaded once; each stack is
+attached, evaluated and detached in turn.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+from lcx.attach import Run, attach
+from lcx.errors import LcxError
+
+NONE = "none"
+
+
+def parse_stack(stack: str) -> list[str]:
+    names = [s.strip() for s in stack.split("+") if s.strip()]
+    if not names:
+        raise LcxError(f"empty method stack {stack!r}; use e.g. vanilla, streaming or rope+streaming")
+    return [] if names == [NONE] else names
+
+
+def options_for(methods: list[str], options: dict[str, Any]) -> dict[str, Any]:
+    """Per-method options (``{"streaming": {...}}``) restricted to the methods of one stack."""
+    flat = [k for k, v in options.items() if not isinstance(v, dict)]
+    if flat:
+        raise LcxError(f"with several stacks, give options per method: -o METHOD.{flat[0]}=VALUE")
+    return {m: options[m] for m in methods if m in options}
+
+
+def compare(model: Any, stacks: list[str], options: dict[str, Any],
+            evaluate: Callable[[Run], dict[str, Any]], log: Callable[[str], None] = print) -> dict[str, dict]:
+    results: dict[str, dict] = {}
+    for stack in stacks:
+        methods = parse_stack(stack)
+        log(f"[compare] {stack}")
+        with attach(model, methods, **options_for(methods, options)) as run:
+            results[stack] = {**run.describe(), **evaluate(run)}
+    return results
+
+
+def passkey_table(results: dict[str, dict]) -> tuple[list[str], list[list[str]]]:
+    lengths = next(iter(results.values()))["config"]["lengths"]
+    header = ["stack", *[f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in lengths], "all"]
+    rows = []
+    for stack, r in results.items():
+        by = r["summary"]["accuracy_by_length"]
+        rows.append([stack, *[f"{by[str(n)]:.0%}" for n in lengths], f"{r['summary']['accuracy']:.0%}"])
+    return header, rows
+
+
+def ppl_table(results: dict[str, dict]) -> tuple[list[str], list[list[str]]]:
+    contexts = next(iter(results.values()))["config"]["contexts"]
+    header = ["stack", *[f"ppl@{n // 1024}K" if n % 1024 == 0 else f"ppl@{n}" for n in contexts],
+              *[f"acc@{n // 1024}K" if n % 1024 == 0 else f"acc@{n}" for n in contexts]]
+    rows = []
+    for stack, r in results.items():
+        s = r["summary"]
+        rows.append([stack, *[f"{s['ppl'][str(n)]:.2f}" for n in contexts],
+                     *[f"{s['accuracy'][str(n)]:.3f}" for n in contexts]])
+    return header, rows
+
+
+def plot_passkey(results: dict[str, dict], path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = next(iter(results.values()))["config"]["lengths"]
+    width = 0.8 / max(len(results), 1)
+    fig, ax = plt.subplots(figsize=(2 + 1.3 * len(lengths), 3.6))
+    for i, (stack, r) in enumerate(results.items()):
+        by = r["summary"]["accuracy_by_length"]
+        xs = [j + i * width for j in range(len(lengths))]
+        ax.bar(xs, [by[str(n)] for n in lengths], width=width, label=stack)
+    ax.set_xticks([j + width * (len(results) - 1) / 2 for j in range(len(lengths))],
+                  [f"{n // 1024}K" if n >= 1024 else str(n) for n in lengths])
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("passkey accuracy")
+    ax.set_xlabel("prompt length (tokens)")
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_markdown(header: list[str], rows: list[list[str]], path: Path, command: str) -> Path:
+    lines = [f"`{command}`", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def write_json(obj: Any, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    tmp.replace(path)
+    return path
