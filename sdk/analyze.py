@@ -13,7 +13,6 @@ memory stays linear in the input length.  Accumulated, over layers, heads and qu
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 
 from lcx.hookspecs import hookimpl
+from lcx.io import pyplot, save_figure, write_json  # noqa: F401  (write_json: re-exported for the CLI)
 from lcx.method import Method
 
 RANK_FRACTIONS = [0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
@@ -119,7 +119,7 @@ def analyze(model: Any, documents: list[tuple[str, list[int]]], length: int, chu
             layers: list[int] | None = None, progress: bool = True) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
-    from lcx.attach import attach
+    from lcx.composition import attach
 
     probe = AttentionProbe(max_len=length, chunk=chunk, layers=layers)
     with attach(model, [probe]), torch.no_grad():
@@ -131,12 +131,7 @@ def analyze(model: Any, documents: list[tuple[str, list[int]]], length: int, chu
 
 
 def plot(result: dict[str, Any], path: Path, title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig, axes = pyplot().subplots(1, 3, figsize=(13, 3.6))
     cum = result["cumulative_mass_by_distance"]
     axes[0].plot([int(d) for d in cum], list(cum.values()), marker="o")
     axes[0].set_xscale("log", base=2)
@@ -154,15 +149,4 @@ def plot(result: dict[str, Any], path: Path, title: str) -> Path:
     axes[2].set_title("share of mass held by the top keys", fontsize=9)
     for ax in axes:
         ax.grid(alpha=0.3)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def write_json(obj: dict[str, Any], path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2))
-    return path
+    return save_figure(fig, path, title)

@@ -172,7 +172,7 @@ def generate_cmd(model, methods, options, adapter, trust_remote_code, input_file
     import torch
     from transformers import TextStreamer
 
-    from lcx.generate import generate
+    from lcx.generation import generate
     from lcx.session import read_text_file
 
     text = (read_text_file(input_file) if input_file else "")
@@ -246,7 +246,7 @@ def eval_passkey(model, methods, options, adapter, trust_remote_code, lengths, d
     Writes OUT/passkey.json (config, per-sample outputs, summary) and a heatmap OUT/passkey.png.
     """
     from lcx.evals import passkey
-    from lcx.generate import generate
+    from lcx.generation import generate
 
     s = _open(model, methods, options, adapter, trust_remote_code)
     try:
@@ -298,7 +298,7 @@ def eval_ppl(model, methods, options, adapter, trust_remote_code, data, max_docs
     Writes OUT/ppl.json and OUT/ppl.png.  The same scored spans serve every N.
     """
     from lcx.evals import ppl
-    from lcx.generate import score_tail
+    from lcx.generation import score_tail
 
     s = _open(model, methods, options, adapter, trust_remote_code)
     try:
@@ -347,7 +347,7 @@ def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, 
     """
     from lcx.evals import compare as cmp
     from lcx.evals import passkey, ppl
-    from lcx.generate import generate, score_tail
+    from lcx.generation import generate, score_tail
     from lcx.models import load_model
     from lcx.session import parse_options
 
@@ -405,10 +405,10 @@ def eval_dictionary(model, methods, options, adapter, trust_remote_code, dict_to
 
     from lcx.evals import dictionary
     from lcx.evals.compare import write_json
-    from lcx.generate import tail_logits
+    from lcx.generation import tail_logits
     from lcx.session import parse_options
 
-    from lcx.attach import attach
+    from lcx.composition import attach
     from lcx.models import load_model
 
     hf_model, _ = load_model(model, trust_remote_code=trust_remote_code, require_tokenizer=False)

@@ -84,15 +84,31 @@ def load_documents(paths: Iterable[str | os.PathLike], text_field: str = "text")
     return ds
 
 
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """Identity of a tokenizer's behaviour (its serialised fast tokenizer, or its vocabulary)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    blob = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(f"{blob}|{tokenizer.eos_token_id}".encode()).hexdigest()[:16]
+
+
 def tokenize(docs, tokenizer: Any, num_proc: int | None = None):
-    """Add ``input_ids`` (no special tokens; an EOS ends each document); cached by `datasets`."""
+    """Add ``input_ids`` (no special tokens; an EOS ends each document).
+
+    Cached on disk under ``$LCX_HOME/data`` by (documents, tokenizer) fingerprint: a second
+    run over the same files with the same tokenizer reads the Arrow cache instead of tokenising.
+    """
+    from lcx.models import cache_dir
+
     eos = tokenizer.eos_token_id
+    cache = cache_dir() / "data" / f"tok-{docs._fingerprint}-{tokenizer_fingerprint(tokenizer)}.arrow"
+    cache.parent.mkdir(parents=True, exist_ok=True)
 
     def fn(batch: dict[str, list]) -> dict[str, list]:
         ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
         return {"input_ids": [x + ([eos] if eos is not None else []) for x in ids]}
 
-    return docs.map(fn, batched=True, remove_columns=["text"], num_proc=num_proc, desc="tokenizing")
+    return docs.map(fn, batched=True, remove_columns=["text"], num_proc=num_proc, desc="tokenizing",
+                    cache_file_name=str(cache), load_from_cache_file=True)
 
 
 def token_windows(docs, tokenizer: Any, seq_len: int, concat: bool = True, min_len: int | None = None):

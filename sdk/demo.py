@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from lcx.attach import attach
+from lcx.composition import attach
 from lcx.evals.passkey import build_prompt_ids
-from lcx.generate import generate
+from lcx.generation import generate
 from lcx.measure import measure
 
 NO_METHOD = "none"

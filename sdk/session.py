@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lcx.attach import Run, attach
+from lcx.composition import Run, attach
 from lcx.errors import LcxError
 
 

@@ -166,7 +166,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, progr
     from tqdm.auto import tqdm
 
     from lcx.adapters.peft_bridge import add_adapter, save_adapter, trainable_parameters
-    from lcx.attach import attach
+    from lcx.composition import attach
     from lcx.data import load_documents, token_windows
     from lcx.models import load_model
     from lcx.registry import registry

@@ -12,7 +12,7 @@ import torch
 
 import lcx
 from lcx.adapters.families import FAMILIES
-from lcx.generate import make_plan
+from lcx.generation import make_plan
 from lcx.registry import registry
 from tests.conftest import TINY_FAMILIES, tiny_model
 

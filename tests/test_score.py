@@ -9,7 +9,7 @@ import torch
 
 import lcx
 from lcx.evals import ppl
-from lcx.generate import score_tail
+from lcx.generation import score_tail
 from tests.conftest import tiny_model
 
 

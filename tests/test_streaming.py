@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import lcx
-from lcx.generate import make_plan, position_ids_from_mask, prefill
+from lcx.generation import make_plan, position_ids_from_mask, prefill
 from lcx.plugins.streaming import SinkWindowLayer, rotate_keys
 from tests.conftest import tiny_model
 

@@ -7,12 +7,12 @@ attached, evaluated and detached in turn.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable
 
-from lcx.attach import Run, attach
+from lcx.composition import Run, attach
 from lcx.errors import LcxError
+from lcx.io import pyplot, save_figure, write_json  # noqa: F401  (write_json: re-exported for the CLI)
 
 NONE = "none"
 
@@ -66,14 +66,9 @@ def ppl_table(results: dict[str, dict]) -> tuple[list[str], list[list[str]]]:
 
 
 def plot_passkey(results: dict[str, dict], path: Path, title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     lengths = next(iter(results.values()))["config"]["lengths"]
     width = 0.8 / max(len(results), 1)
-    fig, ax = plt.subplots(figsize=(2 + 1.3 * len(lengths), 3.6))
+    fig, ax = pyplot().subplots(figsize=(2 + 1.3 * len(lengths), 3.6))
     for i, (stack, r) in enumerate(results.items()):
         by = r["summary"]["accuracy_by_length"]
         xs = [j + i * width for j in range(len(lengths))]
@@ -84,13 +79,8 @@ def plot_passkey(results: dict[str, dict], path: Path, title: str) -> Path:
     ax.set_ylabel("passkey accuracy")
     ax.set_xlabel("prompt length (tokens)")
     ax.legend(fontsize=8)
-    ax.set_title(title, fontsize=9)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title)
 
 
 def write_markdown(header: list[str], rows: list[list[str]], path: Path, command: str) -> Path:
@@ -99,10 +89,3 @@ def write_markdown(header: list[str], rows: list[list[str]], path: Path, command
     path.write_text("\n".join(lines) + "\n")
     return path
 
-
-def write_json(obj: Any, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    tmp.replace(path)
-    return path

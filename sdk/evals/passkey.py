@@ -8,7 +8,6 @@ tokens.  See DESIGN.md section 5.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import time
@@ -20,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from lcx.errors import LcxError
+from lcx.io import pyplot, save_figure, write_json
 
 INSTRUCTION = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -113,16 +113,11 @@ def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
 
 def plot_heatmap(result: dict[str, Any], path: Path, title: str) -> Path:
     """Accuracy heatmap: depth (rows) x length (columns)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     lengths = result["config"]["lengths"]
     depths = result["config"]["depths"]
     grid = result["summary"]["accuracy_by_cell"]
     data = [[grid.get(f"{n}@{d}", float("nan")) for n in lengths] for d in depths]
-    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(lengths), 1.2 + 0.5 * len(depths)))
+    fig, ax = pyplot().subplots(figsize=(1.2 + 0.9 * len(lengths), 1.2 + 0.5 * len(depths)))
     im = ax.imshow(data, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
     ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" if n >= 1024 else str(n) for n in lengths])
     ax.set_yticks(range(len(depths)), [f"{d:.1f}" for d in depths])
@@ -131,21 +126,12 @@ def plot_heatmap(result: dict[str, Any], path: Path, title: str) -> Path:
     for i, row in enumerate(data):
         for j, v in enumerate(row):
             ax.text(j, i, f"{v:.0%}", ha="center", va="center", fontsize=8)
-    ax.set_title(title, fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.046)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title)
 
 
 def write_result(result: dict[str, Any], out_dir: Path, stem: str = "passkey") -> tuple[Path, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    js = out_dir / f"{stem}.json"
-    tmp = js.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(js)
+    js = write_json(result, out_dir / f"{stem}.json")
     title = f"passkey — {result.get('model', '?')} — {result.get('methods_label', '')}"
     png = plot_heatmap(result, out_dir / f"{stem}.png", title)
     return js, png

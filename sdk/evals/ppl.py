@@ -10,7 +10,6 @@ lengths on identical targets.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from lcx.errors import LcxError
+from lcx.io import pyplot, save_figure, write_json  # noqa: F401  (write_json: re-exported for the CLI)
 
 
 @dataclass
@@ -93,12 +93,7 @@ def summarize(samples: list[dict[str, Any]], contexts: list[int]) -> dict[str, A
 
 def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> Path:
     """Perplexity and accuracy vs context, one line per method stack."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, (a1, a2) = pyplot().subplots(1, 2, figsize=(10, 3.8))
     for label, res in results.items():
         xs = [int(n) for n in res["summary"]["ppl"]]
         a1.plot(xs, list(res["summary"]["ppl"].values()), marker="o", label=label)
@@ -110,17 +105,4 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> Path:
         ax.grid(alpha=0.3)
     a1.set_yscale("log")
     a1.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def write_json(obj: dict[str, Any], path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    tmp.replace(path)
-    return path
+    return save_figure(fig, path, title)

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from lcx.attach import Run
+from lcx.composition import Run
 from lcx.errors import LcxError
 from lcx.plan import Plan
 
@@ -82,9 +82,9 @@ def _pad_id(model: Any) -> int | None:
 
 
 @torch.no_grad()
-def score_tail(run: Run, input_ids: torch.Tensor, n_target: int) -> dict[str, float]:
-    """Next-token NLL and accuracy of the last ``n_target`` tokens of ``input_ids`` (1, T), seen
-    through the run's plan and memory (each window's logits are kept only where they predict a target)."""
+def tail_logits(run: Run, input_ids: torch.Tensor, n_target: int) -> torch.Tensor:
+    """Logits (n_target, V) predicting the last ``n_target`` tokens of ``input_ids`` (1, T), computed
+    through the run's plan and memory; each window's logits are kept only where they predict a target."""
     if input_ids.shape[1] <= n_target:
         raise LcxError(f"input of {input_ids.shape[1]} tokens is too short to score its last {n_target}")
     plan = make_plan(run, input_ids, None, 0)
@@ -105,8 +105,13 @@ def score_tail(run: Run, input_ids: torch.Tensor, n_target: int) -> dict[str, fl
         if keep:
             logits = out.logits[0, :keep] if e != T else out.logits[0, :-1][-keep:]
             chunks.append(logits.float())
-    logits = torch.cat(chunks)[-n_target:]
-    targets = ids[0, T - n_target:]
+    return torch.cat(chunks)[-n_target:]
+
+
+def score_tail(run: Run, input_ids: torch.Tensor, n_target: int) -> dict[str, float]:
+    """Summed next-token NLL and correct count of the last ``n_target`` tokens (see ``tail_logits``)."""
+    logits = tail_logits(run, input_ids, n_target)
+    targets = input_ids[0, -n_target:]
     nll = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
     correct = (logits.argmax(-1) == targets).sum()
     return {"nll_sum": float(nll), "correct": int(correct), "count": int(n_target)}

@@ -1,0 +1,69 @@
+"""Corpora: files, folders, JSONL; cached tokenisation; windowing with and without concatenation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lcx.data import load_documents, token_windows
+from lcx.errors import LcxError
+from tests.helpers import char_tokenizer
+
+
+@pytest.fixture
+def corpus(tmp_path, monkeypatch):
+    monkeypatch.setenv("LCX_HOME", str(tmp_path / "home"))
+    d = tmp_path / "docs"
+    (d / "sub").mkdir(parents=True)
+    (d / "a.txt").write_text("a" * 50)
+    (d / "sub" / "b.py").write_text("b" * 20)
+    (d / "skip.bin").write_bytes(b"\x00\x01")
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps({"body": "c" * n}) for n in (5, 7)) + "\n")
+    return tmp_path
+
+
+def test_sources(corpus):
+    docs = load_documents([corpus / "docs", corpus / "rows.jsonl"], text_field="body")
+    assert [len(t) for t in docs["text"]] == [50, 20, 5, 7]
+    assert docs["source"][2].endswith("rows.jsonl:1")
+    with pytest.raises(LcxError, match="no 'text' field"):
+        load_documents([corpus / "rows.jsonl"])
+
+
+def test_windows_concat_and_not(corpus):
+    tok = char_tokenizer()
+    docs = load_documents([corpus / "docs"])
+    w = token_windows(docs, tok, seq_len=16)  # 51 + 21 tokens (with EOS) concatenated -> 4 full windows
+    assert len(w) == 72 // 16 and w[0]["input_ids"].shape == (16,)
+    w = token_windows(docs, tok, seq_len=16, concat=False)  # each document windowed on its own: 3 + 1
+    assert len(w) == 4
+    with pytest.raises(LcxError, match="longest document has 51 tokens"):
+        token_windows(docs, tok, seq_len=64, concat=False)
+
+
+def test_tokenisation_is_cached_on_disk(corpus):
+    tok = char_tokenizer()
+    docs = load_documents([corpus / "docs"])
+    token_windows(docs, tok, seq_len=16)
+    cached = list((corpus / "home" / "data").glob("tok-*.arrow"))
+    assert len(cached) == 1
+    stamp = cached[0].stat().st_mtime_ns
+    token_windows(load_documents([corpus / "docs"]), tok, seq_len=8)
+    assert cached[0].stat().st_mtime_ns == stamp  # read, not rewritten
+    (corpus / "docs" / "a.txt").write_text("changed text")  # new content -> new cache entry
+    token_windows(load_documents([corpus / "docs"]), tok, seq_len=4)
+    assert len(list((corpus / "home" / "data").glob("tok-*.arrow"))) == 2
+
+
+def test_missing_and_empty(corpus):
+    with pytest.raises(LcxError, match="does not exist"):
+        load_documents([corpus / "nope"])
+    (corpus / "blank").mkdir()
+    (corpus / "blank" / "x.txt").write_text("   ")
+    with pytest.raises(LcxError, match="empty"):
+        load_documents([corpus / "blank"])
+    (corpus / "bin").mkdir()
+    (corpus / "bin" / "x.bin").write_bytes(b"1")
+    with pytest.raises(LcxError, match="has no documents"):
+        load_documents([corpus / "bin"])
