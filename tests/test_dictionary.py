@@ -1,0 +1,53 @@
+"""FoT's dictionary-lookup task: documents are well-formed, the scorer is exact, the CLI runs."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import torch
+from click.testing import CliRunner
+
+from lcx.cli import main
+from lcx.evals import dictionary as dct
+from tests.conftest import tiny_model
+
+
+def test_document_structure():
+    doc = dct.make_document(random.Random(0), 256, 256)
+    ids, labels = doc.input_ids.tolist(), doc.labels.tolist()
+    assert len(ids) == 512 and doc.n_queries == 25
+    defs = {tuple(ids[i + 1:i + 5]): tuple(ids[i + 6:i + 10]) for i in range(0, 250, 10)}
+    assert len(defs) == 25  # keys unique
+    q0 = 256
+    for q in range(doc.n_queries):
+        e = ids[q0 + 10 * q:q0 + 10 * (q + 1)]
+        assert e[0] == dct.QUERY and e[5] == dct.VALUE and defs[tuple(e[1:5])] == tuple(e[6:10])
+        assert labels[q0 + 10 * q:q0 + 10 * q + 6] == [-100] * 6 and labels[q0 + 10 * q + 6:q0 + 10 * (q + 1)] == e[6:10]
+    assert all(x == -100 for x in labels[:256])
+
+
+def test_scorer_with_oracles():
+    doc = dct.make_document(random.Random(1), 200, 100)
+    T = doc.input_ids.numel()
+
+    def oracle(ids, n):  # logits that put all mass on the true next token
+        return torch.nn.functional.one_hot(ids[0, T - n:], dct.VOCAB_SIZE).float()
+
+    def off_by_one(ids, n):
+        return torch.nn.functional.one_hot((ids[0, T - n:] + 1) % dct.VOCAB_SIZE, dct.VOCAB_SIZE).float()
+
+    assert dct.score(doc, oracle, 100) == {"queries": 10, "correct": 10, "tokens": 40, "tokens_correct": 40}
+    assert dct.score(doc, off_by_one, 100)["correct"] == 0
+
+
+def test_eval_dictionary_cli_runs_on_a_tiny_model(tmp_path):
+    model = tiny_model("llama", vocab_size=dct.VOCAB_SIZE, max_position_embeddings=2048)
+    model.save_pretrained(str(tmp_path / "m"))
+    r = CliRunner().invoke(main, ["eval", "dictionary", "-m", str(tmp_path / "m"), "--method", "streaming",
+                                  "-o", "chunk=128", "--dict-tokens", "300,1K", "--samples", "2",
+                                  "--out", str(tmp_path / "out"), "--json"])
+    assert r.exit_code == 0, r.output
+    res = json.loads((tmp_path / "out" / "dictionary.json").read_text())
+    assert set(res["results"]) == {"300", "1024"} and len(res["results"]["300"]["samples"]) == 2
+    assert 0.0 <= res["results"]["1024"]["accuracy"] <= 1.0
