@@ -1,0 +1,282 @@
+"""Key/value memory stores: one interface, several search backends.
+
+A store holds (key, value) vectors of ONE attention layer and ONE KV head,
+with metadata per entry (absolute position, document id).  Methods keep a dict
+of stores keyed by (layer, kv_head).  ``search`` returns the top-k entries by
+inner product for each query.
+
+Backends (``make_store(kind, ...)``):
+    torch       exact, dense matmul + topk; best for small memories
+    faiss-flat  exact inner product (IndexFlatIP)
+    faiss-ivf   approximate: inverted lists (nlist, nprobe); trains on the first entries
+    faiss-hnsw  approximate: HNSW graph (M, ef_search)
+    faiss-gpu   faiss-flat on a GPU, when faiss was built with CUDA and a GPU is present
+
+An entry cap (``max_entries``) evicts the oldest entries first (FIFO: FoT's
+memory is a sliding history; the oldest context is the least relevant).
+Stores save to safetensors (vectors + metadata) + JSON, with a sha256 of the
+tensor file checked on load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from lcx.errors import LcxError
+
+KINDS = ("torch", "faiss-flat", "faiss-ivf", "faiss-hnsw", "faiss-gpu")
+
+
+@dataclass
+class StoreConfig:
+    kind: str = "torch"
+    max_entries: int = 0  # 0 = unbounded
+    nlist: int = 256  # faiss-ivf: inverted lists
+    nprobe: int = 16  # faiss-ivf: lists visited per query
+    hnsw_m: int = 32  # faiss-hnsw: graph degree
+    ef_search: int = 128  # faiss-hnsw: search breadth
+    ef_construction: int = 200  # faiss-hnsw: build breadth
+
+    def validate(self) -> None:
+        if self.kind not in KINDS:
+            raise LcxError(f"unknown memory backend {self.kind!r}; choose one of {', '.join(KINDS)}")
+        if self.max_entries < 0:
+            raise LcxError(f"max_entries must be >= 0 (0 = unbounded), got {self.max_entries}")
+
+
+class MemoryStore(ABC):
+    """Keys (N, D) and values (N, Dv) with positions and document ids; oldest-first eviction."""
+
+    def __init__(self, config: StoreConfig) -> None:
+        config.validate()
+        self.config = config
+        self.keys: torch.Tensor | None = None  # (N, D) float32
+        self.values: torch.Tensor | None = None  # (N, Dv)
+        self.positions = torch.zeros(0, dtype=torch.long)
+        self.doc_ids = torch.zeros(0, dtype=torch.long)
+        self.evicted = 0  # entries dropped by the cap, for reporting
+
+    def __len__(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[0]
+
+    # ------------------------------------------------------------------ writing
+    def add(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, doc_id: int | torch.Tensor = 0) -> None:
+        """Append entries; with a cap, drop the oldest beyond it."""
+        if keys.ndim != 2 or values.ndim != 2 or keys.shape[0] != values.shape[0]:
+            raise LcxError(f"memory.add needs keys (N, D) and values (N, Dv); got {tuple(keys.shape)} and {tuple(values.shape)}")
+        if self.keys is not None and keys.shape[1] != self.keys.shape[1]:
+            raise LcxError(f"key dimension {keys.shape[1]} differs from the memory's {self.keys.shape[1]}")
+        n = keys.shape[0]
+        doc = doc_id.long() if torch.is_tensor(doc_id) else torch.full((n,), int(doc_id), dtype=torch.long)
+        # copies: the memory owns its data (callers may reuse their buffers)
+        k, v = keys.detach().float().cpu().clone(), values.detach().cpu().clone()
+        self.keys = k if self.keys is None else torch.cat([self.keys, k])
+        self.values = v if self.values is None else torch.cat([self.values, v])
+        self.positions = torch.cat([self.positions, positions.long().cpu().clone()])
+        self.doc_ids = torch.cat([self.doc_ids, doc])
+        cap = self.config.max_entries
+        if cap and len(self) > cap:
+            drop = len(self) - cap
+            self.evicted += drop
+            self.keys, self.values = self.keys[drop:], self.values[drop:]
+            self.positions, self.doc_ids = self.positions[drop:], self.doc_ids[drop:]
+            self._rebuild()
+        else:
+            self._index_add(k)
+
+    def clear(self, doc_id: int | None = None) -> None:
+        """Forget everything, or only the entries of one document."""
+        if doc_id is None or self.keys is None:
+            self.keys = self.values = None
+            self.positions = torch.zeros(0, dtype=torch.long)
+            self.doc_ids = torch.zeros(0, dtype=torch.long)
+        else:
+            keep = self.doc_ids != doc_id
+            self.keys, self.values = self.keys[keep], self.values[keep]
+            self.positions, self.doc_ids = self.positions[keep], self.doc_ids[keep]
+        self._rebuild()
+
+    # ------------------------------------------------------------------ reading
+    def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-``k`` inner products: scores (Q, k') and entry indices (Q, k'), k' = min(k, len)."""
+        if k <= 0:
+            raise LcxError(f"k must be > 0, got {k}")
+        k = min(k, len(self))
+        if k == 0:
+            return torch.zeros(queries.shape[0], 0), torch.zeros(queries.shape[0], 0, dtype=torch.long)
+        return self._search(queries.detach().float().cpu().contiguous(), k)
+
+    # ------------------------------------------------------------------ backend
+    @abstractmethod
+    def _index_add(self, keys: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def _rebuild(self) -> None: ...
+
+    @abstractmethod
+    def _search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    # ------------------------------------------------------------------ persistence
+    def tensors(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        if self.keys is None:
+            return {}
+        return {f"{prefix}keys": self.keys.contiguous(), f"{prefix}values": self.values.contiguous(),
+                f"{prefix}positions": self.positions, f"{prefix}doc_ids": self.doc_ids}
+
+    def load_tensors(self, t: dict[str, torch.Tensor], prefix: str = "") -> None:
+        self.clear()
+        if f"{prefix}keys" in t:
+            self.keys, self.values = t[f"{prefix}keys"], t[f"{prefix}values"]
+            self.positions, self.doc_ids = t[f"{prefix}positions"], t[f"{prefix}doc_ids"]
+            self._rebuild()
+
+
+class TorchStore(MemoryStore):
+    """Exact search by dense matmul (the reference every other backend is tested against)."""
+
+    def _index_add(self, keys: torch.Tensor) -> None:
+        pass
+
+    def _rebuild(self) -> None:
+        pass
+
+    def _search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = queries @ self.keys.T  # (Q, N)
+        top = scores.topk(k, dim=-1)
+        return top.values, top.indices
+
+
+class FaissStore(MemoryStore):
+    """FAISS index over the keys; entry i of the store is row i of the index."""
+
+    def __init__(self, config: StoreConfig) -> None:
+        super().__init__(config)
+        self.index: Any = None
+
+    def _make_index(self, d: int) -> Any:
+        import faiss
+
+        c = self.config
+        if c.kind == "faiss-flat":
+            return faiss.IndexFlatIP(d)
+        if c.kind == "faiss-gpu":
+            if not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() == 0:
+                raise LcxError("memory backend 'faiss-gpu' needs faiss with CUDA and a GPU "
+                               "(pip install 'lcx[gpu]' on a GPU machine); use 'faiss-flat' on CPU")
+            self._gpu_res = faiss.StandardGpuResources()
+            return faiss.index_cpu_to_gpu(self._gpu_res, 0, faiss.IndexFlatIP(d))
+        if c.kind == "faiss-hnsw":
+            index = faiss.IndexHNSWFlat(d, c.hnsw_m, faiss.METRIC_INNER_PRODUCT)
+            index.hnsw.efConstruction = c.ef_construction
+            index.hnsw.efSearch = c.ef_search
+            return index
+        quantizer = faiss.IndexFlatIP(d)
+        index = faiss.IndexIVFFlat(quantizer, d, c.nlist, faiss.METRIC_INNER_PRODUCT)
+        index.nprobe = c.nprobe
+        self._quantizer = quantizer  # the IVF index does not own it: keep it alive
+        return index
+
+    def _index_add(self, keys: torch.Tensor) -> None:
+        if self.index is None or (self.config.kind == "faiss-ivf" and not self.index.is_trained):
+            self._rebuild()
+        else:
+            self.index.add(keys.numpy())
+
+    def _rebuild(self) -> None:
+        self.index = None
+        if self.keys is None or len(self) == 0:
+            return
+        d = self.keys.shape[1]
+        index = self._make_index(d)
+        x = self.keys.numpy()
+        if self.config.kind == "faiss-ivf":
+            if len(self) < self.config.nlist:  # too few points to train: exact until there are enough
+                self.index = None
+                return
+            index.train(x)
+        index.add(x)
+        self.index = index
+
+    def _search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.index is None:  # IVF before training: exact fallback
+            return TorchStore._search(self, queries, k)  # type: ignore[arg-type]
+        scores, idx = self.index.search(queries.numpy(), k)
+        return torch.from_numpy(scores), torch.from_numpy(idx).long()
+
+
+def make_store(config: StoreConfig | None = None, **kwargs: Any) -> MemoryStore:
+    config = config or StoreConfig(**kwargs)
+    config.validate()
+    return TorchStore(config) if config.kind == "torch" else FaissStore(config)
+
+
+# ---------------------------------------------------------------------- a whole memory on disk
+MEMORY_TENSORS = "memory.safetensors"
+MEMORY_META = "memory.json"
+
+
+def save_memory(stores: dict[tuple[int, int], MemoryStore], path: str | os.PathLike, meta: dict[str, Any]) -> Path:
+    """Write every (layer, head) store: tensors to safetensors, metadata + sha256 to JSON, atomically."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for (layer, head), store in stores.items():
+        tensors.update(store.tensors(f"{layer}.{head}."))
+    tmp = out / (MEMORY_TENSORS + ".tmp")
+    save_file(tensors, str(tmp))
+    digest = _sha256(tmp)
+    os.replace(tmp, out / MEMORY_TENSORS)
+    any_store = next(iter(stores.values()), None)
+    info = {"format": 1, "sha256": digest, "stores": [f"{l}.{h}" for l, h in stores],
+            "store_config": asdict(any_store.config) if any_store else None, **meta}
+    tmp = out / (MEMORY_META + ".tmp")
+    tmp.write_text(json.dumps(info, indent=2))
+    os.replace(tmp, out / MEMORY_META)
+    return out
+
+
+def load_memory(path: str | os.PathLike, config: StoreConfig | None = None) -> tuple[dict[tuple[int, int], MemoryStore], dict]:
+    """Read a memory written by ``save_memory``; the tensor file must match its recorded sha256."""
+    d = Path(path)
+    meta_path, tensor_path = d / MEMORY_META, d / MEMORY_TENSORS
+    if not meta_path.exists() or not tensor_path.exists():
+        raise LcxError(f"{str(d)!r} is not an lcx memory folder (needs {MEMORY_META} and {MEMORY_TENSORS})")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LcxError(f"memory metadata {str(meta_path)!r} is corrupted ({e}); rebuild the memory") from None
+    if _sha256(tensor_path) != meta.get("sha256"):
+        raise LcxError(f"memory file {str(tensor_path)!r} is corrupted or truncated (checksum mismatch); rebuild it")
+    tensors = load_file(str(tensor_path))
+    cfg = config or StoreConfig(**(meta.get("store_config") or {}))
+    stores = {}
+    for name in meta["stores"]:
+        layer, head = map(int, name.split("."))
+        store = make_store(cfg)
+        store.load_tensors(tensors, f"{name}.")
+        stores[(layer, head)] = store
+    return stores, meta
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def recall_at_k(exact_idx: torch.Tensor, approx_idx: torch.Tensor) -> float:
+    """Share of the exact top-k found by an approximate search (per query, averaged)."""
+    hits = [len(set(a.tolist()) & set(e.tolist())) / max(e.numel(), 1) for e, a in zip(exact_idx, approx_idx)]
+    return float(np.mean(hits)) if hits else 1.0

@@ -1,0 +1,86 @@
+"""Memory stores: every backend agrees with exact torch search; caps evict oldest; save/load is exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lcx.errors import LcxError
+from lcx.memory import StoreConfig, load_memory, make_store, recall_at_k, save_memory
+
+
+def _data(n=600, d=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d, generator=g), torch.randn(n, 16, generator=g), torch.randn(20, d, generator=g)
+
+
+def test_faiss_exact_equals_torch_exact():
+    keys, values, q = _data()
+    stores = [make_store(kind=k) for k in ("torch", "faiss-flat")]
+    for s in stores:
+        s.add(keys[:300], values[:300], torch.arange(300), doc_id=0)
+        s.add(keys[300:], values[300:], torch.arange(300, 600), doc_id=1)
+    (s1, i1), (s2, i2) = (s.search(q, 10) for s in stores)
+    assert torch.equal(i1, i2)
+    torch.testing.assert_close(s1, s2, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind,extra", [("faiss-hnsw", {}), ("faiss-ivf", {"nlist": 16, "nprobe": 16})])
+def test_approximate_backends_have_high_recall(kind, extra):
+    keys, values, q = _data(2000)
+    exact, approx = make_store(kind="torch"), make_store(kind=kind, **extra)
+    for s in (exact, approx):
+        s.add(keys, values, torch.arange(2000))
+    _, ei = exact.search(q, 10)
+    _, ai = approx.search(q, 10)
+    assert recall_at_k(ei, ai) >= 0.95  # nprobe == nlist makes IVF exhaustive; HNSW at ef 128 is near-exact
+
+
+def test_ivf_before_training_falls_back_to_exact():
+    keys, values, q = _data(50)
+    s, t = make_store(kind="faiss-ivf", nlist=64), make_store(kind="torch")
+    for x in (s, t):
+        x.add(keys, values, torch.arange(50))
+    assert torch.equal(s.search(q, 5)[1], t.search(q, 5)[1])
+
+
+def test_cap_evicts_oldest_and_clear_by_document():
+    keys, values, _ = _data(100)
+    s = make_store(kind="faiss-flat", max_entries=60)
+    s.add(keys[:50], values[:50], torch.arange(50), doc_id=0)
+    s.add(keys[50:], values[50:], torch.arange(50, 100), doc_id=1)
+    assert len(s) == 60 and s.evicted == 40 and s.positions[0].item() == 40
+    _, idx = s.search(keys[99:100], 1)
+    assert s.positions[idx[0, 0]].item() == 99  # indices still line up with metadata after eviction
+    s.clear(doc_id=0)
+    assert len(s) == 50 and set(s.doc_ids.tolist()) == {1}
+
+
+def test_save_load_roundtrip_and_integrity(tmp_path):
+    keys, values, q = _data(200)
+    stores = {(l, h): make_store(kind="faiss-flat") for l in (3, 7) for h in (0, 1)}
+    for i, s in enumerate(stores.values()):
+        s.add(keys + i, values, torch.arange(200), doc_id=i)
+    save_memory(stores, tmp_path / "mem", {"model": {"model_type": "llama"}})
+    loaded, meta = load_memory(tmp_path / "mem")
+    assert meta["model"]["model_type"] == "llama" and set(loaded) == set(stores)
+    for key, s in stores.items():
+        assert torch.equal(loaded[key].keys, s.keys) and torch.equal(loaded[key].doc_ids, s.doc_ids)
+        assert torch.equal(loaded[key].search(q, 5)[1], s.search(q, 5)[1])
+    f = tmp_path / "mem" / "memory.safetensors"
+    f.write_bytes(f.read_bytes()[:-10])
+    with pytest.raises(LcxError, match="corrupted or truncated"):
+        load_memory(tmp_path / "mem")
+    with pytest.raises(LcxError, match="not an lcx memory folder"):
+        load_memory(tmp_path)
+
+
+def test_bad_arguments():
+    with pytest.raises(LcxError, match="unknown memory backend"):
+        make_store(kind="annoy")
+    s = make_store(kind="torch")
+    with pytest.raises(LcxError, match="k must be > 0"):
+        s.search(torch.randn(1, 4), 0)
+    assert s.search(torch.randn(2, 4), 3)[1].shape == (2, 0)  # empty memory: nothing to return
+    with pytest.raises(LcxError, match="faiss with CUDA"):
+        make_store(kind="faiss-gpu").add(torch.randn(3, 4), torch.randn(3, 4), torch.arange(3))
