@@ -17,26 +17,10 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from lcx.adapters import families
+from lcx.adapters.rotary import rotate
 from lcx.hookspecs import hookimpl
 from lcx.method import Method, option
 from lcx.plan import Plan
-
-
-def rotate_keys(keys: torch.Tensor, shift: int, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate already-rotated RoPE keys (B, H, S, D) by ``shift`` more positions (rotate-half layout).
-
-    With partial rotary (``inv_freq`` shorter than D/2) only the first ``2 * len(inv_freq)``
-    dims rotate, as in the family's own ``apply_rotary_pos_emb``.
-    """
-    rot = 2 * inv_freq.numel()
-    angle = shift * inv_freq.to(torch.float64)  # (rot/2,) float64: shifts can be ~1e5 radians
-    cos = torch.cat([angle.cos(), angle.cos()]).to(torch.float32)  # (rot,)
-    sin = torch.cat([angle.sin(), angle.sin()]).to(torch.float32)
-    k = keys[..., :rot].float()
-    half = rot // 2
-    rotated_half = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
-    out = (k * cos + rotated_half * sin).to(keys.dtype)
-    return torch.cat([out, keys[..., rot:]], dim=-1) if rot < keys.shape[-1] else out
 
 
 class SinkWindowLayer(CacheLayerMixin):
@@ -70,7 +54,7 @@ class SinkWindowLayer(CacheLayerMixin):
         rest_v = torch.cat([self.values, value_states], dim=-2)
         self.visible = (ns, recent_start)
         shift = recent_start - ns
-        sink_k = rotate_keys(self.sink_k, shift, self.inv_freq) if shift and ns else self.sink_k
+        sink_k = rotate(self.sink_k, shift, self.inv_freq) if shift and ns else self.sink_k
         out_k = torch.cat([sink_k, rest_k], dim=-2)
         out_v = torch.cat([self.sink_v, rest_v], dim=-2)
         # Keep: fill the sinks first (only before any eviction), then the last `window` tokens.

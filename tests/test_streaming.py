@@ -6,7 +6,8 @@ import torch
 
 import lcx
 from lcx.generation import make_plan, position_ids_from_mask, prefill
-from lcx.plugins.streaming import SinkWindowLayer, rotate_keys
+from lcx.adapters.rotary import rotate
+from lcx.plugins.streaming import SinkWindowLayer
 from tests.conftest import tiny_model
 
 
@@ -22,13 +23,15 @@ def test_rotate_keys_composes_like_rope():
     cos_s, sin_s = rot(k, p + 1000)
     _, k_p = apply_rotary_pos_emb(k, k, cos, sin)
     _, k_ps = apply_rotary_pos_emb(k, k, cos_s, sin_s)
-    torch.testing.assert_close(rotate_keys(k_p, 1000, rot.inv_freq), k_ps, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(rotate(k_p, 1000, rot.inv_freq), k_ps, atol=1e-4, rtol=1e-4)
+    # per-position shifts: un-rotating every key to position 0 gives the raw key back
+    torch.testing.assert_close(rotate(k_p, -p[0], rot.inv_freq), k, atol=1e-5, rtol=1e-5)
 
 
 def test_partial_rotary_leaves_pass_through_dims():
     k = torch.randn(1, 1, 3, 32)
     inv = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))  # 8 rotary dims of 32
-    out = rotate_keys(k, 77, inv)
+    out = rotate(k, 77, inv)
     assert torch.equal(out[..., 8:], k[..., 8:])
     assert not torch.allclose(out[..., :8], k[..., :8])
 
