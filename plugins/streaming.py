@@ -19,6 +19,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from lcx.adapters import families
 from lcx.adapters.rotary import rotate
 from lcx.hookspecs import hookimpl
+from lcx.masking import visible_mask
 from lcx.method import Method, option
 from lcx.plan import Plan
 
@@ -132,14 +133,7 @@ class Streaming(Method):
             return None
         S, T = key.shape[-2], query.shape[-2]
         idx = torch.cat([torch.arange(ns), torch.arange(recent_start, recent_start + S - ns)]).to(query.device)
-        if attention_mask is not None:
-            mask = attention_mask[..., idx]
-        else:  # the base skipped the mask (pure causal): build it for the kept keys
-            total = recent_start + S - ns
-            q_pos = torch.arange(total - T, total, device=query.device)
-            mask = (idx[None, :] <= q_pos[:, None])[None, None]  # (1, 1, T, S)
-            if run.base_impl == "eager":
-                mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(~mask, torch.finfo(query.dtype).min)
+        mask = visible_mask(attention_mask, idx, recent_start + S - ns, T, run.base_impl, query.dtype)
         return run.base_attention(module, query, key, value, mask, **kwargs)
 
 

@@ -93,6 +93,7 @@ def tail_logits(run: Run, input_ids: torch.Tensor, n_target: int) -> torch.Tenso
     if not torch.equal(ids[0, T - n_target - 1:], input_ids[0, -n_target - 1:]):
         raise LcxError(f"the {run!r} plan dropped scored tokens; score fewer than the window ({T} tokens kept)")
     model = run.model
+    run.state["plan"] = plan
     cache = run.hook.lcx_memory(run=run, batch_size=1) or DynamicCache(config=model.config)
     run.state["memory"] = cache
     pos = position_ids_from_mask(plan.attention_mask)

@@ -29,6 +29,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "lcx.plugins.vanilla",
     "lcx.plugins.rope",
     "lcx.plugins.streaming",
+    "lcx.plugins.fot",
 )
 
 

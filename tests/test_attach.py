@@ -22,6 +22,7 @@ EXACT_OPTIONS: dict[str, dict] = {
     "vanilla": {},
     "rope": {"type": "dynamic", "factor": 4.0},
     "streaming": {"chunk": 16},
+    "fot": {"local": 64},  # inputs here are 48 tokens: one window, memory stays empty
 }
 ATOL = 1e-5
 

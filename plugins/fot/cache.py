@@ -1,0 +1,104 @@
+"""FoT's cache: every layer keeps a local window; memory layers move what leaves it into memory.
+
+Before a forward pass over ``q`` new tokens, a layer holding ``L`` local tokens
+evicts the oldest ``L + q - local`` of them.  In a memory layer, evicted keys are
+un-rotated to "position 0" (R(-p) k, so a positions mode can place them later)
+and added, with their values, absolute positions and document id, to one
+``MemoryStore`` per (batch row, KV head).  Left padding never enters memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from lcx.adapters.rotary import rotate
+from lcx.memory import MemoryStore
+
+
+class FoTLayer(CacheLayerMixin):
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, local: int, memory: dict[tuple[int, int], MemoryStore] | None,
+                 inv_freq: torch.Tensor | None, pad: torch.Tensor, doc_ids: list[int]) -> None:
+        super().__init__()
+        self.local, self.memory, self.inv_freq = local, memory, inv_freq
+        self.pad = pad  # (B,) left-padding per row: RoPE position = cache index - pad
+        self.doc_ids = doc_ids
+        self.cumulative_length = 0
+        self.local_start = 0  # absolute cache index of the first key returned by the last update
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        L, q = self.keys.shape[-2], key_states.shape[-2]
+        overflow = min(L, L + q - self.local) if L + q > self.local else 0
+        start = self.cumulative_length - L  # cache index of the oldest local key
+        if overflow:
+            if self.memory is not None:
+                self._to_memory(self.keys[:, :, :overflow], self.values[:, :, :overflow], start)
+            self.keys, self.values = self.keys[:, :, overflow:], self.values[:, :, overflow:]
+            start += overflow
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.cumulative_length += q
+        self.local_start = start
+        return self.keys, self.values
+
+    @torch.no_grad()
+    def _to_memory(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
+        B, H, n, _ = keys.shape
+        index = torch.arange(start, start + n)
+        for b in range(B):
+            pos = index - int(self.pad[b])  # RoPE positions of this row
+            real = pos >= 0  # left padding stays out of memory
+            if not real.any():
+                continue
+            k0 = rotate(keys[b][:, real], -pos[real], self.inv_freq)  # (H, n', D) at "position 0"
+            for h in range(H):
+                self.memory[(b, h)].add(k0[h], values[b, h][real], pos[real], self.doc_ids[b])
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cumulative_length + query_length, 0  # the logical length; FoT slices the visible columns
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.is_initialized = False
+        self.cumulative_length = 0
+        self.local_start = 0
+
+
+def fot_cache(n_layers: int, memory_layers: list[int], local: int, batch_size: int, kv_heads: int,
+              make_store: Callable[[], MemoryStore], inv_freq: Callable[[int], torch.Tensor], pad: torch.Tensor,
+              doc_ids: list[int], stores: dict[int, dict[tuple[int, int], MemoryStore]] | None = None) -> Cache:
+    """A Cache with a local window per layer and memory stores for ``memory_layers``.
+
+    ``stores`` (layer -> {(row, head): store}) reuses existing memories (multi-document mode).
+    """
+    stores = stores if stores is not None else {}
+    layers: list[Any] = []
+    for i in range(n_layers):
+        mem = None
+        if i in memory_layers:
+            mem = stores.setdefault(i, {})
+            for b in range(batch_size):
+                for h in range(kv_heads):
+                    mem.setdefault((b, h), make_store())
+        layers.append(FoTLayer(local, mem, inv_freq(i) if mem is not None else None, pad, doc_ids))
+    cache = Cache(layers=layers)
+    cache.lcx_stores = stores  # type: ignore[attr-defined]
+    return cache

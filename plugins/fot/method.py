@@ -1,0 +1,150 @@
+"""fot: Focused Transformer / LongLLaMA memory attention at inference (Tworkowski et al. 2023).
+
+The prompt is ingested window by window (``local`` tokens each, the chunking
+stage).  Every layer keeps only its local window in the cache; the chosen memory
+layers move the tokens that leave it into a kNN memory (the memory stage), and
+attend to their local keys plus the top-``k`` memory keys per query and head
+under one softmax (the attention stage).  Generation continues with
+``model.generate()``; new tokens join memory as the local window slides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from lcx.adapters import families
+from lcx.errors import LcxError
+from lcx.hookspecs import hookimpl
+from lcx.masking import to_additive, visible_mask
+from lcx.memory import KINDS, MemoryStore, StoreConfig, load_memory, make_store
+from lcx.method import Method, option
+from lcx.plan import Plan
+from lcx.plugins.fot.attention import memory_attention
+from lcx.plugins.fot.cache import FoTLayer, fot_cache
+
+
+@dataclass
+class FoT(Method):
+    name = "fot"
+    description = "Focused Transformer memory attention: top-k keys of earlier windows from a kNN memory"
+    requires = frozenset({"attention_interface", "rotary"})
+
+    memory_layers: str = option("auto", "memory layers: auto (3 at 1/4, 1/2, 3/4 depth), all, or indices like 7,15,22")
+    k: int = option(32, "memory keys retrieved per query and head")
+    local: int = option(2048, "local context: tokens per window and per layer cache")
+    positions: Literal["first", "fixed", "none"] = option("first", "memory key positions: first (as if at the local window's start, LongLLaMA), fixed (one distance), none")
+    fixed_distance: int = option(0, "distance of every memory key in positions=fixed; 0 = local")
+    dense: bool = option(False, "attend to all of memory (no kNN); exact but linear in memory size")
+    backend: str = option("torch", f"kNN backend: {', '.join(KINDS)}")
+    max_entries: int = option(0, "memory entries kept per layer and head (oldest evicted first); 0 = unbounded")
+    mode: Literal["single", "multi"] = option("single", "single: memory cleared per input; multi: kept across inputs (documents)")
+    block: int = option(256, "queries per block in memory attention (bounds peak memory)")
+
+    def __post_init__(self) -> None:
+        if self.k <= 0:
+            raise ValueError(f"k must be > 0, got {self.k}")
+        if self.local <= 0 or self.block <= 0:
+            raise ValueError(f"local and block must be > 0 (got local={self.local}, block={self.block})")
+        if self.positions not in ("first", "fixed", "none"):
+            raise ValueError(f"positions must be first, fixed or none, got {self.positions!r}")
+        StoreConfig(kind=self.backend, max_entries=self.max_entries).validate()
+        self._stores: dict[int, dict[tuple[int, int], MemoryStore]] | None = None  # multi-document memory
+
+    # ------------------------------------------------------------------ configuration
+    def layer_indices(self, run) -> list[int]:
+        n = families.num_layers(run.model, run.family)
+        spec = str(self.memory_layers).strip()
+        if spec == "auto":
+            return sorted({n // 4, n // 2, (3 * n) // 4})
+        if spec == "all":
+            return list(range(n))
+        try:
+            idx = sorted({int(x) for x in spec.split(",") if x.strip()})
+        except ValueError:
+            raise LcxError(f"memory_layers={spec!r} is not auto, all or comma-separated layer indices") from None
+        bad = [i for i in idx if not 0 <= i < n]
+        if bad or not idx:
+            raise LcxError(f"memory layer {bad[0] if bad else spec!r} out of range: the model has {n} layers (0..{n - 1})")
+        return idx
+
+    def store_config(self) -> StoreConfig:
+        return StoreConfig(kind=self.backend, max_entries=self.max_entries)
+
+    # ------------------------------------------------------------------ stages
+    @hookimpl
+    def lcx_patch_model(self, run, model):
+        self.layer_indices(run)  # validate at attach time, not mid-generation
+
+    @hookimpl
+    def lcx_plan(self, run, input_ids, attention_mask, max_new_tokens):
+        return Plan.chunked(input_ids, attention_mask, self.local)
+
+    @hookimpl
+    def lcx_memory(self, run, batch_size):
+        plan = run.state.get("plan")
+        pad = ((plan.attention_mask == 0).sum(-1) if plan is not None else torch.zeros(batch_size)).long()
+        cfg = run.model.config
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        if self.mode == "multi":
+            if batch_size != 1:
+                raise LcxError(f"fot mode=multi serves one input at a time (batch 1), got batch {batch_size}")
+            if self._stores is None:
+                self._stores = {}
+            stores = self._stores
+        else:
+            stores = {}
+        doc_ids = [int(x) for x in run.state.get("doc_ids", [0] * batch_size)]
+        return fot_cache(
+            families.num_layers(run.model, run.family), self.layer_indices(run), self.local, batch_size, kv_heads,
+            lambda: make_store(self.store_config()),
+            lambda i: families.rotary_inv_freq(run.model, run.family, i), pad, doc_ids, stores,
+        )
+
+    @hookimpl
+    def lcx_attention(self, run, module, query, key, value, attention_mask, kwargs):
+        cache = run.state.get("memory")
+        layer = cache.layers[module.layer_idx] if cache is not None and hasattr(cache, "layers") else None
+        if not isinstance(layer, FoTLayer):
+            return None
+        has_memory = layer.memory is not None and any(len(s) for s in layer.memory.values())
+        if layer.local_start == 0 and not has_memory:
+            return None  # nothing left the window yet: plain attention
+        T, S = query.shape[-2], key.shape[-2]
+        total = layer.cumulative_length
+        kept = torch.arange(layer.local_start, total, device=query.device)
+        mask = visible_mask(attention_mask, kept, total, T, run.base_impl, query.dtype)
+        if not has_memory:
+            return run.base_attention(module, query, key, value, mask, **kwargs)
+        q_index = torch.arange(total - T, total, device=query.device)[None, :] - layer.pad[:, None]  # (B, T) RoPE pos
+        if self.positions == "first":
+            shift = -(layer.local_start - layer.pad[:, None]).expand_as(q_index)  # memory at the window's start
+        elif self.positions == "fixed":
+            shift = (self.fixed_distance or self.local) - q_index
+        else:
+            shift = -q_index
+        out = memory_attention(
+            query, key, value, to_additive(mask, torch.float32), layer.memory, shift.to(torch.float64),
+            layer.inv_freq, kwargs.get("scaling") or query.shape[-1] ** -0.5, self.k, self.dense, self.block,
+        )
+        return out, None
+
+    # ------------------------------------------------------------------ multi-document memory
+    def load(self, path: str | Path, model) -> dict:
+        """Use a memory built by ``lcx memory build`` (multi-document mode, batch 1)."""
+        from lcx.adapters.peft_bridge import base_identity
+
+        stores, meta = load_memory(path, self.store_config())
+        want, have = meta.get("model", {}), base_identity(model)
+        for key in ("model_type", "num_hidden_layers", "hidden_size", "embedding_sha256"):
+            if want.get(key) != have.get(key):
+                raise LcxError(f"memory {str(path)!r} was built with another model ({key}: {want.get(key)!r} vs "
+                               f"{have.get(key)!r}); rebuild it with this model")
+        self.mode = "multi"
+        self._stores = {}
+        for (layer, head), store in stores.items():
+            self._stores.setdefault(layer, {})[(0, head)] = store
+        return meta

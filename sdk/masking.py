@@ -1,0 +1,32 @@
+"""Masks for caches that keep a subset of the positions they have seen.
+
+Such caches (streaming's sinks + window, FoT's local window) report the full
+logical length to transformers' mask builder, so padding is represented over
+absolute positions; the attention stage then keeps the columns of the keys the
+cache actually returned.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def visible_mask(attention_mask: torch.Tensor | None, kept: torch.Tensor, total: int, q_len: int,
+                 base_impl: str, dtype: torch.dtype) -> torch.Tensor:
+    """The mask (B|1, 1, q_len, len(kept)) for keys at absolute positions ``kept`` and the last
+    ``q_len`` of ``total`` positions as queries.  Keeps the base mask's kind (bool for sdpa,
+    additive float for eager); builds a causal one when the base skipped it (None)."""
+    if attention_mask is not None:
+        return attention_mask[..., kept]
+    q_pos = torch.arange(total - q_len, total, device=kept.device)
+    allowed = (kept[None, :] <= q_pos[:, None])[None, None]  # (1, 1, q_len, S)
+    if base_impl == "eager":
+        return torch.zeros(allowed.shape, dtype=dtype, device=kept.device).masked_fill(~allowed, torch.finfo(dtype).min)
+    return allowed
+
+
+def to_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool (True = attend) or additive mask as an additive float mask."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask.to(dtype)

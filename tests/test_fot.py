@@ -1,0 +1,124 @@
+"""fot: memory attention invariants on tiny models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lcx
+from lcx.generation import tail_logits
+from lcx.memory import save_memory
+from tests.conftest import tiny_model
+
+N = 200  # tokens: longer than the tiny window (128) and many local windows of 32
+
+
+def _ids(n=N, seed=0):
+    return torch.randint(3, 256, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _logits(model, ids, n=40, **opts):
+    with lcx.attach(model, ["fot"], **opts) as run:
+        out = tail_logits(run, ids, n)
+        stores = run.state["memory"].lcx_stores
+    return out, stores
+
+
+def test_dense_equals_knn_with_k_at_least_memory_size():
+    model = tiny_model("llama")
+    dense, stores = _logits(model, _ids(), local=32, memory_layers="0,1", dense=True)
+    knn, _ = _logits(model, _ids(), local=32, memory_layers="0,1", k=10_000)
+    assert max(len(s) for s in stores[0].values()) > 100  # memory really was used
+    torch.testing.assert_close(dense, knn, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["faiss-flat", "faiss-hnsw"])
+def test_faiss_backends_equal_torch_exact(backend):
+    model = tiny_model("qwen2")
+    ref, _ = _logits(model, _ids(), local=32, k=4)
+    got, _ = _logits(model, _ids(), local=32, k=4, backend=backend)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_knn_differs_from_dense_when_k_is_small():
+    model = tiny_model("llama")
+    dense, _ = _logits(model, _ids(), local=32, memory_layers="all", dense=True)
+    knn, _ = _logits(model, _ids(), local=32, memory_layers="all", k=2)
+    assert not torch.allclose(dense, knn, atol=1e-4)
+
+
+def test_first_positions_are_the_local_window_start_explicitly():
+    """One layer: K/V depend only on token and position, so FoT's output for the second window equals
+    the base model run on [window 1 ; window 2] where every window-1 token sits at window 2's first
+    position (memory keys "as if at position 0 of the local window") and is visible to all of window 2."""
+    model = tiny_model("llama", num_hidden_layers=1, attn_implementation="eager")
+    local = 24
+    ids = _ids(2 * local)
+    fot, _ = _logits(model, ids, n=local - 1, local=local, memory_layers="0", dense=True)
+
+    pos = torch.tensor([[local] * local + list(range(local, 2 * local))])
+    mask = torch.tril(torch.ones(2 * local, 2 * local, dtype=torch.bool))
+    mask[local:, :local] = True  # window 2 sees all of memory
+    additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)[None, None]
+    with torch.no_grad():  # a 4D mask is used as given: eager adds it to the scores
+        ref = model(ids, position_ids=pos, attention_mask=additive).logits[0, local:-1]
+    torch.testing.assert_close(fot, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_positions_modes_differ_and_are_deterministic():
+    model = tiny_model("llama")
+    outs = {p: _logits(model, _ids(), local=32, positions=p)[0] for p in ("first", "fixed", "none")}
+    assert not torch.allclose(outs["first"], outs["none"], atol=1e-4)
+    assert not torch.allclose(outs["first"], outs["fixed"], atol=1e-4)
+    again, _ = _logits(model, _ids(), local=32, positions="first")
+    assert torch.equal(again, outs["first"])
+
+
+def test_generate_batch_and_long_inputs_keep_memory_per_row():
+    model = tiny_model("llama")
+    ids = torch.cat([_ids(seed=1), _ids(seed=2)])
+    mask = torch.ones_like(ids)
+    mask[1, :30] = 0
+    with lcx.attach(model, ["fot"], local=32) as run:
+        new = lcx.generate(run, ids, mask, max_new_tokens=5)
+        stores = run.state["memory"].lcx_stores
+    assert new.shape == (2, 5)
+    layer = min(stores)
+    # row 1's 30 padding tokens never enter memory; its positions start at 0
+    assert len(stores[layer][(0, 0)]) - len(stores[layer][(1, 0)]) == 30
+    assert stores[layer][(1, 0)].positions.min().item() == 0
+
+
+def test_cap_evicts_oldest():
+    model = tiny_model("llama")
+    _, stores = _logits(model, _ids(), local=32, max_entries=50)
+    for per_layer in stores.values():
+        for s in per_layer.values():
+            assert len(s) == 50 and s.positions.min().item() > 0
+
+
+def test_bad_options():
+    model = tiny_model("llama")
+    with pytest.raises(lcx.LcxError, match="k must be > 0"):
+        lcx.attach(model, ["fot"], k=0)
+    with pytest.raises(lcx.LcxError, match="memory layer 9 out of range: the model has 2 layers"):
+        lcx.attach(model, ["fot"], memory_layers="0,9")
+    with pytest.raises(lcx.LcxError, match="unknown memory backend"):
+        lcx.attach(model, ["fot"], backend="annoy")
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_memory_from_another_model_is_refused(tmp_path):
+    from lcx.adapters.peft_bridge import base_identity
+    from lcx.memory import make_store
+
+    a, b = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    store = make_store(kind="torch")
+    store.add(torch.randn(4, 32), torch.randn(4, 32), torch.arange(4))
+    save_memory({(0, 0): store}, tmp_path / "mem", {"model": base_identity(a)})
+    with lcx.attach(b, ["fot"]) as run:
+        with pytest.raises(lcx.LcxError, match="built with another model"):
+            run.method("fot").load(tmp_path / "mem", b)
+    with lcx.attach(a, ["fot"]) as run:
+        meta = run.method("fot").load(tmp_path / "mem", a)
+        assert run.method("fot").mode == "multi" and meta["model"]["model_type"] == "llama"
