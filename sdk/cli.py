@@ -157,9 +157,11 @@ def models_list(as_json: bool) -> None:
 @click.option("--sample/--greedy", default=False, show_default=True, help="Sample instead of greedy decoding.")
 @click.option("--temperature", type=click.FloatRange(min=0.0, min_open=True), default=0.7, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--memory", "memory_dir", type=click.Path(path_type=Path), default=None,
+              help="A memory built by `lcx memory build` (fot, multi-document mode).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 def generate_cmd(model, methods, options, adapter, trust_remote_code, input_file, prompt, max_new_tokens,
-                 sample, temperature, seed, as_json) -> None:
+                 sample, temperature, seed, memory_dir, as_json) -> None:
     """Generate a continuation of a (long) document + prompt through the chosen methods.
 
     \b
@@ -181,6 +183,11 @@ def generate_cmd(model, methods, options, adapter, trust_remote_code, input_file
         raise LcxError("empty input: give --input FILE and/or --prompt TEXT with some text")
     s = _open(model, methods, options, adapter, trust_remote_code)
     try:
+        if memory_dir is not None:
+            fot = s.run.method("fot")
+            if fot is None:
+                raise LcxError("--memory needs the fot method: add --method fot")
+            fot.load(memory_dir, s.model)
         ids = s.tokenizer(text, return_tensors="pt")["input_ids"]
         torch.manual_seed(seed)
         kwargs: dict[str, Any] = {"do_sample": sample}
@@ -200,6 +207,54 @@ def generate_cmd(model, methods, options, adapter, trust_remote_code, input_file
             })
     finally:
         s.close()
+
+
+# ---------------------------------------------------------------------- memory
+@main.group("memory", cls=LcxGroup, context_settings=CONTEXT)
+def memory_grp() -> None:
+    """Build document memories once, query them many times (fot multi-document mode)."""
+
+
+@memory_grp.command("build", context_settings=CONTEXT)
+@model_option
+@click.option("--method", "methods", multiple=True, default=("fot",), show_default=True, help="The memory method.")
+@click.option("--option", "-o", "options", multiple=True, metavar="KEY=VALUE", help="Method option (fot).")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Folder for memory.safetensors + memory.json.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing memory folder.")
+@click.argument("docs", nargs=-1, required=True, type=click.Path(path_type=Path))
+def memory_build(model, methods, options, out, overwrite, docs):
+    """Index DOCS (text files or folders) into a kNN memory saved to --out.
+
+    \b
+    Example:
+      lcx memory build -m smollm2-135m --out out/mem ../shared/data/books/wells_invisible_man.txt
+      lcx generate -m smollm2-135m --method fot --memory out/mem -p "Who is Griffin?"
+    """
+    from tqdm.auto import tqdm
+
+    from lcx.adapters.peft_bridge import base_identity
+    from lcx.data import iter_documents
+    from lcx.memory import save_memory
+    from lcx.session import open_session, parse_options
+
+    if list(methods) != ["fot"]:
+        raise LcxError(f"memory build supports the fot method, got {', '.join(methods)}")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise LcxError(f"memory folder {str(out)!r} exists; pass --overwrite to replace it")
+    s = open_session(model, ["fot"], parse_options(options))
+    try:
+        fot = s.run.method("fot")
+        listed = []
+        for i, d in enumerate(tqdm(list(iter_documents([str(p) for p in docs])), desc="indexing", unit="doc")):
+            ids = s.tokenizer(d["text"], add_special_tokens=False, return_tensors="pt")["input_ids"]
+            listed.append({"doc_id": i, "source": d["source"], "tokens": fot.ingest(s.run, ids, i)})
+        stores = fot.stores_for_saving()
+        save_memory(stores, out, {"model": base_identity(s.model), "method": s.run.describe()["methods"][0],
+                                  "documents": listed})
+    finally:
+        s.close()
+    entries = len(next(iter(stores.values()))) if stores else 0
+    click.echo(f"indexed {len(listed)} document(s), {entries} entries per layer and head, into {out}")
 
 
 # ---------------------------------------------------------------------- eval

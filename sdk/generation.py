@@ -18,14 +18,15 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def prefill(run: Run, plan: Plan) -> Any:
-    """Create the run's memory and feed every window of the plan but the last one into it."""
+def prefill(run: Run, plan: Plan, include_last: bool = False) -> Any:
+    """Create the run's memory and feed the plan's windows into it: all but the last (which
+    generation feeds), or all of them with ``include_last`` (building a memory)."""
     model = run.model
     B = plan.input_ids.shape[0]
     cache = run.hook.lcx_memory(run=run, batch_size=B) or DynamicCache(config=model.config)
     run.state["memory"] = cache
     pos = position_ids_from_mask(plan.attention_mask)
-    for s, e in plan.windows[:-1]:
+    for s, e in plan.windows if include_last else plan.windows[:-1]:
         model(
             input_ids=plan.input_ids[:, s:e],
             attention_mask=plan.attention_mask[:, :e],

