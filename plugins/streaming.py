@@ -14,27 +14,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from lcx.adapters import families
 from lcx.adapters.rotary import rotate
 from lcx.hookspecs import hookimpl
-from lcx.masking import visible_mask
+from lcx.masking import SubsetCacheLayer, visible_mask
 from lcx.method import Method, option
 from lcx.plan import Plan
 
 
-class SinkWindowLayer(CacheLayerMixin):
+class SinkWindowLayer(SubsetCacheLayer):
     """Per-layer cache: ``sinks`` first tokens + ``window`` most recent tokens."""
-
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
 
     def __init__(self, sinks: int, window: int, inv_freq: torch.Tensor) -> None:
         super().__init__()
         self.sinks, self.window, self.inv_freq = sinks, window, inv_freq
-        self.cumulative_length = 0
         #: After each update: (number of sink keys, absolute position of the first non-sink key returned).
         self.visible: tuple[int, int] = (0, 0)
 
@@ -67,19 +62,7 @@ class SinkWindowLayer(CacheLayerMixin):
         self.keys, self.values = rest_k[:, :, -self.window:], rest_v[:, :, -self.window:]
         return out_k, out_v
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # The mask covers every position ever seen; the attention stage keeps the visible columns.
-        return self.cumulative_length + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.cumulative_length
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        self.is_initialized = False
-        self.cumulative_length = 0
+    def _reset_state(self) -> None:
         self.visible = (0, 0)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

@@ -9,6 +9,7 @@ cache actually returned.
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import CacheLayerMixin
 
 
 def visible_mask(attention_mask: torch.Tensor | None, kept: torch.Tensor, total: int, q_len: int,
@@ -30,3 +31,37 @@ def to_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
     return mask.to(dtype)
+
+
+class SubsetCacheLayer(CacheLayerMixin):
+    """Base for cache layers that keep some of the positions they have seen.
+
+    They report the full logical length to transformers (so masks and positions
+    stay absolute) and their attention stage keeps the visible columns with
+    ``visible_mask``.  Subclasses implement ``update`` and ``_reset_state``.
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cumulative_length = 0  # every token ever seen (absolute cache index of the next one)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cumulative_length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.is_initialized = False
+        self.cumulative_length = 0
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        pass

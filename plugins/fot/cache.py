@@ -12,24 +12,20 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from lcx.adapters.rotary import rotate
+from lcx.masking import SubsetCacheLayer
 from lcx.memory import MemoryStore
 
 
-class FoTLayer(CacheLayerMixin):
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
-
+class FoTLayer(SubsetCacheLayer):
     def __init__(self, local: int, memory: dict[tuple[int, int], MemoryStore] | None,
                  inv_freq: torch.Tensor | None, pad: torch.Tensor, doc_ids: list[int]) -> None:
         super().__init__()
         self.local, self.memory, self.inv_freq = local, memory, inv_freq
         self.pad = pad  # (B,) left-padding per row: RoPE position = cache index - pad
         self.doc_ids = doc_ids
-        self.cumulative_length = 0
         self.local_start = 0  # absolute cache index of the first key returned by the last update
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -67,18 +63,7 @@ class FoTLayer(CacheLayerMixin):
             for h in range(H):
                 self.memory[(b, h)].add(k0[h], values[b, h][real], pos[real], self.doc_ids[b])
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cumulative_length + query_length, 0  # the logical length; FoT slices the visible columns
-
-    def get_seq_length(self) -> int:
-        return self.cumulative_length
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        self.is_initialized = False
-        self.cumulative_length = 0
+    def _reset_state(self) -> None:
         self.local_start = 0
 
 
