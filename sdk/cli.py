@@ -178,6 +178,8 @@ def generate_cmd(model, methods, options, adapter, trust_remote_code, input_file
     from lcx.session import read_text_file
 
     text = (read_text_file(input_file) if input_file else "")
+    if input_file is not None and not text.strip() and not prompt.strip():
+        raise LcxError(f"empty input: file {str(input_file)!r} is empty (or only whitespace); put the document in it or pass --prompt TEXT")
     text = (text + ("\n" if text and prompt else "") + prompt)
     if not text.strip():
         raise LcxError("empty input: give --input FILE and/or --prompt TEXT with some text")

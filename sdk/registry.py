@@ -69,7 +69,15 @@ class Registry:
                 continue
             dist = ep.dist
             source = f"entry point {dist.name} {dist.version}" if dist else f"entry point {ep.value}"
-            self.add_plugin(plugin, name=ep.name, source=source)
+            if self.pm.has_plugin(ep.name):
+                print(f"lcx: warning: two plugins use the entry-point name {ep.name!r}; ignoring {source} "
+                      f"(keeping {self._sources.get(ep.name)})", file=sys.stderr)
+                continue
+            try:
+                self.add_plugin(plugin, name=ep.name, source=source)
+            except Exception as e:  # a broken third-party plugin must not break lcx
+                print(f"lcx: warning: skipped plugin {ep.name!r} ({source}): {e} "
+                      f"(set {ALLOWLIST_ENV} to choose which plugins load)", file=sys.stderr)
 
     def add_plugin(self, plugin: object, name: str, source: str = "runtime") -> None:
         """Register a plugin object/module and collect the methods it registers."""
@@ -77,12 +85,16 @@ class Registry:
             return
         self.pm.register(plugin, name=name)
         self._sources[name] = source
-        collected: list[type[Method]] = []
-        impls = [i for i in self.pm.hook.lcx_register_methods.get_hookimpls() if i.plugin_name == name]
-        for impl in impls:
-            impl.function(register=collected.append)
-        for cls in collected:
-            self._add_method(cls, name)
+        try:
+            collected: list[type[Method]] = []
+            impls = [i for i in self.pm.hook.lcx_register_methods.get_hookimpls() if i.plugin_name == name]
+            for impl in impls:
+                impl.function(register=collected.append)
+            for cls in collected:
+                self._add_method(cls, name)
+        except Exception:
+            self.remove_plugin(name)  # all or nothing: no half-registered plugin stays behind
+            raise
 
     def remove_plugin(self, name: str) -> None:
         self.pm.unregister(name=name)

@@ -1,14 +1,10 @@
-"""Plugins: third-party methods install as packages; composition refuses conflicts; allowlist works."""
+"""Plugins: runtime registration, broken plugins, conflicts (the installed-package path is in
+test_thirdparty_plugin.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,88 +12,6 @@ import torch
 import lcx
 from lcx.registry import registry
 from tests.conftest import tiny_model
-
-HELLO_PLUGIN = '''
-from dataclasses import dataclass
-import lcx
-
-CALLS = {"plan": 0}
-
-@dataclass
-class Hello(lcx.Method):
-    name = "hello"
-    description = "a third-party test method"
-    greeting: str = lcx.option("hi", "what to say")
-
-    @lcx.hookimpl
-    def lcx_plan(self, run, input_ids, attention_mask, max_new_tokens):
-        CALLS["plan"] += 1
-        return lcx.Plan.whole(input_ids, attention_mask)
-
-@lcx.hookimpl
-def lcx_register_methods(register):
-    register(Hello)
-'''
-
-RUN_HELLO = '''
-import sys, torch, lcx
-sys.path.insert(0, sys.argv[1])
-from tests.conftest import tiny_model
-import lcx_hello
-model = tiny_model("llama")
-with lcx.attach(model, ["hello"], greeting="hey") as run:
-    out = lcx.generate(run, torch.randint(3, 200, (1, 10)), max_new_tokens=2)
-print("PLAN_CALLS", lcx_hello.CALLS["plan"], tuple(out.shape), run.methods[0].greeting)
-'''
-
-
-@pytest.fixture(scope="module")
-def installed_hello(tmp_path_factory):
-    """A throwaway third-party package with an `lcx.methods` entry point, pip-installed into this venv."""
-    src = tmp_path_factory.mktemp("pkg")
-    (src / "lcx_hello.py").write_text(HELLO_PLUGIN)
-    (src / "pyproject.toml").write_text(textwrap.dedent('''
-        [build-system]
-        requires = ["setuptools>=69"]
-        build-backend = "setuptools.build_meta"
-        [project]
-        name = "lcx-hello"
-        version = "0.0.1"
-        [project.entry-points."lcx.methods"]
-        hello = "lcx_hello"
-        [tool.setuptools]
-        py-modules = ["lcx_hello"]
-    '''))
-    pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
-    subprocess.run([*pip, "install", "--no-deps", "--no-build-isolation", str(src)], check=True, capture_output=True)
-    try:
-        yield src
-    finally:
-        subprocess.run([*pip, "uninstall", "-y", "lcx-hello"], check=True, capture_output=True)
-
-
-def _lcx_json(*args: str, env: dict | None = None) -> list[dict]:
-    out = subprocess.run([sys.executable, "-m", "lcx.cli", *args, "--json"], check=True, capture_output=True,
-                         text=True, env={**os.environ, **(env or {})})
-    return json.loads(out.stdout)
-
-
-@pytest.mark.slow
-def test_third_party_method_is_listed_allowlisted_and_runs(installed_hello):
-    env = {k: v for k, v in os.environ.items() if k != "LCX_PLUGINS"}
-    methods = {m["name"]: m for m in _lcx_json("methods", env=env)}
-    assert methods["hello"]["plugin"] == "hello" and methods["hello"]["stages"] == ["chunking"]
-    plugins = {p["name"]: p for p in _lcx_json("plugins", env=env)}
-    assert plugins["hello"]["source"].startswith("entry point lcx-hello 0.0.1")
-    assert "hello" not in {m["name"] for m in _lcx_json("methods", env={"LCX_PLUGINS": ""})}
-    assert "hello" in {m["name"] for m in _lcx_json("methods", env={"LCX_PLUGINS": "hello"})}
-    assert "hello" not in {m["name"] for m in _lcx_json("methods", env={"LCX_PLUGINS": "other"})}
-
-    repo = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, "-c", RUN_HELLO, str(repo)], check=True, capture_output=True, text=True,
-                         cwd=repo, env={**env, "PYTHONPATH": str(repo)})
-    assert "PLAN_CALLS 1 (1, 2) hey" in out.stdout
-
 
 # ---------------------------------------------------------------------- in-process registration
 @dataclasses.dataclass
@@ -165,3 +79,27 @@ def test_builtin_methods_are_plugins_too():
     reg = registry()
     assert {"vanilla", "rope", "streaming"} <= set(reg.methods)
     assert reg.plugin_of("streaming") == "lcx.plugins.streaming"
+
+
+def test_a_broken_installed_plugin_is_skipped_with_a_warning(monkeypatch, capsys):
+    """Entry points that fail to load, register a clash, or reuse an entry-point name never break lcx."""
+    from lcx import registry as reg
+
+    def ep(name, obj):
+        return SimpleNamespace(name=name, value=f"pkg_{name}:plugin", dist=SimpleNamespace(name=f"pkg-{name}", version="1"),
+                               load=lambda: obj() if callable(obj) and not isinstance(obj, _Plugin) else obj)
+
+    def boom():
+        raise ImportError("missing dependency")
+
+    clash = _Plugin(dataclasses.make_dataclass("V", [], bases=(CountingAttention,), namespace={"name": "vanilla"}))
+    eps = [ep("broken", boom), ep("clash", clash), ep("good", _Plugin(OtherAttention)), ep("good", _Plugin(CountingAttention))]
+    monkeypatch.delenv(reg.ALLOWLIST_ENV, raising=False)
+    monkeypatch.setattr(reg.metadata, "entry_points", lambda group: eps)
+    r = reg.Registry()
+    err = capsys.readouterr().err
+    assert "could not load plugin 'broken'" in err and "missing dependency" in err
+    assert "skipped plugin 'clash'" in err and "LCX_PLUGINS" in err
+    assert "two plugins use the entry-point name 'good'" in err
+    assert r.plugin_of("vanilla") == "lcx.plugins.vanilla" and "other" in r.methods and "counting" not in r.methods
+    assert "clash" not in {p.name for p in r.plugins()}

@@ -1,0 +1,202 @@
+"""Through the real `lcx` command: every user mistake gives one `error:` line naming the value and a fix, exit 2.
+
+Commands run in-process with click's CliRunner (stdout and stderr kept apart); two cheap ones also run as
+real subprocesses to pin the console script's exit status.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from lcx.adapters import peft_bridge
+from lcx.cli import main
+from lcx.models import load_model
+from tests.helpers import make_tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("cli-errors") / "llama", max_position_embeddings=512)
+
+
+def lcx(*args: str) -> Result:
+    return CliRunner().invoke(main, list(args))
+
+
+def assert_error(r: Result, *needles: str) -> str:
+    """Exit status 2, nothing on stdout, exactly one stderr line starting with ``error:`` containing ``needles``."""
+    assert r.exit_code == 2, (r.exit_code, r.output, r.exc_info)
+    assert isinstance(r.exception, SystemExit), r.exc_info
+    assert r.stdout == "", r.stdout
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1, r.stderr
+    line = lines[0]
+    assert line.startswith("error: "), line
+    for n in needles:
+        assert n in line, (n, line)
+    return line
+
+
+# ---------------------------------------------------------------------- input text
+def test_empty_prompt_without_input(tiny_dir):
+    assert_error(lcx("generate", "-m", str(tiny_dir), "--method", "vanilla", "--prompt", ""),
+                 "empty input", "--input FILE", "--prompt TEXT")
+
+
+@pytest.mark.parametrize("content", ["", "  \n\t\n"], ids=["empty", "whitespace"])
+def test_empty_input_file(tiny_dir, tmp_path, content):
+    f = tmp_path / "doc.txt"
+    f.write_text(content)
+    assert_error(lcx("generate", "-m", str(tiny_dir), "--method", "vanilla", "--input", str(f)),
+                 "empty input", "--prompt")
+
+
+def test_empty_input_file_is_named(tiny_dir, tmp_path):
+    f = tmp_path / "doc.txt"
+    f.write_text("")
+    assert_error(lcx("generate", "-m", str(tiny_dir), "--input", str(f)), str(f))
+
+
+def test_non_utf8_input_file(tiny_dir, tmp_path):
+    f = tmp_path / "latin1.txt"
+    f.write_bytes(b"caf\xe9 latin1")
+    assert_error(lcx("generate", "-m", str(tiny_dir), "--method", "vanilla", "--input", str(f), "-p", "hi"),
+                 repr(str(f)), "not UTF-8", "0xe9", "offset 3", "iconv -f latin1 -t utf-8")
+
+
+def test_missing_input_file(tiny_dir, tmp_path):
+    f = tmp_path / "nope.txt"
+    assert_error(lcx("generate", "-m", str(tiny_dir), "--input", str(f)), repr(str(f)), "does not exist")
+
+
+# ---------------------------------------------------------------------- method and model names
+def test_unknown_method_lists_installed_ones(tiny_dir):
+    assert_error(lcx("generate", "-m", str(tiny_dir), "--method", "nosuch", "-p", "hi"),
+                 "unknown method 'nosuch'", "installed methods:", "vanilla", "streaming", "rope", "`lcx methods`")
+
+
+@pytest.mark.parametrize("name", ["org/name", "nosuch-model"])
+def test_unknown_model_is_not_downloaded(tmp_path, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)  # so no relative folder of that name exists
+    assert_error(lcx("generate", "-m", name, "--method", "vanilla", "-p", "hi"),
+                 f"no local model folder {name!r}", "never downloads from a hub", "lcx models pull")
+
+
+def test_folder_without_config(tmp_path):
+    (tmp_path / "empty-model").mkdir()
+    assert_error(lcx("generate", "-m", str(tmp_path / "empty-model"), "-p", "hi"),
+                 repr(str(tmp_path / "empty-model")), "no config.json", "save_pretrained")
+
+
+@pytest.mark.parametrize("arch", ["BertModel", "BertForMaskedLM"])
+def test_not_a_causal_lm(tmp_path, arch):
+    import transformers
+
+    cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=64)
+    folder = tmp_path / "bert"
+    getattr(transformers, arch)(cfg).save_pretrained(str(folder))
+    assert_error(lcx("generate", "-m", str(folder), "--method", "vanilla", "-p", "hi"),
+                 repr(str(folder)), "not a causal language model", "model_type 'bert'", "decoder-only")
+
+
+# ---------------------------------------------------------------------- adapters
+@pytest.fixture(scope="module")
+def two_bases_and_adapter(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapter")
+    a = make_tiny_model_dir(root / "a", seed=0)
+    b = make_tiny_model_dir(root / "b", seed=1)
+    model_a, _ = load_model(str(a))
+    adapter = peft_bridge.save_adapter(peft_bridge.add_adapter(model_a), root / "adapter-a",
+                                       methods=[{"name": "vanilla", "options": {}}])
+    return a, b, adapter
+
+
+def test_adapter_for_another_base_model(two_bases_and_adapter):
+    a, b, adapter = two_bases_and_adapter
+    assert_error(lcx("generate", "-m", str(b), "--adapter", str(adapter), "-p", "hi"),
+                 f"adapter {str(adapter)!r} was trained for another base model", "embedding_sha256",
+                 repr(str(a)), "load it on that model")
+
+
+def test_adapter_on_its_own_base_model_works(two_bases_and_adapter):
+    a, _, adapter = two_bases_and_adapter
+    r = lcx("generate", "-m", str(a), "--adapter", str(adapter), "-p", "hi", "-n", "2", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["new_tokens"] == 2 and [m["name"] for m in out["methods"]] == ["vanilla"]  # from the sidecar
+
+
+def test_adapter_folder_missing(tiny_dir, tmp_path):
+    assert_error(lcx("generate", "-m", str(tiny_dir), "--adapter", str(tmp_path / "nope"), "-p", "hi"),
+                 repr(str(tmp_path / "nope")), "does not exist", "lcx train")
+
+
+# ---------------------------------------------------------------------- method options
+@pytest.mark.parametrize(("option", "needles"), [
+    ("window", ["option 'window' is not KEY=VALUE", "-o window=1024"]),
+    ("=1", ["option '=1' is not KEY=VALUE"]),
+    ("nosuch=1", ["option 'nosuch' belongs to none of the selected methods (vanilla)", "`lcx methods -v`"]),
+    ("vanilla.nosuch=1", ["unknown option 'nosuch' for method 'vanilla'", "head_fraction, window",
+                          "`lcx methods -v`"]),
+    ("window=abc", ["option window='abc' of method 'vanilla' is not a valid int"]),
+    ("head_fraction=2", ["bad options for method 'vanilla'", "head_fraction must be in [0, 1], got 2.0"]),
+], ids=["no-equals", "no-key", "unknown", "unknown-qualified", "bad-int", "out-of-range"])
+def test_bad_method_options(tiny_dir, option, needles):
+    assert_error(lcx("generate", "-m", str(tiny_dir), "--method", "vanilla", "-o", option, "-p", "hi"), *needles)
+
+
+# ---------------------------------------------------------------------- usage errors (click)
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--lengths", "abc"], "'abc' is not a comma-separated list of token counts (e.g. 4096,8K,16K)"),
+    (["--lengths", "0"], "give positive token counts"),
+    (["--depths", "2"], "depths must be between 0 and 1"),
+])
+def test_eval_passkey_bad_grid_is_a_usage_error(tiny_dir, args, needle):
+    r = lcx("eval", "passkey", "-m", str(tiny_dir), *args)
+    assert r.exit_code == 2 and r.stdout == ""
+    assert "Usage: " in r.stderr and needle in r.stderr, r.stderr
+
+
+def test_real_process_exit_status(tmp_path):
+    """The console script itself: a click usage error and an LcxError (both need no torch, so this is quick)."""
+    exe = Path(sys.executable).with_name("lcx")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "lcx.cli"]
+    r = subprocess.run([*cmd, "eval", "passkey", "-m", "x", "--lengths", "abc"], capture_output=True, text=True,
+                       cwd=tmp_path)
+    assert r.returncode == 2 and r.stdout == "" and "'abc' is not a comma-separated list" in r.stderr
+    r = subprocess.run([*cmd, "models", "pull", "nosuch"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2 and r.stdout == "", r
+    assert r.stderr.splitlines() == [r.stderr.strip()] and r.stderr.startswith("error: unknown model 'nosuch'; "
+                                                                               "known models: smollm2-135m")
+
+
+# ---------------------------------------------------------------------- happy paths
+def test_generate_json(tiny_dir):
+    r = lcx("generate", "-m", str(tiny_dir), "--method", "vanilla", "--prompt", "hello world", "-n", "3", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["new_tokens"] == 3 and out["prompt_tokens"] > 0 and isinstance(out["text"], str)
+    assert out["model"] == str(tiny_dir) and out["dropped_tokens"] == 0
+    assert out["methods"] == [{"name": "vanilla", "options": {"head_fraction": 0.5, "window": 0}}]
+
+
+def test_eval_passkey_writes_json_and_plot(tiny_dir, tmp_path):
+    out_dir = tmp_path / "pk"
+    r = lcx("eval", "passkey", "-m", str(tiny_dir), "--method", "vanilla", "--lengths", "200", "--depths", "0.5",
+            "--samples", "2", "--out", str(out_dir), "--json")
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.stdout)
+    assert summary["json"] == str(out_dir / "passkey.json") and summary["plot"] == str(out_dir / "passkey.png")
+    assert {"accuracy", "accuracy_by_length", "accuracy_by_cell", "n"} <= set(summary) and summary["n"] == 2
+    assert set(summary["accuracy_by_length"]) == {"200"} and 0.0 <= summary["accuracy"] <= 1.0
+    res = json.loads((out_dir / "passkey.json").read_text())
+    assert res["config"]["lengths"] == [200] and res["config"]["depths"] == [0.5] and len(res["samples"]) == 2
+    assert res["methods"] == [{"name": "vanilla", "options": {"head_fraction": 0.5, "window": 0}}]
+    assert (out_dir / "passkey.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
