@@ -20,7 +20,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   # pip, without the noise of this machine's local index mirrors; keeps pip's exit status.
   pip_q() {
     local rc=0
-    "$VENV/bin/python" -m pip "$@" >"$VENV/pip.log" 2>&1 || rc=$?
+    PYTHONWARNINGS=ignore "$VENV/bin/python" -m pip "$@" >"$VENV/pip.log" 2>&1 || rc=$?
     grep -v "is ignored: it is neither a file nor a directory" "$VENV/pip.log" || true
     return $rc
   }

@@ -242,7 +242,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, progr
                 ids = windows[rows]["input_ids"]
                 batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
                 batch = run.hook.lcx_sample(run=run, batch=batch, step=step) or batch
-                terms = _loss_terms(run, ddp_model, batch)
+                with accel.autocast():  # bf16 autocast when --bf16 (a no-op otherwise)
+                    terms = _loss_terms(run, ddp_model, batch)
                 loss = sum(terms.values()) / cfg.grad_accum
                 ctx = accel.no_sync(ddp_model) if micro < cfg.grad_accum - 1 else _nullcontext()
                 with ctx:

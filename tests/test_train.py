@@ -172,3 +172,10 @@ def test_two_process_ddp_matches_one_process_with_the_same_global_batch(model_di
     for a, b in zip(one, two):
         assert abs(a["loss"] - b["loss"]) < 1e-4, (a, b)
     assert abs(one[-1]["loss"] - one[0]["loss"]) > 0.1  # the curve moved: the comparison is not of constants
+
+
+def test_bf16_autocast_takes_effect(model_dir, corpus, tmp_path):
+    """--bf16 runs the forward under bf16 autocast: the loss moves a little, not a lot."""
+    fp32 = _metrics(train(_cfg(model_dir, corpus, tmp_path / "fp32", steps=2), progress=False))
+    bf16 = _metrics(train(_cfg(model_dir, corpus, tmp_path / "bf16", steps=2, bf16=True), progress=False))
+    assert fp32[0]["loss"] != bf16[0]["loss"] and abs(fp32[0]["loss"] - bf16[0]["loss"]) < 0.05
