@@ -174,6 +174,11 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, progr
     cfg.validate()
     out = Path(cfg.out)
     ckpt_root = out / CHECKPOINTS
+    # accelerate keeps mixed precision in a process-wide singleton; forget the previous run's choice so
+    # train() can be called again with another precision (the process group, if any, is kept).
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()
     accel = Accelerator(gradient_accumulation_steps=1, mixed_precision="bf16" if cfg.bf16 else "no", cpu=not torch.cuda.is_available())
     rank, world = accel.process_index, accel.num_processes
 
