@@ -14,6 +14,7 @@ Per optimizer step, for each gradient-accumulation micro-batch:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -250,7 +251,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, progr
                 with accel.autocast():  # bf16 autocast when --bf16 (a no-op otherwise)
                     terms = _loss_terms(run, ddp_model, batch)
                 loss = sum(terms.values()) / cfg.grad_accum
-                ctx = accel.no_sync(ddp_model) if micro < cfg.grad_accum - 1 else _nullcontext()
+                ctx = accel.no_sync(ddp_model) if micro < cfg.grad_accum - 1 else contextlib.nullcontext()
                 with ctx:
                     accel.backward(loss)
                 for k, v in terms.items():
@@ -294,14 +295,6 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, progr
                      extra={"training": dataclasses.asdict(cfg), "steps_done": step})
     run.detach()
     return out
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def _loss_terms(run, model, batch) -> dict[str, torch.Tensor]:
