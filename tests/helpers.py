@@ -1,9 +1,11 @@
-"""Test helpers: tiny model folders (model + an offline character-level tokenizer)."""
+"""Test helpers: tiny model folders (model + an offline character-level tokenizer) and a plugin object."""
 
 from __future__ import annotations
 
 import string
 from pathlib import Path
+
+import lcx
 
 from tests.conftest import tiny_model
 
@@ -32,3 +34,16 @@ def make_tiny_model_dir(path: Path, family: str = "llama", seed: int = 0, **over
     model.save_pretrained(str(path))
     char_tokenizer().save_pretrained(str(path))
     return path
+
+
+
+class MethodsPlugin:
+    """A plugin object (not a module) registering the given method classes."""
+
+    def __init__(self, *classes):
+        self.classes = classes
+
+    @lcx.hookimpl
+    def lcx_register_methods(self, register):
+        for cls in self.classes:
+            register(cls)

@@ -12,6 +12,7 @@ import torch
 import lcx
 from lcx.registry import registry
 from tests.conftest import tiny_model
+from tests.helpers import MethodsPlugin
 
 # ---------------------------------------------------------------------- in-process registration
 @dataclasses.dataclass
@@ -34,19 +35,9 @@ class OtherAttention(lcx.Method):
         return None
 
 
-class _Plugin:
-    def __init__(self, *classes):
-        self.classes = classes
-
-    @lcx.hookimpl
-    def lcx_register_methods(self, register):
-        for c in self.classes:
-            register(c)
-
-
 def test_runtime_plugin_registers_and_unregisters(isolated_registry):
     reg = isolated_registry
-    reg.add_plugin(_Plugin(CountingAttention), name="counting-plugin")
+    reg.add_plugin(MethodsPlugin(CountingAttention), name="counting-plugin")
     try:
         model = tiny_model("llama")
         x = torch.randint(3, 200, (1, 12))
@@ -63,10 +54,10 @@ def test_runtime_plugin_registers_and_unregisters(isolated_registry):
 
 def test_bad_registrations_name_the_plugin(isolated_registry):
     with pytest.raises(lcx.LcxError, match="plugin 'broken' registered .*not a named lcx.Method"):
-        isolated_registry.add_plugin(_Plugin(dict), name="broken")
-    isolated_registry.add_plugin(_Plugin(CountingAttention), name="first")
+        isolated_registry.add_plugin(MethodsPlugin(dict), name="broken")
+    isolated_registry.add_plugin(MethodsPlugin(CountingAttention), name="first")
     with pytest.raises(lcx.LcxError, match="'second' registers method 'counting', already registered by plugin 'first'"):
-        isolated_registry.add_plugin(_Plugin(dataclasses.make_dataclass("X", [], bases=(CountingAttention,))), name="second")
+        isolated_registry.add_plugin(MethodsPlugin(dataclasses.make_dataclass("X", [], bases=(CountingAttention,))), name="second")
 
 
 def test_two_methods_claiming_attention_are_refused(llama):
@@ -87,13 +78,13 @@ def test_a_broken_installed_plugin_is_skipped_with_a_warning(monkeypatch, capsys
 
     def ep(name, obj):
         return SimpleNamespace(name=name, value=f"pkg_{name}:plugin", dist=SimpleNamespace(name=f"pkg-{name}", version="1"),
-                               load=lambda: obj() if callable(obj) and not isinstance(obj, _Plugin) else obj)
+                               load=lambda: obj() if callable(obj) and not isinstance(obj, MethodsPlugin) else obj)
 
     def boom():
         raise ImportError("missing dependency")
 
-    clash = _Plugin(dataclasses.make_dataclass("V", [], bases=(CountingAttention,), namespace={"name": "vanilla"}))
-    eps = [ep("broken", boom), ep("clash", clash), ep("good", _Plugin(OtherAttention)), ep("good", _Plugin(CountingAttention))]
+    clash = MethodsPlugin(dataclasses.make_dataclass("V", [], bases=(CountingAttention,), namespace={"name": "vanilla"}))
+    eps = [ep("broken", boom), ep("clash", clash), ep("good", MethodsPlugin(OtherAttention)), ep("good", MethodsPlugin(CountingAttention))]
     monkeypatch.delenv(reg.ALLOWLIST_ENV, raising=False)
     monkeypatch.setattr(reg.metadata, "entry_points", lambda group: eps)
     r = reg.Registry()

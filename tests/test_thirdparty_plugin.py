@@ -26,7 +26,7 @@ from lcx import hookspecs
 from lcx.cli import main
 from lcx.composition import attached_run
 from tests.conftest import tiny_model
-from tests.helpers import make_tiny_model_dir
+from tests.helpers import MethodsPlugin as Plugin, make_tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
 DIST = "lcx-hello-method"
@@ -208,18 +208,6 @@ class Greet(lcx.Method):
     def lcx_plan(self, run, input_ids, attention_mask, max_new_tokens):
         run.state.setdefault("greet_calls", []).append((self.prefix, int(input_ids.shape[1]), max_new_tokens))
         return lcx.Plan.whole(input_ids, attention_mask)
-
-
-class Plugin:
-    """A plugin object (not a module) registering the given classes."""
-
-    def __init__(self, *classes):
-        self.classes = classes
-
-    @lcx.hookimpl
-    def lcx_register_methods(self, register):
-        for cls in self.classes:
-            register(cls)
 
 
 def _method_with(stage: str, name: str) -> type[lcx.Method]:
