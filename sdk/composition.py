@@ -1,7 +1,7 @@
 """Composition: attach a set of methods to a model, reversibly.
 
     with lcx.attach(model, ["rope", "streaming"], factor=4.0) as run:
-        out = lcx.generate(run, tokenizer, prompt)
+        new_tokens = lcx.generate(run, input_ids, max_new_tokens=32)
     # the model is exactly as it was
 
 ``attach`` builds a per-run pluggy manager holding only the chosen method

@@ -17,14 +17,20 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def new_memory(run: Run, plan: Plan) -> Any:
+    """Record the plan and create the run's memory for it (the method's Cache, or a DynamicCache)."""
+    run.state["plan"] = plan
+    cache = run.hook.lcx_memory(run=run, batch_size=plan.input_ids.shape[0]) or DynamicCache(config=run.model.config)
+    run.state["memory"] = cache
+    return cache
+
+
 @torch.no_grad()
 def prefill(run: Run, plan: Plan, include_last: bool = False) -> Any:
     """Create the run's memory and feed the plan's windows into it: all but the last (which
     generation feeds), or all of them with ``include_last`` (building a memory)."""
     model = run.model
-    B = plan.input_ids.shape[0]
-    cache = run.hook.lcx_memory(run=run, batch_size=B) or DynamicCache(config=model.config)
-    run.state["memory"] = cache
+    cache = new_memory(run, plan)
     pos = position_ids_from_mask(plan.attention_mask)
     for s, e in plan.windows if include_last else plan.windows[:-1]:
         model(
@@ -59,7 +65,6 @@ def generate(
 ) -> torch.Tensor:
     """Generate ``max_new_tokens`` after a (possibly very long) prompt; returns only the new tokens (B, N)."""
     plan = make_plan(run, input_ids, attention_mask, max_new_tokens)
-    run.state["plan"] = plan
     cache = prefill(run, plan)
     kwargs = dict(do_sample=False, pad_token_id=_pad_id(run.model))
     kwargs.update(generate_kwargs)
@@ -94,9 +99,7 @@ def tail_logits(run: Run, input_ids: torch.Tensor, n_target: int) -> torch.Tenso
     if not torch.equal(ids[0, T - n_target - 1:], input_ids[0, -n_target - 1:]):
         raise LcxError(f"the {run!r} plan dropped scored tokens; score fewer than the window ({T} tokens kept)")
     model = run.model
-    run.state["plan"] = plan
-    cache = run.hook.lcx_memory(run=run, batch_size=1) or DynamicCache(config=model.config)
-    run.state["memory"] = cache
+    cache = new_memory(run, plan)
     pos = position_ids_from_mask(plan.attention_mask)
     first_pred = T - n_target - 1  # logits at positions [first_pred, T-2] predict the targets
     chunks = []

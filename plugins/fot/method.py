@@ -141,7 +141,6 @@ class FoT(Method):
         self.mode = "multi"
         run.state["doc_ids"] = [doc_id]
         plan = make_plan(run, input_ids, None, 0)
-        run.state["plan"] = plan
         cache = prefill(run, plan, include_last=True)
         for layer in cache.layers:  # flush the last local window into memory too
             if isinstance(layer, FoTLayer) and layer.memory is not None and layer.keys.shape[-2]:
