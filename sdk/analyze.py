@@ -150,3 +150,83 @@ def plot(result: dict[str, Any], path: Path, title: str) -> Path:
     for ax in axes:
         ax.grid(alpha=0.3)
     return save_figure(fig, path, title)
+
+
+# ---------------------------------------------------------------------- retrieval layers
+@dataclass
+class RetrievalProbe(Method):
+    """Not a registered method: attention mass that the last queries put on given key positions."""
+
+    name = "retrieval-probe"
+    description = "records attention mass on target keys; computes attention unchanged"
+
+    n_layers: int = 1
+    n_heads: int = 1
+    max_queries: int = 16
+
+    def __post_init__(self) -> None:
+        self.targets: list[int] = []
+        self.mass = torch.zeros(self.n_layers, self.n_heads, dtype=torch.float64)
+        self.count = 0
+
+    @hookimpl
+    def lcx_attention(self, run, module, query, key, value, attention_mask, kwargs):
+        B, H, T, D = query.shape
+        if T > self.max_queries or not self.targets:  # the prompt's prefill: not measured
+            return None
+        S = key.shape[-2]
+        k = key.repeat_interleave(H // key.shape[1], dim=1).float()
+        scores = (query.float() @ k.transpose(-1, -2)) * (kwargs.get("scaling") or D ** -0.5)  # (B, H, T, S)
+        causal = torch.arange(S)[None, :] <= torch.arange(S - T, S)[:, None]
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        self.mass[module.layer_idx] += probs[..., self.targets].sum(-1).mean(dim=(0, 2)).double()
+        if module.layer_idx == 0:
+            self.count += 1
+        return None
+
+
+def retrieval_layers(model: Any, tokenizer: Any, length: int, depths: list[float], keys: list[int],
+                     threshold: float = 0.15, progress: bool = True) -> dict[str, Any]:
+    """Which layers retrieve: the attention mass each head puts on a passkey's digits while the
+    model repeats them (teacher-forced), over a prompt the model reads natively (``length`` tokens).
+
+    Layers whose best head puts at least ``threshold`` of its mass on the needle are the
+    suggested memory layers: a memory method that leaves them out cannot copy from memory.
+    """
+    from tqdm.auto import tqdm
+
+    from lcx.composition import attach
+    from lcx.evals.passkey import build_prompt_ids
+    cfg = getattr(model.config, "text_config", None) or model.config
+    n_layers, n_heads = cfg.num_hidden_layers, cfg.num_attention_heads
+    probe = RetrievalProbe(n_layers=n_layers, n_heads=n_heads)
+    cases = [(d, key) for d in depths for key in keys]
+    with attach(model, [probe]), torch.no_grad():
+        for d, key in tqdm(cases, desc="retrieval", disable=not progress):
+            ids = build_prompt_ids(tokenizer, length, d, key)
+            answer = tokenizer(" " + str(key), add_special_tokens=False)["input_ids"]
+            prompt = ids.tolist()
+            hits = [i for i in range(len(prompt) - len(answer) + 1) if prompt[i:i + len(answer)] == answer]
+            probe.targets = []
+            out = model(ids[None, :-1], use_cache=True, logits_to_keep=1)  # prefill: not measured
+            probe.targets = sorted({i + j for i in hits for j in range(len(answer))})
+            model(torch.tensor([prompt[-1:] + answer[:-1]]), past_key_values=out.past_key_values, logits_to_keep=1)
+    mass = (probe.mass / max(probe.count, 1)).float()
+    best = mass.max(dim=1).values
+    layers = [i for i, v in enumerate(best.tolist()) if v >= threshold]
+    return {"length": length, "depths": depths, "keys": keys, "threshold": threshold,
+            "mass_by_layer_head": [[round(v, 4) for v in row] for row in mass.tolist()],
+            "best_head_mass_by_layer": [round(v, 4) for v in best.tolist()],
+            "suggested_memory_layers": ",".join(map(str, layers))}
+
+
+def plot_retrieval(result: dict[str, Any], path: Path, title: str) -> Path:
+    mass = result["mass_by_layer_head"]
+    fig, ax = pyplot().subplots(figsize=(1.5 + 0.35 * len(mass[0]), 1.0 + 0.22 * len(mass)))
+    im = ax.imshow(mass, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+    ax.set_xlabel("query head")
+    ax.set_ylabel("layer")
+    chosen = {int(x) for x in result["suggested_memory_layers"].split(",") if x}
+    ax.set_yticks(range(len(mass)), [f"{i}*" if i in chosen else str(i) for i in range(len(mass))], fontsize=6)
+    fig.colorbar(im, ax=ax, fraction=0.046, label="attention mass on the needle")
+    return save_figure(fig, path, title + f" (* = suggested memory layer, best head >= {result['threshold']})")

@@ -528,6 +528,43 @@ def analyze_attention(model, data, length, max_docs, chunk, out, as_json):
         click.echo(f"wrote {js} and {png}")
 
 
+@analyze_grp.command("retrieval", context_settings=CONTEXT)
+@model_option
+@click.option("--length", callback=lambda c, p, v: _int_list(c, p, v)[0], default="4K", show_default=True,
+              help="Prompt length in tokens; keep it within the model's window (K suffix allowed).")
+@click.option("--depths", callback=_float_list, default="0.2,0.5,0.8", show_default=True, help="Needle depths.")
+@click.option("--keys", "n_keys", type=click.IntRange(1), default=1, show_default=True, help="Random keys per depth.")
+@click.option("--threshold", type=click.FloatRange(0, 1), default=0.15, show_default=True,
+              help="A layer is suggested when its best head puts at least this share of attention on the needle.")
+@click.option("--seed", type=int, default=12345, show_default=True, help="Keys differ from the eval's (seed 0).")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("out/retrieval"), show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def analyze_retrieval(model, length, depths, n_keys, threshold, seed, out, as_json):
+    """Which layers copy from far context: attention mass on a passkey while the model repeats it.
+
+    The suggested layers are the memory layers a training-free memory method needs, e.g.
+    lcx eval passkey --method fot -o memory_layers=<suggested> ...  Writes OUT/retrieval.{json,png}.
+    """
+    import random
+
+    from lcx import analyze
+    from lcx.models import load_model
+
+    hf_model, tok = load_model(model)
+    rng = random.Random(seed)
+    keys = [rng.randint(10000, 99999) for _ in range(n_keys)]
+    result = {"model": model, "command": "lcx " + " ".join(sys.argv[1:]),
+              **analyze.retrieval_layers(hf_model, tok, length, depths, keys, threshold, progress=not as_json)}
+    js = analyze.write_json(result, out / "retrieval.json")
+    png = analyze.plot_retrieval(result, out / "retrieval.png", f"{model}: retrieval by layer and head")
+    if as_json:
+        _echo_json({"json": str(js), "plot": str(png), "suggested_memory_layers": result["suggested_memory_layers"],
+                    "best_head_mass_by_layer": result["best_head_mass_by_layer"]})
+    else:
+        click.echo(f"suggested memory layers: {result['suggested_memory_layers'] or '(none over the threshold)'}")
+        click.echo(f"wrote {js} and {png}")
+
+
 # ---------------------------------------------------------------------- train
 @main.command("train", context_settings=CONTEXT)
 @model_option

@@ -54,56 +54,85 @@ class StoreConfig:
             raise LcxError(f"max_entries must be >= 0 (0 = unbounded), got {self.max_entries}")
 
 
+class _Rows:
+    """Rows appended in amortised O(1) (capacity doubles) and dropped from the front in O(1).
+
+    A memory grows by one window at a time; ``torch.cat`` per append would copy the whole
+    memory each time (quadratic in its size)."""
+
+    def __init__(self, data: torch.Tensor | None = None) -> None:
+        self.buf, self.start, self.end = data, 0, 0 if data is None else data.shape[0]
+
+    def view(self) -> torch.Tensor | None:
+        return None if self.buf is None else self.buf[self.start:self.end]
+
+    def append(self, x: torch.Tensor) -> None:
+        n = x.shape[0]
+        if self.buf is None or self.end + n > self.buf.shape[0]:
+            live = self.view()
+            size = 0 if live is None else live.shape[0]
+            buf = x.new_empty((max(2 * (size + n), 256),) + tuple(x.shape[1:]))
+            if size:
+                buf[:size] = live
+            self.buf, self.start, self.end = buf, 0, size
+        self.buf[self.end:self.end + n] = x
+        self.end += n
+
+    def drop_front(self, n: int) -> None:
+        self.start += n
+
+
 class MemoryStore(ABC):
     """Keys (N, D) and values (N, Dv) with positions and document ids; oldest-first eviction."""
 
     def __init__(self, config: StoreConfig) -> None:
         config.validate()
         self.config = config
-        self.keys: torch.Tensor | None = None  # (N, D) float32
-        self.values: torch.Tensor | None = None  # (N, Dv)
-        self.positions = torch.zeros(0, dtype=torch.long)
-        self.doc_ids = torch.zeros(0, dtype=torch.long)
+        self._set(None, None, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
         self.evicted = 0  # entries dropped by the cap, for reporting
 
+    def _set(self, keys, values, positions, doc_ids) -> None:
+        self._rows = {"keys": _Rows(keys), "values": _Rows(values), "positions": _Rows(positions), "doc_ids": _Rows(doc_ids)}
+
+    keys = property(lambda self: self._rows["keys"].view(), doc="(N, D) float32 keys, oldest first")
+    values = property(lambda self: self._rows["values"].view(), doc="(N, Dv) values")
+    positions = property(lambda self: self._rows["positions"].view() if len(self) else torch.zeros(0, dtype=torch.long))
+    doc_ids = property(lambda self: self._rows["doc_ids"].view() if len(self) else torch.zeros(0, dtype=torch.long))
+
     def __len__(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[0]
+        r = self._rows["keys"]
+        return r.end - r.start
 
     # ------------------------------------------------------------------ writing
     def add(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, doc_id: int | torch.Tensor = 0) -> None:
         """Append entries; with a cap, drop the oldest beyond it."""
         if keys.ndim != 2 or values.ndim != 2 or keys.shape[0] != values.shape[0]:
             raise LcxError(f"memory.add needs keys (N, D) and values (N, Dv); got {tuple(keys.shape)} and {tuple(values.shape)}")
-        if self.keys is not None and keys.shape[1] != self.keys.shape[1]:
+        if len(self) and keys.shape[1] != self.keys.shape[1]:
             raise LcxError(f"key dimension {keys.shape[1]} differs from the memory's {self.keys.shape[1]}")
         n = keys.shape[0]
         doc = doc_id.long() if torch.is_tensor(doc_id) else torch.full((n,), int(doc_id), dtype=torch.long)
-        # copies: the memory owns its data (callers may reuse their buffers)
-        k, v = keys.detach().float().cpu().clone(), values.detach().cpu().clone()
-        self.keys = k if self.keys is None else torch.cat([self.keys, k])
-        self.values = v if self.values is None else torch.cat([self.values, v])
-        self.positions = torch.cat([self.positions, positions.long().cpu().clone()])
-        self.doc_ids = torch.cat([self.doc_ids, doc])
+        k = keys.detach().float().cpu().contiguous()
+        # the rows are copied into the memory's own buffers (callers may reuse theirs)
+        for name, x in (("keys", k), ("values", values.detach().cpu()), ("positions", positions.long().cpu()), ("doc_ids", doc)):
+            self._rows[name].append(x)
         cap = self.config.max_entries
         if cap and len(self) > cap:
             drop = len(self) - cap
             self.evicted += drop
-            self.keys, self.values = self.keys[drop:], self.values[drop:]
-            self.positions, self.doc_ids = self.positions[drop:], self.doc_ids[drop:]
+            for r in self._rows.values():
+                r.drop_front(drop)
             self._rebuild()
         else:
             self._index_add(k)
 
     def clear(self, doc_id: int | None = None) -> None:
         """Forget everything, or only the entries of one document."""
-        if doc_id is None or self.keys is None:
-            self.keys = self.values = None
-            self.positions = torch.zeros(0, dtype=torch.long)
-            self.doc_ids = torch.zeros(0, dtype=torch.long)
+        if doc_id is None or not len(self):
+            self._set(None, None, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
         else:
             keep = self.doc_ids != doc_id
-            self.keys, self.values = self.keys[keep], self.values[keep]
-            self.positions, self.doc_ids = self.positions[keep], self.doc_ids[keep]
+            self._set(self.keys[keep], self.values[keep], self.positions[keep], self.doc_ids[keep])
         self._rebuild()
 
     # ------------------------------------------------------------------ reading
@@ -128,7 +157,7 @@ class MemoryStore(ABC):
 
     # ------------------------------------------------------------------ persistence
     def tensors(self, prefix: str = "") -> dict[str, torch.Tensor]:
-        if self.keys is None:
+        if not len(self):
             return {}
         return {f"{prefix}keys": self.keys.contiguous(), f"{prefix}values": self.values.contiguous(),
                 f"{prefix}positions": self.positions, f"{prefix}doc_ids": self.doc_ids}
@@ -136,8 +165,7 @@ class MemoryStore(ABC):
     def load_tensors(self, t: dict[str, torch.Tensor], prefix: str = "") -> None:
         self.clear()
         if f"{prefix}keys" in t:
-            self.keys, self.values = t[f"{prefix}keys"], t[f"{prefix}values"]
-            self.positions, self.doc_ids = t[f"{prefix}positions"], t[f"{prefix}doc_ids"]
+            self._set(t[f"{prefix}keys"], t[f"{prefix}values"], t[f"{prefix}positions"], t[f"{prefix}doc_ids"])
             self._rebuild()
 
 
@@ -194,7 +222,7 @@ class FaissStore(MemoryStore):
 
     def _rebuild(self) -> None:
         self.index = None
-        if self.keys is None or len(self) == 0:
+        if not len(self):
             return
         d = self.keys.shape[1]
         index = self._make_index(d)

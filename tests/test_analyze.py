@@ -38,3 +38,25 @@ def test_stats_on_a_hand_made_pattern():
     assert out["cumulative_mass_by_distance"]["1"] == pytest.approx(1.0)
     assert out["mass_per_bin"] == {"0-4": pytest.approx(1.0), "4-8": pytest.approx(0.0)}
     assert out["mass_share_of_top_fraction"]["0.01"] == pytest.approx(1.0)
+
+
+def test_retrieval_mass_equals_output_attentions():
+    """The probe's per-head mass on the needle equals output_attentions of one full forward pass."""
+    from lcx.analyze import retrieval_layers
+    from lcx.evals.passkey import build_prompt_ids
+    from tests.helpers import char_tokenizer
+
+    tok = char_tokenizer()
+    model = tiny_model("llama", attn_implementation="eager", vocab_size=128)
+    got = retrieval_layers(model, tok, length=300, depths=[0.3], keys=[48213], threshold=0.0, progress=False)
+
+    ids = build_prompt_ids(tok, 300, 0.3, 48213).tolist()
+    answer = tok(" 48213", add_special_tokens=False)["input_ids"]
+    targets = sorted({i + j for i in range(len(ids) - len(answer) + 1) if ids[i:i + len(answer)] == answer
+                      for j in range(len(answer))})
+    assert len(targets) == 2 * len(answer)  # the needle states the key twice
+    with torch.no_grad():
+        atts = model(torch.tensor([ids + answer[:-1]]), output_attentions=True).attentions
+    want = torch.stack([a[0, :, -len(answer):, targets].sum(-1).mean(-1) for a in atts])  # (layers, heads)
+    assert torch.allclose(torch.tensor(got["mass_by_layer_head"]), want, atol=1e-4)
+    assert got["suggested_memory_layers"] == ",".join(str(i) for i in range(len(atts)))  # threshold 0: all

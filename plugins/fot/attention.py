@@ -60,11 +60,11 @@ def memory_attention(
                     pl, pm = joint[:, : local.shape[-1]], joint[:, local.shape[-1]:]
                     o = pl @ vl + pm @ mv  # (G*c, Dv)
                 else:
-                    _, idx = store.search(qm, k)  # (G*c, k')
-                    mk, mv = store.keys[idx], store.values[idx].float()  # (G*c, k', D), (G*c, k', Dv)
-                    mem = (qm[:, None, :] * mk).sum(-1) * scaling  # exact scores of the retrieved keys
+                    scores, idx = store.search(qm, k)  # (G*c, k'): every backend returns exact inner products
+                    mem = scores.to(local.device) * scaling
+                    mv = store.values[idx].float()  # (G*c, k', Dv)
                     joint = torch.cat([local.reshape(-1, local.shape[-1]), mem], dim=-1).softmax(-1)
                     pl, pm = joint[:, : local.shape[-1]], joint[:, local.shape[-1]:]
-                    o = pl @ vl + (pm[..., None] * mv).sum(-2)
+                    o = pl @ vl + torch.bmm(pm[:, None, :], mv)[:, 0]
                 out[b, s:e, heads] = o.view(G, e - s, -1).transpose(0, 1).to(out.dtype)
     return out

@@ -35,7 +35,8 @@ class FoT(Method):
 
     memory_layers: str = option("auto", "memory layers: auto (3 at 1/4, 1/2, 3/4 depth), all, or indices like 7,15,22")
     k: int = option(32, "memory keys retrieved per query and head")
-    local: int = option(2048, "local context: tokens per window and per layer cache")
+    local: int = option(2048, "local context: keys each layer keeps in its cache (a sliding window)")
+    chunk: int = option(0, "tokens ingested per forward pass; 0 = local (FoT); smaller keeps every query's local context >= local - chunk")
     positions: Literal["first", "fixed", "none"] = option("first", "memory key positions: first (as if at the local window's start, LongLLaMA), fixed (one distance), none")
     fixed_distance: int = option(0, "distance of every memory key in positions=fixed; 0 = local")
     dense: bool = option(False, "attend to all of memory (no kNN); exact but linear in memory size")
@@ -49,6 +50,8 @@ class FoT(Method):
             raise ValueError(f"k must be > 0, got {self.k}")
         if self.local <= 0 or self.block <= 0:
             raise ValueError(f"local and block must be > 0 (got local={self.local}, block={self.block})")
+        if not 0 <= self.chunk <= self.local:
+            raise ValueError(f"chunk must be in 0..local ({self.local}), got {self.chunk}")
         if self.positions not in ("first", "fixed", "none"):
             raise ValueError(f"positions must be first, fixed or none, got {self.positions!r}")
         StoreConfig(kind=self.backend, max_entries=self.max_entries).validate()
@@ -81,7 +84,7 @@ class FoT(Method):
 
     @hookimpl
     def lcx_plan(self, run, input_ids, attention_mask, max_new_tokens):
-        return Plan.chunked(input_ids, attention_mask, self.local)
+        return Plan.chunked(input_ids, attention_mask, self.chunk or self.local)
 
     @hookimpl
     def lcx_memory(self, run, batch_size):
