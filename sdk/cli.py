@@ -420,8 +420,12 @@ def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, 
         docs = _ppl_documents(data, tok, max_docs)
         cfg = ppl.PplConfig(contexts=contexts, target=target, samples=samples or 1)
         ev = lambda run: ppl.evaluate(lambda ids, n: score_tail(run, ids, n), docs, cfg, progress=not as_json)  # noqa: E731
-    results = cmp.compare(hf_model, list(stacks), opts, ev, log=(lambda m: None) if as_json else click.echo)
     command = "lcx " + " ".join(sys.argv[1:])
+    partial = lambda done: cmp.write_json({"suite": suite, "model": model, "command": command,  # noqa: E731
+                                           "unfinished": [s for s in stacks if s not in done], "stacks": done},
+                                          out / f"compare-{suite}.json")
+    results = cmp.compare(hf_model, list(stacks), opts, ev, log=(lambda m: None) if as_json else click.echo,
+                          on_stack_done=partial)
     header, rows = (cmp.passkey_table if suite == "passkey" else cmp.ppl_table)(results)
     js = cmp.write_json({"suite": suite, "model": model, "command": command, "stacks": results}, out / f"compare-{suite}.json")
     md = cmp.write_markdown(header, rows, out / f"compare-{suite}.md", command)

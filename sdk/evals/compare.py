@@ -33,13 +33,18 @@ def options_for(methods: list[str], options: dict[str, Any]) -> dict[str, Any]:
 
 
 def compare(model: Any, stacks: list[str], options: dict[str, Any],
-            evaluate: Callable[[Run], dict[str, Any]], log: Callable[[str], None] = print) -> dict[str, dict]:
+            evaluate: Callable[[Run], dict[str, Any]], log: Callable[[str], None] = print,
+            on_stack_done: Callable[[dict[str, dict]], None] | None = None) -> dict[str, dict]:
+    """Evaluate each stack in turn; ``on_stack_done(results so far)`` runs after each one, so a long
+    comparison that is interrupted keeps the stacks it finished."""
     results: dict[str, dict] = {}
     for stack in stacks:
         methods = parse_stack(stack)
         log(f"[compare] {stack}")
         with attach(model, methods, **options_for(methods, options)) as run:
             results[stack] = {**run.describe(), **evaluate(run)}
+        if on_stack_done is not None:
+            on_stack_done(results)
     return results
 
 
