@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers import DynamicCache
@@ -26,9 +26,11 @@ def new_memory(run: Run, plan: Plan) -> Any:
 
 
 @torch.no_grad()
-def prefill(run: Run, plan: Plan, include_last: bool = False) -> Any:
+def prefill(run: Run, plan: Plan, include_last: bool = False,
+            on_window: Callable[[int, int], None] | None = None) -> Any:
     """Create the run's memory and feed the plan's windows into it: all but the last (which
-    generation feeds), or all of them with ``include_last`` (building a memory)."""
+    generation feeds), or all of them with ``include_last`` (building a memory).
+    ``on_window(start, end)`` runs after each window (progress, timing)."""
     model = run.model
     cache = new_memory(run, plan)
     pos = position_ids_from_mask(plan.attention_mask)
@@ -41,6 +43,8 @@ def prefill(run: Run, plan: Plan, include_last: bool = False) -> Any:
             use_cache=True,
             logits_to_keep=1,
         )
+        if on_window is not None:
+            on_window(s, e)
     return cache
 
 

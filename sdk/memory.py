@@ -43,6 +43,7 @@ class StoreConfig:
     max_entries: int = 0  # 0 = unbounded
     nlist: int = 256  # faiss-ivf: inverted lists
     nprobe: int = 16  # faiss-ivf: lists visited per query
+    ivf_train: int = 0  # faiss-ivf: entries searched exactly before the lists are trained (at least nlist)
     hnsw_m: int = 32  # faiss-hnsw: graph degree
     ef_search: int = 128  # faiss-hnsw: search breadth
     ef_construction: int = 200  # faiss-hnsw: build breadth
@@ -50,6 +51,8 @@ class StoreConfig:
     def validate(self) -> None:
         if self.kind not in KINDS:
             raise LcxError(f"unknown memory backend {self.kind!r}; choose one of {', '.join(KINDS)}")
+        if min(self.nlist, self.nprobe) < 1 or self.ivf_train < 0:
+            raise LcxError(f"faiss-ivf needs nlist >= 1, nprobe >= 1, ivf_train >= 0; got {self.nlist}, {self.nprobe}, {self.ivf_train}")
         if self.max_entries < 0:
             raise LcxError(f"max_entries must be >= 0 (0 = unbounded), got {self.max_entries}")
 
@@ -228,7 +231,7 @@ class FaissStore(MemoryStore):
         index = self._make_index(d)
         x = self.keys.numpy()
         if self.config.kind == "faiss-ivf":
-            if len(self) < self.config.nlist:  # too few points to train: exact until there are enough
+            if len(self) < max(self.config.nlist, self.config.ivf_train):  # exact until there are enough to train
                 self.index = None
                 return
             index.train(x)

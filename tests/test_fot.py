@@ -151,3 +151,17 @@ def test_memory_build_then_generate_with_it(tmp_path):
     assert r.exit_code == 0, r.output
     r = CliRunner().invoke(main, ["memory", "build", "-m", str(m), "--out", str(tmp_path / "mem"), str(tmp_path / "a.txt")])
     assert r.exit_code == 2 and "--overwrite" in r.output
+
+
+def test_chunk_slides_the_local_window():
+    """chunk < local: every layer keeps exactly ``local`` keys, memory holds everything before them, in order."""
+    model = tiny_model("llama")
+    with lcx.attach(model, ["fot"], local=32, chunk=8, memory_layers="0") as run:
+        tail_logits(run, _ids(), 40)
+        cache = run.state["memory"]
+        assert [e - s for s, e in run.state["plan"].windows] == [8] * (N // 8)
+    assert all(layer.keys.shape[-2] == 32 for layer in cache.layers)
+    store = cache.lcx_stores[0][(0, 0)]
+    assert torch.equal(store.positions, torch.arange(N - 32))
+    with pytest.raises(lcx.LcxError, match=r"chunk must be in 0..local \(32\), got 64"):
+        lcx.attach(model, ["fot"], local=32, chunk=64)

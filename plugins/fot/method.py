@@ -1,10 +1,12 @@
 """fot: Focused Transformer / LongLLaMA memory attention at inference (Tworkowski et al. 2023).
 
-The prompt is ingested window by window (``local`` tokens each, the chunking
+The prompt is ingested ``chunk`` tokens at a time (default: ``local``, FoT's
+windows; smaller chunks give every query a sliding local context; the chunking
 stage).  Every layer keeps only its local window in the cache; the chosen memory
 layers move the tokens that leave it into a kNN memory (the memory stage), and
 attend to their local keys plus the top-``k`` memory keys per query and head
-under one softmax (the attention stage).  Generation continues with
+under one softmax (the attention stage).  Training-free, a memory only helps in
+the layers that copy from far context: ``lcx analyze retrieval`` finds them.  Generation continues with
 ``model.generate()``; new tokens join memory as the local window slides.
 """
 
@@ -41,6 +43,9 @@ class FoT(Method):
     fixed_distance: int = option(0, "distance of every memory key in positions=fixed; 0 = local")
     dense: bool = option(False, "attend to all of memory (no kNN); exact but linear in memory size")
     backend: str = option("torch", f"kNN backend: {', '.join(KINDS)}")
+    nlist: int = option(1024, "faiss-ivf: inverted lists per memory (layer, head)")
+    nprobe: int = option(8, "faiss-ivf: lists searched per query (recall vs speed)")
+    ivf_train: int = option(32768, "faiss-ivf: entries searched exactly before the lists are trained on them")
     max_entries: int = option(0, "memory entries kept per layer and head (oldest evicted first); 0 = unbounded")
     mode: Literal["single", "multi"] = option("single", "single: memory cleared per input; multi: kept across inputs (documents)")
     block: int = option(256, "queries per block in memory attention (bounds peak memory)")
@@ -54,7 +59,7 @@ class FoT(Method):
             raise ValueError(f"chunk must be in 0..local ({self.local}), got {self.chunk}")
         if self.positions not in ("first", "fixed", "none"):
             raise ValueError(f"positions must be first, fixed or none, got {self.positions!r}")
-        StoreConfig(kind=self.backend, max_entries=self.max_entries).validate()
+        self.store_config().validate()
         self._stores: dict[int, dict[tuple[int, int], MemoryStore]] | None = None  # multi-document memory
 
     # ------------------------------------------------------------------ configuration
@@ -75,7 +80,8 @@ class FoT(Method):
         return idx
 
     def store_config(self) -> StoreConfig:
-        return StoreConfig(kind=self.backend, max_entries=self.max_entries)
+        return StoreConfig(kind=self.backend, max_entries=self.max_entries, nlist=self.nlist, nprobe=self.nprobe,
+                           ivf_train=self.ivf_train)
 
     # ------------------------------------------------------------------ stages
     @hookimpl
