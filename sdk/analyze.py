@@ -222,11 +222,11 @@ def retrieval_layers(model: Any, tokenizer: Any, length: int, depths: list[float
 
 def plot_retrieval(result: dict[str, Any], path: Path, title: str) -> Path:
     mass = result["mass_by_layer_head"]
-    fig, ax = pyplot().subplots(figsize=(1.5 + 0.35 * len(mass[0]), 1.0 + 0.22 * len(mass)))
+    fig, ax = pyplot().subplots(figsize=(max(5.0, 1.5 + 0.35 * len(mass[0])), 1.2 + 0.22 * len(mass)))
     im = ax.imshow(mass, vmin=0, vmax=1, cmap="viridis", aspect="auto")
     ax.set_xlabel("query head")
     ax.set_ylabel("layer")
     chosen = {int(x) for x in result["suggested_memory_layers"].split(",") if x}
     ax.set_yticks(range(len(mass)), [f"{i}*" if i in chosen else str(i) for i in range(len(mass))], fontsize=6)
     fig.colorbar(im, ax=ax, fraction=0.046, label="attention mass on the needle")
-    return save_figure(fig, path, title + f" (* = suggested memory layer, best head >= {result['threshold']})")
+    return save_figure(fig, path, f"{title}\n* = suggested memory layer (best head >= {result['threshold']})")
