@@ -30,6 +30,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "lcx.plugins.rope",
     "lcx.plugins.streaming",
     "lcx.plugins.fot",
+    "lcx.plugins.smt",
 )
 
 

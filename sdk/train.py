@@ -217,6 +217,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, progr
         peft_model = add_adapter(model, roles=roles, rank=cfg.lora_rank, modules_to_save=cfg.full or None)
     run = attach(peft_model, cfg.methods, **cfg.options)
     run.state["seed"] = cfg.seed
+    run.state["rank"] = rank  # per-process randomness in sampling stages (DDP)
     params = [p for p in peft_model.parameters() if p.requires_grad]
     names = list(trainable_parameters(peft_model))
     # foreach: one fused pass over all tensors (torch picks the slow per-tensor loop on CPU by default)
