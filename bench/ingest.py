@@ -21,26 +21,17 @@ import torch
 from tqdm.auto import tqdm
 
 import lcx
-from lcx.data import load_documents
 from lcx.generation import make_plan, prefill
 from lcx.io import pyplot, save_figure, token_counts
 from lcx.measure import measure
 from lcx.models import load_model
 from lcx.session import parse_options
 
+from books import book_tokens  # bench/books.py (scripts here run as `python bench/NAME.py`)
+
 OUT = Path(__file__).parent / "results"
-BOOKS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "books"
 # the training-free configuration of results/fot (memory layers from `lcx analyze retrieval`)
 DEFAULT = ["local=1024", "chunk=256", "memory_layers=6,7,8,14,15,17,18,19,20,21,22,23", "backend=faiss-ivf"]
-
-
-def tokens(tokenizer, n: int) -> torch.Tensor:
-    ids: list[int] = []
-    for doc in load_documents([BOOKS]):
-        ids += tokenizer(doc["text"], add_special_tokens=False)["input_ids"]
-        if len(ids) >= n:
-            return torch.tensor(ids[:n])[None]
-    raise SystemExit(f"the books in {BOOKS} hold only {len(ids)} tokens; lower --lengths")
 
 
 def ingest(model, ids: torch.Tensor, options: dict) -> dict:
@@ -80,7 +71,7 @@ def main() -> None:
     options = parse_options(args.option or DEFAULT)
 
     model, tok = load_model(args.model)
-    ids = tokens(tok, max(lengths))
+    ids = book_tokens(tok, max(lengths))
     ingest(model, ids[:, :2048], options)  # warm-up (first calls, allocator), not reported
     runs = [ingest(model, ids[:, :n], options) for n in lengths]
     ratio = runs[-1]["ms_per_token"] / runs[0]["ms_per_token"]

@@ -30,24 +30,15 @@ from tqdm.auto import tqdm
 
 import lcx
 from lcx.adapters.peft_bridge import add_adapter
-from lcx.data import load_documents
 from lcx.io import pyplot, save_figure, token_counts
 from lcx.measure import measure
 from lcx.models import load_model
 from lcx.session import parse_options
 
+from books import book_tokens  # bench/books.py (scripts here run as `python bench/NAME.py`)
+
 OUT = Path(__file__).parent / "results"
-BOOKS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "books"
 DEFAULT = ["budget=2048", "window=512", "beta=1"]
-
-
-def tokens(tokenizer, n: int) -> torch.Tensor:
-    ids: list[int] = []
-    for doc in load_documents([BOOKS]):
-        ids += tokenizer(doc["text"], add_special_tokens=False)["input_ids"]
-        if len(ids) >= n:
-            return torch.tensor(ids[:n])[None]
-    raise SystemExit(f"the books in {BOOKS} hold only {len(ids)} tokens; lower --lengths")
 
 
 def step(run, model, opt, ids: torch.Tensor, variant: str) -> dict:
@@ -87,7 +78,7 @@ def main() -> None:
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, foreach=True)
     run = lcx.attach(model, ["smt"], smt=options)
-    ids = tokens(tok, max(lengths))
+    ids = book_tokens(tok, max(lengths))
     step(run, model, opt, ids[:, :1024], "standard")  # warm-up, not reported
 
     times: dict[str, dict[int, list[dict]]] = {"smt": {n: [] for n in lengths}, "standard": {n: [] for n in lengths}}
