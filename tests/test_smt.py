@@ -205,3 +205,19 @@ def test_training_changes_only_q_and_k_and_works_on_top_of_rope_and_under_stream
         new = generate(s.run, ids, max_new_tokens=4)
         assert new.shape[-1] >= 4
         s.close()
+
+
+def test_progressive_training_resumes_exactly(model_dir, tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(TEXT)
+
+    def cfg(out, **kw):
+        return TrainConfig(model=str(model_dir), data=[str(corpus)], out=str(out), methods=["smt"],
+                           options={"smt": {"budget": 32, "window": 8, "grow_every": 2, "grow_by": 64, "start": 64}},
+                           seq_len=256, steps=4, batch_size=2, lr=1e-2, seed=2, **kw)
+
+    whole = train(cfg(tmp_path / "whole", save_every=0), progress=False)
+    train(cfg(tmp_path / "part", save_every=1), progress=False, stop_after=3)
+    part = train(cfg(tmp_path / "part", save_every=1), resume=True, progress=False)
+    a, b = load_file(str(whole / "adapter_model.safetensors")), load_file(str(part / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
