@@ -10,7 +10,7 @@ delta by a (batch, tokens) gate.  A zero-initialised (untrained) adapter equals 
     handles = gate_lora(peft_model, gate)
     with gate.only(mask):        # mask (B, T): 1 where the adapter applies, 0 where the base weights do
         peft_model(input_ids)
-    # outside `only`, the gate is open everywhere: ordinary LoRA
+    # outside `only`: ordinary LoRA everywhere, or nowhere with TokenGate(default_open=False)
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from lcx.errors import LcxError
 class TokenGate:
     """The per-token switch shared by every gated LoRA layer of a model."""
 
-    def __init__(self) -> None:
-        self.mask: torch.Tensor | None = None  # (B, T) or None = open everywhere
+    def __init__(self, default_open: bool = True) -> None:
+        self.mask: torch.Tensor | None = None  # (B, T) inside `only`
+        self.default_open = default_open  # outside `only`: ordinary LoRA (True) or the base weights (False)
 
     @contextlib.contextmanager
     def only(self, mask: torch.Tensor) -> Iterator[None]:
@@ -43,7 +44,7 @@ class TokenGate:
 
     def _hook(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
         if self.mask is None:
-            return output
+            return output if self.default_open else output * 0
         if output.shape[:2] != self.mask.shape:
             raise LcxError(f"token gate of shape {tuple(self.mask.shape)} does not match a LoRA delta of "
                            f"{tuple(output.shape[:2])} (batch, tokens); set the gate for the tokens of this forward")

@@ -31,6 +31,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "lcx.plugins.streaming",
     "lcx.plugins.fot",
     "lcx.plugins.smt",
+    "lcx.plugins.focusllm",
 )
 
 

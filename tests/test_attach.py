@@ -23,6 +23,7 @@ EXACT_OPTIONS: dict[str, dict] = {
     "rope": {"type": "dynamic", "factor": 4.0},
     "streaming": {"chunk": 16},
     "fot": {"local": 64},  # inputs here are 48 tokens: one window, memory stays empty
+    "focusllm": {"chunk": 32, "local": 64, "fragment": 8},  # 48-token inputs: all local, no candidates
     "smt": {},  # training-only: no inference stage, the model is untouched
 }
 ATOL = 1e-5

@@ -1,0 +1,128 @@
+"""focusllm: chunking, candidate keys/values (base = untrained adapter), serial = parallel, contiguous positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import lcx
+from lcx.adapters.peft_bridge import add_adapter
+from lcx.adapters.rotary import rotate
+from lcx.errors import LcxError
+from lcx.generation import generate, make_plan, prefill, tail_logits
+from lcx.plugins.focusllm import chunk_spans
+from tests.conftest import tiny_model
+
+OPTS = {"chunk": 16, "local": 24, "fragment": 8}  # tiny llama: window 128
+
+
+def _ids(T=100, rows=1, seed=0):
+    return torch.randint(3, 256, (rows, T), generator=torch.Generator().manual_seed(seed))
+
+
+def _reference_candidates(model, ids, chunk=16, local=24, fragment=8):
+    """Each chunk + the last `fragment` local tokens through the plain model; the last position's
+    keys/values per layer, moved from that position to the candidate's slot i."""
+    T = ids.shape[1]
+    memory, frag = ids[:, : T - local], ids[:, T - fragment:]
+    inv = model.model.rotary_emb.inv_freq
+    per_layer = None
+    for i, (s, e) in enumerate(chunk_spans(memory.shape[1], chunk)):
+        x = torch.cat([memory[:, s:e], frag], dim=1)
+        with torch.no_grad():
+            cache = model(input_ids=x, use_cache=True).past_key_values
+        kv = [(rotate(l.keys[:, :, -1:], i - (x.shape[1] - 1), inv), l.values[:, :, -1:]) for l in cache.layers]
+        per_layer = kv if per_layer is None else [(torch.cat([a, k], 2), torch.cat([b, v], 2))
+                                                 for (a, b), (k, v) in zip(per_layer, kv)]
+    return per_layer
+
+
+def test_chunks_and_a_plan_of_placeholders_then_the_local_tokens():
+    assert chunk_spans(76, 16) == [(0, 16), (16, 32), (32, 48), (48, 64), (64, 76)]
+    model = tiny_model("llama")
+    ids = _ids()
+    with lcx.attach(model, ["focusllm"], focusllm=OPTS) as run:
+        plan = make_plan(run, ids, None, 0)
+    assert plan.windows == [(0, 5), (5, 29)] and plan.info == {"candidates": 5, "memory_tokens": 76}
+    assert torch.equal(plan.input_ids[:, 5:], ids[:, -24:])  # the local tokens, after 5 candidate slots
+
+
+def test_untrained_adapter_candidates_equal_the_base_models_keys_and_values():
+    base = tiny_model("llama")
+    ref = _reference_candidates(base, _ids())
+    peft = add_adapter(tiny_model("llama"), roles=("q", "k", "v", "o"), rank=4).eval()  # zero-initialised B
+    with lcx.attach(peft, ["focusllm"], focusllm=OPTS) as run:
+        assert "focusllm_gate" in run.state
+        cache = prefill(run, make_plan(run, _ids(), None, 0))
+    for layer, (k, v) in zip(cache.layers, ref):
+        torch.testing.assert_close(layer.keys, k, atol=1e-5, rtol=0)
+        torch.testing.assert_close(layer.values, v, atol=1e-5, rtol=0)
+
+
+def test_a_trained_adapter_changes_the_candidates_and_nothing_else():
+    base = tiny_model("llama")
+    peft = add_adapter(tiny_model("llama"), roles=("q", "k", "v", "o"), rank=4).eval()
+    torch.manual_seed(3)
+    for n, p in peft.named_parameters():
+        if "lora_B" in n:
+            p.data.normal_(0, 0.5)
+    ids = _ids()
+    with lcx.attach(peft, ["focusllm"], focusllm=OPTS) as run:
+        cache = prefill(run, make_plan(run, ids, None, 0))
+        with torch.no_grad():  # the gate is closed outside candidates: a short input is the base model
+            short = peft(input_ids=ids[:, :20]).logits
+    assert not torch.allclose(cache.layers[1].keys, _reference_candidates(base, ids)[1][0], atol=1e-3)
+    with torch.no_grad():
+        torch.testing.assert_close(short, base(input_ids=ids[:, :20]).logits, atol=1e-5, rtol=0)
+
+
+def test_serial_and_parallel_chunks_give_the_same_logits():
+    model = tiny_model("llama")
+    ids = _ids(rows=2)
+    out = {}
+    for parallel in (0, 1, 2):
+        with lcx.attach(model, ["focusllm"], focusllm={**OPTS, "parallel": parallel}) as run:
+            out[parallel] = tail_logits(run, ids[:1], 16), generate(run, ids, max_new_tokens=4)
+    for p in (1, 2):
+        torch.testing.assert_close(out[p][0], out[0][0], atol=1e-5, rtol=0)
+        assert torch.equal(out[p][1], out[0][1])
+
+
+def test_local_tokens_read_the_candidates_at_contiguous_positions():
+    """The local tokens' logits equal an explicit computation: a cache holding the reference candidates
+    at positions 0..n-1, then the local tokens at positions n..n+23."""
+    model = tiny_model("llama")
+    ids = _ids()
+    ref = _reference_candidates(model, ids)
+    cache = DynamicCache(config=model.config)
+    for layer, (k, v) in enumerate(ref):
+        cache.update(k, v, layer)
+    with torch.no_grad():
+        want = model(input_ids=ids[:, -24:], position_ids=torch.arange(5, 29)[None], past_key_values=cache).logits[0, :-1]
+    with lcx.attach(model, ["focusllm"], focusllm=OPTS) as run:
+        got = tail_logits(run, ids, 23)
+    torch.testing.assert_close(got, want[-23:], atol=1e-5, rtol=0)
+
+
+def test_a_memory_of_one_chunk_and_an_input_shorter_than_local():
+    model = tiny_model("llama")
+    with lcx.attach(model, ["focusllm"], focusllm=OPTS) as run:
+        plan = make_plan(run, _ids(T=34), None, 0)  # 10 memory tokens: one (short) chunk
+        assert plan.windows == [(0, 1), (1, 25)]
+        assert generate(run, _ids(T=34), max_new_tokens=3).shape == (1, 3)
+        assert make_plan(run, _ids(T=20), None, 0).windows == [(0, 20)]  # all local: the model as it is
+
+
+def test_bad_input():
+    with pytest.raises(LcxError, match=r"fragment \(40\) must not be longer than the chunk \(16\)"):
+        lcx.attach(tiny_model("llama"), ["focusllm"], focusllm={"chunk": 16, "fragment": 40, "local": 64})
+    model = tiny_model("llama")
+    for opts, needle in [({"chunk": 124, "fragment": 8, "local": 24}, r"chunk=124 \+ fragment=8 exceeds the model's window \(128\)"),
+                         ({"chunk": 16, "fragment": 8, "local": 128}, "local=128 leaves no room for candidates")]:
+        with lcx.attach(model, ["focusllm"], focusllm=opts) as run, pytest.raises(LcxError, match=needle):
+            make_plan(run, _ids(T=200), None, 0)
+    ids, mask = _ids(rows=2), torch.ones(2, 100, dtype=torch.long)
+    mask[1, :3] = 0
+    with lcx.attach(model, ["focusllm"], focusllm=OPTS) as run, pytest.raises(LcxError, match="padded batches"):
+        make_plan(run, ids, mask, 0)
