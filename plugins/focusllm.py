@@ -69,8 +69,10 @@ def candidate_kv(model, memory_ids: torch.Tensor, fragment_ids: torch.Tensor, ch
                 out = model(input_ids=ids, use_cache=True)
             for j, i in enumerate(idx):
                 rows = slice(j * B, (j + 1) * B)
-                per_chunk[i] = [(layer.keys[rows, :, -1:], layer.values[rows, :, -1:])
+                # clone: a slice would keep the chunk's whole cache alive (memory growing with the input)
+                per_chunk[i] = [(layer.keys[rows, :, -1:].clone(), layer.values[rows, :, -1:].clone())
                                 for layer in out.past_key_values.layers]
+            del out
     n_layers = len(per_chunk[0])  # type: ignore[index]
     return [(torch.cat([c[l][0] for c in per_chunk], dim=2), torch.cat([c[l][1] for c in per_chunk], dim=2))  # type: ignore[index]
             for l in range(n_layers)]
