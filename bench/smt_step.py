@@ -21,7 +21,6 @@ import gc
 import json
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import psutil
