@@ -20,6 +20,7 @@ them yet).  Batches of several inputs need equal lengths without padding.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -56,16 +57,13 @@ def candidate_kv(model, memory_ids: torch.Tensor, fragment_ids: torch.Tensor, ch
     for i, (s, e) in enumerate(spans):
         groups.setdefault(e - s, []).append(i)
     step = parallel or len(spans)
-    for length, members in groups.items():
+    for members in groups.values():
         for g in range(0, len(members), step):
             idx = members[g:g + step]
             ids = torch.cat([torch.cat([memory_ids[:, spans[i][0]:spans[i][1]], fragment_ids], dim=1) for i in idx])
             mask = torch.zeros_like(ids, dtype=torch.float32)
             mask[:, -1] = 1
-            if gate is not None:
-                with gate.only(mask):
-                    out = model(input_ids=ids, use_cache=True)
-            else:
+            with gate.only(mask) if gate is not None else contextlib.nullcontext():
                 out = model(input_ids=ids, use_cache=True)
             for j, i in enumerate(idx):
                 rows = slice(j * B, (j + 1) * B)
@@ -152,14 +150,15 @@ class FocusLLM(Method):
             raise LcxError("focusllm: padded batches are not supported yet; give inputs of equal length "
                            "(or one at a time)")
         memory, local = input_ids[:, : T - self.local], input_ids[:, T - self.local:]
-        n = len(chunk_spans(memory.shape[1], self.chunk))
+        spans = chunk_spans(memory.shape[1], self.chunk)
+        n = len(spans)
         if n + self.local + max_new_tokens > run.window:
             raise LcxError(f"focusllm: {n} candidates + {self.local} local tokens + {max_new_tokens} new tokens "
                            f"exceed the model's window ({run.window}); raise -o focusllm.chunk or lower -o focusllm.local")
         cand = candidate_kv(run.model, memory, local[:, -self.fragment:], self.chunk, self.parallel,
                             run.state.get("focusllm_gate"))
         # each candidate was rotated at the last position of its own forward; move it to its slot i
-        lengths = torch.tensor([e - s + self.fragment for s, e in chunk_spans(memory.shape[1], self.chunk)])
+        lengths = torch.tensor([e - s + self.fragment for s, e in spans])
         shift = torch.arange(n) - (lengths - 1)
         for layer, (k, v) in enumerate(cand):
             cand[layer] = (rotate(k, shift, families.rotary_inv_freq(run.model, run.family, layer)), v)
