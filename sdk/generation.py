@@ -49,7 +49,10 @@ def prefill(run: Run, plan: Plan, include_last: bool = False,
 
 
 def make_plan(run: Run, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int) -> Plan:
-    if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+    if input_ids.ndim != 2:
+        raise LcxError(f"input_ids must be a (batch, tokens) tensor, got shape {tuple(input_ids.shape)}; "
+                       f"for one prompt pass ids[None]")
+    if input_ids.shape[1] == 0:
         raise LcxError(f"empty input: got input_ids of shape {tuple(input_ids.shape)}; give at least one token")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)

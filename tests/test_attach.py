@@ -171,3 +171,8 @@ def test_vanilla_truncates_middle_keeping_both_ends(llama):
 def test_empty_input_is_a_clear_error(llama):
     with lcx.attach(llama, ["vanilla"]) as run, pytest.raises(lcx.LcxError, match="empty input"):
         lcx.generate(run, torch.zeros((1, 0), dtype=torch.long))
+
+
+def test_one_dimensional_input_names_the_fix(llama):
+    with lcx.attach(llama, []) as run, pytest.raises(lcx.LcxError, match=r"shape \(5,\); for one prompt pass ids\[None\]"):
+        lcx.generate(run, torch.arange(5))
