@@ -18,6 +18,7 @@ from transformers.cache_utils import Cache
 
 from lcx.adapters import families
 from lcx.adapters.rotary import rotate
+from lcx.errors import LcxError
 from lcx.hookspecs import hookimpl
 from lcx.masking import SubsetCacheLayer, visible_mask
 from lcx.method import Method, option
@@ -90,7 +91,8 @@ class Streaming(Method):
     def recent(self, run) -> int:
         w = self.window or run.window - self.sinks - self.chunk
         if w <= 0:
-            raise ValueError(f"streaming window {w} <= 0: sinks={self.sinks} + chunk={self.chunk} exceed the model window {run.window}")
+            raise LcxError(f"streaming: sinks={self.sinks} + chunk={self.chunk} leave no recent window in the model's "
+                           f"window ({run.window}); use -o streaming.chunk={max(1, run.window // 4)}")
         return w
 
     @hookimpl

@@ -61,3 +61,20 @@ def test_eval_passkey_resume_reuses_the_journal_and_refuses_other_options(tiny_d
     assert again["resumed_samples"] == 2 and again["samples"] == first["samples"]
     r = run(*args, "-o", "chunk=32", "--resume")
     assert r.exit_code != 0 and "passkey.samples.jsonl" in r.output and "differs in: methods" in r.output
+
+
+def test_demo_runs_every_inference_method_and_leaves_out_training_only_ones(tiny_dir):
+    from lcx.registry import registry
+
+    r = run("demo", "-m", str(tiny_dir), "--json")
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.output[r.output.index("["):])
+    assert [row["method"] for row in rows] == ["none", "focusllm", "fot", "rope", "streaming", "vanilla"]
+    assert "smt" in registry().methods  # installed, but training-only (sampling + loss): no demo row
+    assert all(row["prompt_tokens"] > 512 for row in rows)  # 2x the tiny model's window
+    # focusllm's and streaming's defaults (chunks of 2048 and 512) do not fit a 512-token window: those rows
+    # say why and how to fix it, the others ran
+    errors = {row["method"]: row["output"] for row in rows if row["seconds"] is None}
+    assert sorted(errors) == ["focusllm", "streaming"], errors
+    assert "-o focusllm.chunk=256 -o focusllm.fragment=64" in errors["focusllm"]
+    assert "-o streaming.chunk=128" in errors["streaming"]
