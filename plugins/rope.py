@@ -22,6 +22,7 @@ class Rope(Method):
     description = "position interpolation / NTK / YaRN through the model's rope parameters"
     requires = frozenset({"rotary"})
     lora_roles = ("q", "k")
+    serving = "config"
 
     type: Literal["linear", "ntk", "dynamic", "yarn"] = option("yarn", "scaling rule: linear (PI), ntk (static NTK-aware base), dynamic (dynamic NTK), yarn")
     factor: float = option(4.0, "context extension factor: new window = factor x trained window")
@@ -43,6 +44,20 @@ class Rope(Method):
             new["factor"] = float(self.factor)
             new["original_max_position_embeddings"] = window
         return new
+
+    def vllm_config(self, config: dict) -> dict:
+        """config.json with the stretched rope parameters baked in: vLLM builds the same rotary
+        embedding and derives its maximum length as factor x window."""
+        out = dict(config)
+        window = int(config["max_position_embeddings"])
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        params = dict(config.get("rope_parameters") or {"rope_type": "default", "rope_theta": config.get("rope_theta", 10000.0)})
+        if "rope_theta" in params:
+            out["rope_parameters"] = self.scaled_parameters(params, window, int(head_dim * params.get("partial_rotary_factor", 1.0)))
+        else:  # per-layer-type parameters (gemma3): stretch the full-attention layers only
+            params["full_attention"] = self.scaled_parameters(params["full_attention"], window, head_dim)
+            out["rope_parameters"] = params
+        return out
 
     @hookimpl
     def lcx_patch_model(self, run, model):

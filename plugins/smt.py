@@ -129,6 +129,7 @@ class SMT(Method):
     name = "smt"
     description = "Sparse Memory Training: sampled far tokens at their original positions, constant step cost"
     lora_roles = ("q", "k")
+    serving = "base"  # training-only: inference is the model plus the q/k LoRA adapter
 
     budget: int = option(4096, "tokens fed per training row (sampled memory + target); at most the model's window")
     target: int = option(0, "target tokens (the end of the window, where the loss is); 0 = budget // 2")

@@ -126,7 +126,7 @@ def attach(
             f"this model already has lcx methods attached ({getattr(model, _RUN_ATTR)!r}); "
             "detach them first (leave the `with` block or call run.detach())"
         )
-    instances = _resolve_methods(methods, options)
+    instances = resolve_methods(methods, options)
     family = families.FAMILIES.get(getattr(model.config, "model_type", ""))
     needs = frozenset().union(*(m.requires for m in instances)) if instances else frozenset()
     if family is None and needs:
@@ -163,7 +163,8 @@ def attached_run(model: nn.Module) -> Run | None:
     return getattr(model, _RUN_ATTR, None)
 
 
-def _resolve_methods(methods: Any, options: dict[str, Any]) -> list[Method]:
+def resolve_methods(methods: Any, options: dict[str, Any]) -> list[Method]:
+    """Method instances for ``methods`` (names or instances) with ``options`` routed as ``attach`` does."""
     if methods is None:
         methods = []
     elif isinstance(methods, (str, Method)):

@@ -38,6 +38,14 @@ class Method:
     data_order: ClassVar[str] = "shuffle"
     #: Options an adapter trained with this method fixes: using it with other values is refused.
     fixed_by_training: ClassVar[tuple[str, ...]] = ()
+    #: How vLLM serves this method (``lcx export --for vllm``, ``lcx serve``): "base" (inference is the
+    #: plain model, plus the method's LoRA adapter when trained), "config" (the model's config.json
+    #: is rewritten by :meth:`vllm_config`), or "" (needs lcx inside vLLM's attention: not servable yet).
+    serving: ClassVar[str] = ""
+
+    def vllm_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """For ``serving == "config"``: the model's config.json (a dict) as vLLM should load it."""
+        return config
 
     # ------------------------------------------------------------------ options
     @classmethod

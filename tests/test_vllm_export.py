@@ -1,0 +1,162 @@
+"""`lcx export --for vllm`: what plain vLLM loads must equal what lcx's Hugging Face path runs.
+
+No vLLM engine here (tests/test_vllm_serve.py starts one): these check the exported folder with
+transformers, and every refusal.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import AutoModelForCausalLM
+
+import lcx
+from lcx.adapters.peft_bridge import add_adapter, save_adapter
+from lcx.cli import main
+from lcx.errors import LcxError
+from lcx.integrations.vllm import export_for_vllm
+from tests.helpers import make_tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("m") / "tiny")
+
+
+def _adapter(model_dir: Path, out: Path, seed: int = 1, methods=({"name": "smt", "options": {}},), **lora) -> Path:
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    peft = add_adapter(model, roles=("q", "k"), rank=8, **lora)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    save_adapter(peft, out, methods=list(methods))
+    return out
+
+
+def test_rope_export_equals_the_rope_method(model_dir, tmp_path):
+    exp = export_for_vllm(str(model_dir), ["rope"], {"rope": {"type": "yarn", "factor": "4"}}, out=tmp_path / "x")
+    cfg = json.loads((exp.model_dir / "config.json").read_text())
+    assert cfg["rope_parameters"]["rope_type"] == "yarn" and cfg["rope_parameters"]["factor"] == 4.0
+    assert exp.max_model_len == 4 * 128 and exp.window == 128
+    ids = torch.randint(3, 100, (1, 300), generator=torch.Generator().manual_seed(0))
+    exported = AutoModelForCausalLM.from_pretrained(str(exp.model_dir)).eval()
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    with lcx.attach(base, ["rope"], type="yarn", factor=4.0), torch.no_grad():
+        want = base(ids).logits
+    with torch.no_grad():
+        got = exported(ids).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert (exp.model_dir / "model.safetensors").is_symlink()  # weights linked, never copied
+    assert json.loads((exp.model_dir / "lcx.json").read_text())["methods"][0]["name"] == "rope"
+
+
+def test_adapters_export_as_plain_lora_with_their_methods(model_dir, tmp_path):
+    a1 = _adapter(model_dir, tmp_path / "a1", seed=1)
+    a2 = _adapter(model_dir, tmp_path / "a2", seed=2)
+    exp = export_for_vllm(str(model_dir), adapters={"first": a1, "second": a2}, out=tmp_path / "x")
+    assert sorted(exp.adapters) == ["first", "second"] and exp.max_lora_rank == 8
+    assert [m["name"] for m in exp.methods] == ["smt"]  # from the adapters' sidecars
+    for name, src in (("first", a1), ("second", a2)):
+        cfg = json.loads((exp.adapters[name] / "adapter_config.json").read_text())
+        assert cfg["base_model_name_or_path"] == str(exp.model_dir)
+        assert sorted(cfg["target_modules"]) == ["k_proj", "q_proj"]
+        assert (exp.adapters[name] / "adapter_model.safetensors").read_bytes() == \
+            (src / "adapter_model.safetensors").read_bytes()
+    manifest = json.loads((exp.out / "lcx-export.json").read_text())
+    assert manifest["adapters"]["first"] == str(exp.adapters["first"])
+
+
+def test_beyond_the_window_raises_the_rotary_table_only_with_a_note(model_dir, tmp_path):
+    notes = []
+    exp = export_for_vllm(str(model_dir), adapters={"a": _adapter(model_dir, tmp_path / "a")}, out=tmp_path / "x",
+                          max_model_len=512, log=notes.append)
+    assert json.loads((exp.model_dir / "config.json").read_text())["max_position_embeddings"] == 512
+    assert exp.max_model_len == 512 and "beyond the model's trained window (128)" in notes[0]
+    with pytest.raises(LcxError, match=r"exceeds what the stretched rope covers \(256\)"):
+        export_for_vllm(str(model_dir), ["rope"], {"rope": {"factor": "2"}}, out=tmp_path / "y", max_model_len=300)
+
+
+@pytest.mark.parametrize("method", ["streaming", "fot", "focusllm", "vanilla"])
+def test_memory_methods_are_refused_by_name(model_dir, tmp_path, method):
+    with pytest.raises(LcxError, match=rf"method '{method}' \(--method\) cannot be served through vLLM yet"):
+        export_for_vllm(str(model_dir), [method], out=tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+def test_adapter_of_a_memory_method_is_refused(model_dir, tmp_path):
+    a = _adapter(model_dir, tmp_path / "a", methods=({"name": "streaming", "options": {}},))
+    with pytest.raises(LcxError, match=r"method 'streaming' \(a\) cannot be served"):
+        export_for_vllm(str(model_dir), adapters={"a": a}, out=tmp_path / "x")
+
+
+@pytest.mark.parametrize("lora, what", [
+    ({"modules_to_save": ["o_proj"]}, "modules_to_save"),
+])
+def test_adapters_vllm_cannot_load_are_refused(model_dir, tmp_path, lora, what):
+    a = _adapter(model_dir, tmp_path / "a", **lora)
+    with pytest.raises(LcxError, match=rf"uses {what}.*vLLM's LoRA loader refuses"):
+        export_for_vllm(str(model_dir), adapters={"a": a}, out=tmp_path / "x")
+
+
+def test_dora_and_bias_in_the_config_are_refused(model_dir, tmp_path):
+    a = _adapter(model_dir, tmp_path / "a")
+    cfg_path = a / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg_path.write_text(json.dumps({**cfg, "use_dora": True}))
+    with pytest.raises(LcxError, match="uses DoRA"):
+        export_for_vllm(str(model_dir), adapters={"a": a}, out=tmp_path / "x")
+    cfg_path.write_text(json.dumps({**cfg, "bias": "all"}))
+    with pytest.raises(LcxError, match="trains biases"):
+        export_for_vllm(str(model_dir), adapters={"a": a}, out=tmp_path / "x")
+    cfg_path.write_text("{not json")
+    with pytest.raises(LcxError, match=r"adapter_config.json' is corrupted"):
+        export_for_vllm(str(model_dir), adapters={"a": a}, out=tmp_path / "x")
+
+
+def test_adapter_for_another_base_is_refused(model_dir, tmp_path):
+    other = make_tiny_model_dir(tmp_path / "other", seed=7)
+    a = _adapter(other, tmp_path / "a")
+    with pytest.raises(LcxError, match="trained for another base model"):
+        export_for_vllm(str(model_dir), adapters={"a": a}, out=tmp_path / "x")
+
+
+def test_adapters_with_different_rope_cannot_share_a_server(model_dir, tmp_path):
+    a = _adapter(model_dir, tmp_path / "a", methods=({"name": "rope", "options": {"factor": 2.0}},))
+    b = _adapter(model_dir, tmp_path / "b", methods=({"name": "rope", "options": {"factor": 4.0}},))
+    with pytest.raises(LcxError, match="different rope options; serve them from two servers"):
+        export_for_vllm(str(model_dir), adapters={"a": a, "b": b}, out=tmp_path / "x")
+
+
+def test_cli_export_json_and_errors(model_dir, tmp_path):
+    a = _adapter(model_dir, tmp_path / "a")
+    r = CliRunner().invoke(main, ["export", "--for", "vllm", "-m", str(model_dir), "--adapter", f"mine={a}",
+                                  "--out", str(tmp_path / "x"), "--json"])
+    assert r.exit_code == 0, r.output
+    assert list(json.loads(r.output)["adapters"]) == ["mine"]
+    r = CliRunner().invoke(main, ["export", "-m", str(model_dir), "--adapter", str(a), "--out", str(tmp_path / "x")])
+    assert r.exit_code == 2 and "exists and is not empty; pass --overwrite" in r.output
+    r = CliRunner().invoke(main, ["export", "-m", str(model_dir), "--adapter", f"a={a}", "--adapter", f"a={a}",
+                                  "--out", str(tmp_path / "y")])
+    assert r.exit_code == 2 and "two adapters are named 'a'" in r.output
+    r = CliRunner().invoke(main, ["export", "-m", str(model_dir), "--method", "rope", "-o", "rope.factor=x",
+                                  "--out", str(tmp_path / "z")])
+    assert r.exit_code == 2 and "rope.factor" not in r.output and "'x'" in r.output
+
+
+def test_options_for_an_unselected_method_are_refused(model_dir, tmp_path):
+    with pytest.raises(LcxError, match="option 'rope' belongs to none of the selected methods"):
+        export_for_vllm(str(model_dir), [], {"rope": {"factor": "4"}}, out=tmp_path / "x")
+    with pytest.raises(LcxError, match="option 'factor' belongs to none of the selected methods"):
+        export_for_vllm(str(model_dir), [], {"factor": "4"}, out=tmp_path / "x")
+
+
+def test_user_options_override_the_adapters(model_dir, tmp_path):
+    a = _adapter(model_dir, tmp_path / "a", methods=({"name": "rope", "options": {"factor": 2.0}},))
+    exp = export_for_vllm(str(model_dir), [], {"rope": {"factor": "3"}}, adapters={"a": a}, out=tmp_path / "x")
+    assert exp.methods == [{"name": "rope", "options": {"type": "yarn", "factor": 3.0}}] and exp.max_model_len == 384
