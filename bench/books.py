@@ -11,11 +11,11 @@ from lcx.data import load_documents
 BOOKS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "books"
 
 
-def book_tokens(tokenizer, n: int) -> torch.Tensor:
-    """The first ``n`` tokens of the books, read in order: shape (1, n)."""
+def book_tokens(tokenizer, n: int, offset: int = 0) -> torch.Tensor:
+    """``n`` tokens of the books read in order, from token ``offset``: shape (1, n)."""
     ids: list[int] = []
     for doc in load_documents([BOOKS]):
         ids += tokenizer(doc["text"], add_special_tokens=False)["input_ids"]
-        if len(ids) >= n:
-            return torch.tensor(ids[:n])[None]
+        if len(ids) >= offset + n:
+            return torch.tensor(ids[offset:offset + n])[None]
     raise SystemExit(f"the books in {BOOKS} hold only {len(ids)} tokens; lower --lengths")

@@ -14,14 +14,22 @@ trained one is a plain PEFT adapter.  Chunks are processed ``parallel`` at a tim
 first window holds one placeholder token per candidate, and the cache stores the candidates'
 keys/values instead of the placeholders' (memory stage), so ``model.generate()`` continues as usual.
 
-This first version computes the candidates once, from the prompt (generated tokens do not refresh
-them yet).  Batches of several inputs need equal lengths without padding.
+Generation (``refresh``): every generated token joins the local tokens, so it also joins every
+chunk's [chunk ; fragment] sequence and becomes that chunk's new candidate.  Each chunk keeps its own
+cache; ``refresh=1`` (exact) feeds every new token to every chunk (batched across chunks, one token
+each) and swaps the refreshed candidates into the decoder's cache before the token is read;
+``refresh=N`` does that every N tokens, feeding the N pending tokens at once (approximate: in between,
+the decoder reads candidates up to N-1 tokens old; cheaper, measured in bench/focusllm_generation.py);
+``refresh=0`` keeps the prompt's candidates and no chunk cache (flat memory).  The newest token is
+computed with the candidate projections (gate open) and kept in the chunk cache with the base ones.
+Batches of several inputs need equal lengths without padding.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -41,39 +49,93 @@ def chunk_spans(memory: int, chunk: int) -> list[tuple[int, int]]:
 
 
 # ---------------------------------------------------------------------- candidates
+@dataclass
+class ChunkGroup:
+    """Chunks of equal length decoded as one batch (rows chunk-major: chunk ``idx[j]`` is rows j*B..(j+1)*B),
+    with their cache when generation refreshes candidates."""
+
+    idx: list[int]
+    length: int  # tokens in each row's cache (chunk + fragment + generated tokens fed so far)
+    cache: Any = None
+
+
+def _forward_group(model, group: ChunkGroup, ids: torch.Tensor, cache, gate, keep: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Feed ``ids`` (rows, m) after ``cache``; returns per layer the last position's (keys, values)
+    computed with the candidate projections (gate open there).  With ``keep``, the cache ends up holding
+    the base projections of all m tokens (a second, ungated pass over the last token when gated)."""
+    L = cache.get_seq_length() if cache is not None else 0
+    pos = torch.arange(L, L + ids.shape[1])[None].expand(ids.shape[0], -1)
+    mask = torch.zeros_like(ids, dtype=torch.float32)
+    mask[:, -1] = 1
+    with gate.only(mask) if gate is not None else contextlib.nullcontext():
+        out = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+    cache = out.past_key_values
+    last = [(layer.keys[:, :, -1:].clone(), layer.values[:, :, -1:].clone()) for layer in cache.layers]
+    if keep and gate is not None:  # the cache keeps the newest token with the base weights
+        cache.crop(L + ids.shape[1] - 1)
+        with gate.only(torch.zeros_like(mask[:, -1:])):
+            model(input_ids=ids[:, -1:], position_ids=pos[:, -1:], past_key_values=cache, use_cache=True)
+    group.cache = cache if keep else None
+    group.length = L + ids.shape[1]
+    return last
+
+
 @torch.no_grad()
 def candidate_kv(model, memory_ids: torch.Tensor, fragment_ids: torch.Tensor, chunk: int, parallel: int,
-                 gate=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                 gate=None, groups: list[ChunkGroup] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, the candidates' (keys, values) of shape (B, H_kv, n_chunks, D), keys rotated at the
     position each candidate had in its own [chunk ; fragment] forward (its last position).
 
     ``memory_ids`` (B, M), ``fragment_ids`` (B, F).  Chunks of equal length are batched ``parallel`` at
     a time (0 = all); ``gate`` (a ``TokenGate``) opens the candidate adapter at the last position only.
+    Pass a list as ``groups`` to keep every chunk's cache in it (for ``refresh_candidates``).
     """
-    B, F = fragment_ids.shape
+    B = fragment_ids.shape[0]
     spans = chunk_spans(memory_ids.shape[1], chunk)
-    per_chunk: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = [None] * len(spans)
-    groups: dict[int, list[int]] = {}
+    by_length: dict[int, list[int]] = {}
     for i, (s, e) in enumerate(spans):
-        groups.setdefault(e - s, []).append(i)
+        by_length.setdefault(e - s, []).append(i)
     step = parallel or len(spans)
-    for members in groups.values():
-        for g in range(0, len(members), step):
-            idx = members[g:g + step]
-            ids = torch.cat([torch.cat([memory_ids[:, spans[i][0]:spans[i][1]], fragment_ids], dim=1) for i in idx])
-            mask = torch.zeros_like(ids, dtype=torch.float32)
-            mask[:, -1] = 1
-            with gate.only(mask) if gate is not None else contextlib.nullcontext():
-                out = model(input_ids=ids, use_cache=True)
-            for j, i in enumerate(idx):
-                rows = slice(j * B, (j + 1) * B)
-                # clone: a slice would keep the chunk's whole cache alive (memory growing with the input)
-                per_chunk[i] = [(layer.keys[rows, :, -1:].clone(), layer.values[rows, :, -1:].clone())
-                                for layer in out.past_key_values.layers]
-            del out
-    n_layers = len(per_chunk[0])  # type: ignore[index]
-    return [(torch.cat([c[l][0] for c in per_chunk], dim=2), torch.cat([c[l][1] for c in per_chunk], dim=2))  # type: ignore[index]
+    made = [ChunkGroup(members[g:g + step], 0) for members in by_length.values() for g in range(0, len(members), step)]
+    per_chunk: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = [None] * len(spans)
+    for group in made:
+        ids = torch.cat([torch.cat([memory_ids[:, spans[i][0]:spans[i][1]], fragment_ids], dim=1) for i in group.idx])
+        _scatter(per_chunk, group, _forward_group(model, group, ids, None, gate, keep=groups is not None), B)
+    if groups is not None:
+        groups.extend(made)
+    return _stack(per_chunk)
+
+
+@torch.no_grad()
+def refresh_candidates(model, groups: list[ChunkGroup], new_ids: torch.Tensor, gate=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Feed ``new_ids`` (B, m), the tokens generated since the last refresh, to every chunk's cache;
+    returns the refreshed candidates as ``candidate_kv`` does (keys rotated at their position in their
+    chunk's sequence: ``group.length - 1`` after the call)."""
+    B = new_ids.shape[0]
+    per_chunk: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = [None] * sum(len(g.idx) for g in groups)
+    for group in groups:
+        ids = new_ids.repeat(len(group.idx), 1)
+        _scatter(per_chunk, group, _forward_group(model, group, ids, group.cache, gate, keep=True), B)
+    return _stack(per_chunk)
+
+
+def _scatter(per_chunk: list, group: ChunkGroup, last: list[tuple[torch.Tensor, torch.Tensor]], B: int) -> None:
+    for j, i in enumerate(group.idx):
+        rows = slice(j * B, (j + 1) * B)
+        per_chunk[i] = [(k[rows], v[rows]) for k, v in last]
+
+
+def _stack(per_chunk: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    n_layers = len(per_chunk[0])
+    return [(torch.cat([c[l][0] for c in per_chunk], dim=2), torch.cat([c[l][1] for c in per_chunk], dim=2))
             for l in range(n_layers)]
+
+
+def to_slots(cand: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor, run) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Re-rotate candidate ``i`` (rotated at ``positions[i]`` in its chunk) to slot ``i`` of the decoder."""
+    shift = torch.arange(len(positions)) - positions
+    return [(rotate(k, shift, families.rotary_inv_freq(run.model, run.family, layer)), v)
+            for layer, (k, v) in enumerate(cand)]
 
 
 class CandidateLayer(DynamicLayer):
@@ -105,11 +167,14 @@ class FocusLLM(Method):
     local: int = option(2048, "local tokens: the input's tail the frozen model reads after the candidates")
     fragment: int = option(512, "local tokens appended to every chunk (at most the chunk size)")
     parallel: int = option(0, "chunks per forward pass: 0 = all at once (fast), 1 = serial (flat memory)")
+    refresh: int = option(1, "generation: refresh every chunk's candidate every N new tokens (1 = exact; N > 1 = "
+                             "approximate, faster; 0 = never: the prompt's candidates, no chunk caches kept)")
 
     def __post_init__(self) -> None:
-        if self.chunk <= 0 or self.local <= 0 or self.fragment <= 0 or self.parallel < 0:
-            raise ValueError(f"chunk, local and fragment must be > 0 and parallel >= 0 (got chunk={self.chunk}, "
-                             f"local={self.local}, fragment={self.fragment}, parallel={self.parallel})")
+        if self.chunk <= 0 or self.local <= 0 or self.fragment <= 0 or self.parallel < 0 or self.refresh < 0:
+            raise ValueError(f"chunk, local and fragment must be > 0, parallel and refresh >= 0 (got chunk={self.chunk}, "
+                             f"local={self.local}, fragment={self.fragment}, parallel={self.parallel}, "
+                             f"refresh={self.refresh})")
         if self.fragment > self.chunk:
             raise ValueError(f"fragment ({self.fragment}) must not be longer than the chunk ({self.chunk})")
         if self.fragment > self.local:
@@ -117,8 +182,11 @@ class FocusLLM(Method):
 
     def check_window(self, run) -> None:
         if self.chunk + self.fragment > run.window:
+            w = run.window
+            fix = (f"-o focusllm.chunk={w - self.fragment} or less" if w - self.fragment >= self.fragment else
+                   f"smaller pieces, e.g. -o focusllm.chunk={w // 2} -o focusllm.fragment={w // 8} -o focusllm.local={w // 2}")
             raise LcxError(f"focusllm chunk={self.chunk} + fragment={self.fragment} exceeds the model's window "
-                           f"({run.window}); use -o focusllm.chunk={run.window - self.fragment} or less")
+                           f"({w}); use {fix}")
         if self.local >= run.window:
             raise LcxError(f"focusllm local={self.local} leaves no room for candidates in the model's window "
                            f"({run.window}); lower -o focusllm.local")
@@ -132,12 +200,42 @@ class FocusLLM(Method):
 
         from lcx.adapters.gated_lora import TokenGate, gate_lora
 
+        handle = model.register_forward_pre_hook(lambda mod, args, kwargs: self._refresh(run, kwargs), with_kwargs=True)
+        run.patches.callback(handle.remove)
         if not any(isinstance(m, LoraLayer) for m in model.modules()):
             return  # training-free: the candidates use the base projections
         gate = TokenGate(default_open=False)
         for handle in gate_lora(model, gate):
             run.patches.callback(handle.remove)
         run.state["focusllm_gate"] = gate
+
+    def _refresh(self, run, kwargs) -> None:
+        """Before each decoding step: the step's tokens join every chunk (every ``refresh`` tokens), and the
+        decoder's candidate slots take the refreshed candidates."""
+        gen = run.state.get("focusllm_generation")
+        cache = kwargs.get("past_key_values")
+        if gen is None or cache is None or cache is not gen["cache"] or cache.layers[0].pending is not None:
+            return  # not our decoder (a chunk forward, training, another call) or still the prefill
+        ids = kwargs.get("input_ids")
+        if ids is None:
+            raise LcxError("focusllm refresh needs token ids (not input embeddings) during generation")
+        ids = ids[:, max(0, gen["prompt"] - cache.get_seq_length()):]  # prompt tokens are in the chunks already
+        if ids.shape[1] == 0:
+            return
+        gen["pending"].append(ids)
+        if sum(t.shape[1] for t in gen["pending"]) < self.refresh:
+            return
+        new = torch.cat(gen["pending"], dim=1)
+        gen["pending"].clear()
+        cand = refresh_candidates(run.model, gen["groups"], new, run.state.get("focusllm_gate"))
+        positions = torch.empty(cand[0][0].shape[2], dtype=torch.long)
+        for g in gen["groups"]:
+            positions[g.idx] = g.length - 1
+        for layer, (k, v) in zip(cache.layers, to_slots(cand, positions, run)):
+            n = k.shape[2]
+            layer.keys[:, :, :n] = k.to(layer.keys.dtype)
+            layer.values[:, :, :n] = v.to(layer.values.dtype)
+        gen["refreshes"] += 1
 
     # ------------------------------------------------------------------ chunking stage
     @hookimpl
@@ -155,14 +253,13 @@ class FocusLLM(Method):
         if n + self.local + max_new_tokens > run.window:
             raise LcxError(f"focusllm: {n} candidates + {self.local} local tokens + {max_new_tokens} new tokens "
                            f"exceed the model's window ({run.window}); raise -o focusllm.chunk or lower -o focusllm.local")
+        groups: list[ChunkGroup] | None = [] if self.refresh and max_new_tokens > 1 else None
         cand = candidate_kv(run.model, memory, local[:, -self.fragment:], self.chunk, self.parallel,
-                            run.state.get("focusllm_gate"))
+                            run.state.get("focusllm_gate"), groups)
         # each candidate was rotated at the last position of its own forward; move it to its slot i
         lengths = torch.tensor([e - s + self.fragment for s, e in spans])
-        shift = torch.arange(n) - (lengths - 1)
-        for layer, (k, v) in enumerate(cand):
-            cand[layer] = (rotate(k, shift, families.rotary_inv_freq(run.model, run.family, layer)), v)
-        run.state["focusllm_candidates"] = cand
+        run.state["focusllm_candidates"] = to_slots(cand, lengths - 1, run)
+        run.state["focusllm_groups"] = groups
         placeholder = torch.full((B, n), int(local[0, 0]), dtype=input_ids.dtype)
         ids = torch.cat([placeholder, local], dim=1)
         return Plan(ids, torch.ones_like(ids), [(0, n), (n, n + self.local)], dropped=0,
@@ -172,9 +269,16 @@ class FocusLLM(Method):
     @hookimpl
     def lcx_memory(self, run, batch_size):
         cand = run.state.pop("focusllm_candidates", None)
+        groups = run.state.pop("focusllm_groups", None)
+        run.state.pop("focusllm_generation", None)
         if cand is None:
             return None
-        return Cache(layers=[CandidateLayer(k, v) for k, v in cand])
+        cache = Cache(layers=[CandidateLayer(k, v) for k, v in cand])
+        if groups is not None:
+            plan = run.state.get("plan")
+            run.state["focusllm_generation"] = {"cache": cache, "groups": groups, "pending": [], "refreshes": 0,
+                                                "prompt": int(plan.input_ids.shape[1]) if plan is not None else 0}
+        return cache
 
 
 @hookimpl

@@ -126,3 +126,73 @@ def test_bad_input():
     mask[1, :3] = 0
     with lcx.attach(model, ["focusllm"], focusllm=OPTS) as run, pytest.raises(LcxError, match="padded batches"):
         make_plan(run, ids, mask, 0)
+
+
+# ---------------------------------------------------------------------- generation: candidate refresh
+def _trained_peft(seed=3):
+    peft = add_adapter(tiny_model("llama"), roles=("q", "k", "v", "o"), rank=4).eval()
+    torch.manual_seed(seed)
+    for n, p in peft.named_parameters():
+        if "lora_B" in n:
+            p.data.normal_(0, 0.5)
+    return peft
+
+
+def _slots_after_generation(model, ids, n_new, **opts):
+    """Generate n_new greedy tokens; return them and the decoder's candidate slots at the end."""
+    with lcx.attach(model, ["focusllm"], focusllm={**OPTS, **opts}) as run:
+        new = generate(run, ids, max_new_tokens=n_new)
+        cache = run.state["memory"]
+        n = make_plan(run, ids, None, 0).info["candidates"]
+        slots = [(l.keys[:, :, :n].clone(), l.values[:, :, :n].clone()) for l in cache.layers]
+        gen = run.state.get("focusllm_generation")
+    return new, slots, gen
+
+
+def _from_scratch(model, ids, fed, **opts):
+    """The candidates recomputed from scratch with the fed generated tokens appended to the fragment."""
+    from lcx.plugins.focusllm import candidate_kv, to_slots
+
+    o = {**OPTS, **opts}
+    T = ids.shape[1]
+    memory, frag = ids[:, : T - o["local"]], torch.cat([ids[:, T - o["fragment"]:], fed], dim=1)
+    with lcx.attach(model, ["focusllm"], focusllm=o) as run:
+        cand = candidate_kv(model, memory, frag, o["chunk"], 0, run.state.get("focusllm_gate"))
+        lengths = torch.tensor([e - s + frag.shape[1] for s, e in chunk_spans(memory.shape[1], o["chunk"])])
+        return to_slots(cand, lengths - 1, run)
+
+
+@pytest.mark.parametrize("parallel", [0, 1])
+def test_exact_refresh_equals_candidates_recomputed_with_every_generated_token(parallel):
+    model, ids = _trained_peft(), _ids(T=110)  # 86 memory tokens: chunks of 16 and a last one of 6
+    new, slots, gen = _slots_after_generation(model, ids, 6, refresh=1, parallel=parallel)
+    assert gen["refreshes"] == 5  # every generated token but the last (never fed to the model)
+    want = _from_scratch(model, ids, new[:, :5])
+    for (k, v), (wk, wv) in zip(slots, want):
+        torch.testing.assert_close(k, wk, atol=1e-5, rtol=0)
+        torch.testing.assert_close(v, wv, atol=1e-5, rtol=0)
+    stale = _from_scratch(model, ids, new[:, :0])  # the check can fail: refreshed candidates differ from the prompt's
+    assert not torch.allclose(slots[1][0], stale[1][0], atol=1e-3)
+
+
+def test_approximate_refresh_updates_every_n_tokens():
+    model, ids = _trained_peft(), _ids(T=110)
+    new, slots, gen = _slots_after_generation(model, ids, 6, refresh=3)
+    assert gen["refreshes"] == 1 and sum(t.shape[1] for t in gen["pending"]) == 2  # fed 5: one refresh of 3, 2 pending
+    for (k, v), (wk, wv) in zip(slots, _from_scratch(model, ids, new[:, :3])):
+        torch.testing.assert_close(k, wk, atol=1e-5, rtol=0)
+        torch.testing.assert_close(v, wv, atol=1e-5, rtol=0)
+
+
+def test_refresh_zero_keeps_the_prompts_candidates_and_no_chunk_cache():
+    model, ids = _trained_peft(), _ids(T=110)
+    new, slots, gen = _slots_after_generation(model, ids, 6, refresh=0)
+    assert gen is None
+    for (k, v), (wk, wv) in zip(slots, _from_scratch(model, ids, new[:, :0])):
+        torch.testing.assert_close(k, wk, atol=1e-5, rtol=0)
+
+
+def test_refresh_needs_no_chunk_cache_when_only_one_token_is_generated():
+    with lcx.attach(tiny_model("llama"), ["focusllm"], focusllm={**OPTS, "refresh": 1}) as run:
+        generate(run, _ids(T=110), max_new_tokens=1)
+        assert run.state.get("focusllm_generation") is None
