@@ -8,7 +8,7 @@ tokens (vLLM ``min_tokens``; HF ``min_new_tokens``) so both sides generate exact
 
 Rounds alternate the two sides; the ratio is per round.  Goal (issue 8): vllm / hf >= 3.
 
-    .venv/bin/python bench/serve_throughput.py [--requests 8] [--length 2048] [--new 64] [--adapter DIR]
+    .venv/bin/python bench/serve_throughput.py [--requests 8] [--length 2048] [--new 64,256] [--adapter DIR]
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import torch
 
 OUT = Path(__file__).parent / "results"
 
@@ -42,8 +44,6 @@ def run_vllm(server, name: str, batch: list[tuple[list[int], int]], new: int) ->
 
 
 def run_hf(session, batch: list[tuple[list[int], int]], new: int) -> tuple[float, list[list[int]]]:
-    import torch
-
     from lcx.generation import generate
 
     t0 = time.perf_counter()
@@ -59,49 +59,55 @@ def main() -> None:
     ap.add_argument("--method", action="append", default=[], help="servable method on both sides (e.g. rope)")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--length", type=int, default=2048, help="prompt tokens per request")
-    ap.add_argument("--new", type=int, default=64, help="generated tokens per request")
+    ap.add_argument("--new", default="64,256", help="generated tokens per request; several: one result each")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", type=Path, default=OUT / "serve_throughput.json")
     args = ap.parse_args()
     from lcx.integrations.vllm import ServerProcess
     from lcx.session import open_session
 
+    news = [int(x) for x in str(args.new).split(",")]
     session = open_session(args.model, args.method, {}, args.adapter)
     tok = session.tokenizer
-    serve_args = [f"--method={m}" for m in args.method] + ["--max-model-len", str(args.length + args.new + 64)]
+    serve_args = [f"--method={m}" for m in args.method] + ["--max-model-len", str(args.length + max(news) + 64)]
     name = args.model
     if args.adapter:
         serve_args.append(f"--adapter=bench={args.adapter}")
         name = "bench"
-    rounds = []
+    results = []
     with tempfile.TemporaryDirectory() as tmp, \
             ServerProcess(args.model, serve_args + ["--export-dir", f"{tmp}/export"], f"{tmp}/serve.log") as server:
         print(f"server ready in {server.ready['start_seconds']} s", flush=True)
         run_vllm(server, name, prompts(tok, 2, 64, seed=999), 4)  # warm-up (first LoRA load, allocator)
-        for r in range(args.rounds):
-            batch = prompts(tok, args.requests, args.length, seed=r)
-            order = ["vllm", "hf"] if r % 2 == 0 else ["hf", "vllm"]
-            row: dict = {"round": r}
-            for side in order:
-                dt, outs = run_vllm(server, name, batch, args.new) if side == "vllm" else run_hf(session, batch, args.new)
-                n_new = sum(len(o) for o in outs)
-                found = sum(str(k) in tok.decode(o) for o, (_, k) in zip(outs, batch))
-                row[side] = {"seconds": round(dt, 2), "new_tokens": n_new, "tokens_per_s": round(n_new / dt, 2),
-                             "passkeys_found": found}
-                print(f"round {r} {side}: {n_new} tokens in {dt:.1f} s = {n_new / dt:.2f} tok/s, "
-                      f"{found}/{len(batch)} passkeys", flush=True)
-            row["ratio"] = round(row["vllm"]["tokens_per_s"] / row["hf"]["tokens_per_s"], 2)
-            rounds.append(row)
+        for i, new in enumerate(news):
+            rounds = []
+            for r in range(args.rounds):
+                # fresh prompts every round: vLLM's prefix cache must not remember a whole earlier prompt
+                batch = prompts(tok, args.requests, args.length, seed=1000 * i + r)
+                order = ["vllm", "hf"] if r % 2 == 0 else ["hf", "vllm"]
+                row: dict = {"round": r}
+                for side in order:
+                    dt, outs = run_vllm(server, name, batch, new) if side == "vllm" else run_hf(session, batch, new)
+                    n_new = sum(len(o) for o in outs)
+                    found = sum(str(k) in tok.decode(o) for o, (_, k) in zip(outs, batch))
+                    row[side] = {"seconds": round(dt, 2), "new_tokens": n_new, "tokens_per_s": round(n_new / dt, 2),
+                                 "passkeys_found": found}
+                    print(f"new={new} round {r} {side}: {n_new} tokens in {dt:.1f} s = {n_new / dt:.2f} tok/s, "
+                          f"{found}/{len(batch)} passkeys", flush=True)
+                row["ratio"] = round(row["vllm"]["tokens_per_s"] / row["hf"]["tokens_per_s"], 2)
+                rounds.append(row)
+            results.append({"new_tokens_per_request": new, "rounds": rounds,
+                            "median_ratio": statistics.median(r["ratio"] for r in rounds)})
     session.close()
     result = {
         "model": args.model, "adapter": args.adapter, "methods": args.method, "requests": args.requests,
-        "prompt_tokens": args.length, "new_tokens_per_request": args.new, "rounds": rounds,
-        "median_ratio": statistics.median(r["ratio"] for r in rounds), "goal": ">= 3",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "prompt_tokens": args.length, "results": results, "goal": "vllm/hf >= 3",
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "hf_threads": torch.get_num_threads()},
+        "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    print(json.dumps({k: result[k] for k in ("median_ratio", "goal")}), f"-> {args.out}")
+    print(json.dumps([{k: r[k] for k in ("new_tokens_per_request", "median_ratio")} for r in results]), f"-> {args.out}")
 
 
 if __name__ == "__main__":
