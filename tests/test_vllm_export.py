@@ -29,6 +29,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 def _adapter(model_dir: Path, out: Path, seed: int = 1, methods=({"name": "smt", "options": {}},), **lora) -> Path:
     model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    torch.manual_seed(seed)  # lora_A comes from the global generator
     peft = add_adapter(model, roles=("q", "k"), rank=8, **lora)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
