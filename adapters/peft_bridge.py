@@ -21,6 +21,7 @@ from torch import nn
 
 from lcx.adapters import families
 from lcx.errors import LcxError
+from lcx.io import commit_files, recover
 
 SIDECAR = "lcx.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -86,34 +87,31 @@ def add_adapter(
 
 
 def save_adapter(model: PeftModel, out_dir: str | os.PathLike, methods: list[dict], extra: dict | None = None) -> Path:
-    """Write the PEFT adapter (safetensors) and the lcx sidecar into ``out_dir``."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out), safe_serialization=True)
-    return _write_sidecar(out, {"format": FORMAT_VERSION, "methods": methods, "base_model": base_identity(model),
-                                **(extra or {})})
-
-
-def _write_sidecar(out: Path, sidecar: dict[str, Any]) -> Path:
-    tmp = out / (SIDECAR + ".tmp")
-    tmp.write_text(json.dumps(sidecar, indent=2))
-    os.replace(tmp, out / SIDECAR)
-    return out
+    """Write the PEFT adapter (safetensors) and the lcx sidecar into ``out_dir``, as one atomic update
+    (a crash leaves the previous adapter, or the new one once committed; never a mix)."""
+    sidecar = {"format": FORMAT_VERSION, "methods": methods, "base_model": base_identity(model), **(extra or {})}
+    return _save(model, out_dir, sidecar)
 
 
 def save_full_model(model: nn.Module, out_dir: str | os.PathLike, methods: list[dict], extra: dict | None = None) -> Path:
     """A fully trained model (``--full all``): a whole model folder (safetensors) + the lcx sidecar.
     Load it as a model (``-m OUT``), not as an adapter."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out), safe_serialization=True)
-    return _write_sidecar(out, {"format": FORMAT_VERSION, "methods": methods, "full_model": True, **(extra or {})})
+    return _save(model, out_dir, {"format": FORMAT_VERSION, "methods": methods, "full_model": True, **(extra or {})})
+
+
+def _save(model: nn.Module, out_dir: str | os.PathLike, sidecar: dict[str, Any]) -> Path:
+    def write(d: Path) -> None:
+        model.save_pretrained(str(d), safe_serialization=True)
+        (d / SIDECAR).write_text(json.dumps(sidecar, indent=2))
+
+    return commit_files(out_dir, write)
 
 
 def read_sidecar(adapter_dir: str | os.PathLike) -> dict[str, Any]:
     d = Path(adapter_dir)
     if not d.is_dir():
         raise LcxError(f"adapter folder {str(d)!r} does not exist; pass the folder `lcx train` wrote")
+    recover(d)  # finish a save that a crash interrupted after its commit point
     path = d / SIDECAR
     if not path.exists():
         raise LcxError(f"{str(d)!r} has no {SIDECAR}: not an lcx adapter (PEFT-only adapters load with peft directly)")

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+#: ``commit_files`` writes a new set of files here first ...
+STAGING = ".lcx-staging"
+#: ... and renames the finished folder to this name: the commit point (``recover`` rolls it forward).
+COMMIT = ".lcx-commit"
 
 
 def token_counts(text: str) -> list[int]:
@@ -34,6 +40,61 @@ def write_json(obj: Any, path: Path) -> Path:
     tmp.write_text(json.dumps(obj, indent=2, default=str))
     os.replace(tmp, path)
     return path
+
+
+def _fsync_tree(folder: Path) -> None:
+    for f in folder.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit_files(folder: str | os.PathLike[str], write: Callable[[Path], None]) -> Path:
+    """Replace a set of files in ``folder`` as one atomic update.
+
+    ``write(staging)`` writes the new files (flat, no sub-folders) into a staging folder.  Once they
+    are all on disk the staging folder is renamed to ``.lcx-commit`` (one atomic rename: the commit
+    point), then its files are moved over the old ones.  A crash before the commit point leaves the
+    previous files untouched; a crash after it is rolled forward by ``recover``, which every reader
+    calls first.  Other files in ``folder`` (checkpoints, metrics) are left alone.
+    """
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    recover(out, drop_staging=True)
+    staging = out / STAGING
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    write(staging)
+    nested = [p.name for p in staging.iterdir() if p.is_dir()]
+    if nested:
+        raise ValueError(f"commit_files writes flat folders; {staging} got sub-folders {nested}")
+    _fsync_tree(staging)
+    os.replace(staging, out / COMMIT)
+    recover(out)
+    return out
+
+
+def recover(folder: str | os.PathLike[str], drop_staging: bool = False) -> None:
+    """Finish what a crashed ``commit_files`` left in ``folder``: move a committed update into place
+    (and, for the writer, drop an unfinished staging folder).  Idempotent; a no-op on a clean folder."""
+    out = Path(folder)
+    commit = out / COMMIT
+    if commit.is_dir():
+        for f in sorted(commit.iterdir()):
+            try:
+                os.replace(f, out / f.name)
+            except FileNotFoundError:  # moved by a concurrent recover
+                pass
+        try:
+            commit.rmdir()
+        except OSError:
+            pass
+    if drop_staging and (out / STAGING).exists():
+        shutil.rmtree(out / STAGING, ignore_errors=True)
 
 
 def pyplot():

@@ -35,6 +35,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lcx.errors import LcxError
+from lcx.io import commit_files, recover
 
 KINDS = ("torch", "faiss-flat", "faiss-ivf", "faiss-hnsw", "faiss-gpu")
 
@@ -284,28 +285,27 @@ MEMORY_META = "memory.json"
 
 
 def save_memory(stores: dict[tuple[int, int], MemoryStore], path: str | os.PathLike, meta: dict[str, Any]) -> Path:
-    """Write every (layer, head) store: tensors to safetensors, metadata + sha256 to JSON, atomically."""
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
+    """Write every (layer, head) store: tensors to safetensors, metadata + sha256 to JSON, as one atomic
+    update (a crash leaves the previous memory, or the new one once committed; never a mix)."""
     tensors: dict[str, torch.Tensor] = {}
     for (layer, head), store in stores.items():
         tensors.update(store.tensors(f"{layer}.{head}."))
-    tmp = out / (MEMORY_TENSORS + ".tmp")
-    save_file(tensors, str(tmp))
-    digest = _sha256(tmp)
-    os.replace(tmp, out / MEMORY_TENSORS)
     any_store = next(iter(stores.values()), None)
-    info = {"format": 1, "sha256": digest, "stores": [f"{l}.{h}" for l, h in stores],
-            "store_config": asdict(any_store.config) if any_store else None, **meta}
-    tmp = out / (MEMORY_META + ".tmp")
-    tmp.write_text(json.dumps(info, indent=2))
-    os.replace(tmp, out / MEMORY_META)
-    return out
+
+    def write(d: Path) -> None:
+        save_file(tensors, str(d / MEMORY_TENSORS))
+        info = {"format": 1, "sha256": _sha256(d / MEMORY_TENSORS), "stores": [f"{l}.{h}" for l, h in stores],
+                "store_config": asdict(any_store.config) if any_store else None, **meta}
+        (d / MEMORY_META).write_text(json.dumps(info, indent=2))
+
+    return commit_files(path, write)
 
 
 def load_memory(path: str | os.PathLike, config: StoreConfig | None = None) -> tuple[dict[tuple[int, int], MemoryStore], dict]:
     """Read a memory written by ``save_memory``; the tensor file must match its recorded sha256."""
     d = Path(path)
+    if d.is_dir():
+        recover(d)  # finish a save that a crash interrupted after its commit point
     meta_path, tensor_path = d / MEMORY_META, d / MEMORY_TENSORS
     if not meta_path.exists() or not tensor_path.exists():
         raise LcxError(f"{str(d)!r} is not an lcx memory folder (needs {MEMORY_META} and {MEMORY_TENSORS})")

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import time
@@ -236,6 +237,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, progr
     latest = _latest_checkpoint(ckpt_root) if resume else None
     if latest is not None:
         start = _load_checkpoint(latest, peft_model, names, opt, sched, rank, run.state)
+        if accel.is_main_process:
+            _trim_metrics(out / METRICS, start)
     ddp_model, opt = accel.prepare(peft_model, opt)
 
     bar = tqdm(total=cfg.steps, initial=start, desc="train", disable=not (progress and accel.is_main_process))
@@ -403,11 +406,35 @@ def _prepare_out(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool) -> 
     (out / CONFIG).write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
 
 
-def _latest_checkpoint(root: Path) -> Path | None:
+def _checkpoints(root: Path) -> list[Path]:
+    """Finished checkpoints (``step-N`` with its meta.json, written last), oldest first; a crash's
+    leftovers (``step-N.tmp``, ``step-N.old``) are not checkpoints."""
     if not root.is_dir():
-        return None
-    done = [p for p in root.glob("step-*") if p.is_dir() and (p / "meta.json").exists()]
-    return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
+        return []
+    done = [p for p in root.iterdir() if re.fullmatch(r"step-\d+", p.name) and (p / "meta.json").exists()]
+    return sorted(done, key=lambda p: int(p.name.split("-")[1]))
+
+
+def _latest_checkpoint(root: Path) -> Path | None:
+    done = _checkpoints(root)
+    return done[-1] if done else None
+
+
+def _trim_metrics(path: Path, step: int) -> None:
+    """On resume: keep the metrics of steps up to the checkpoint, so steps redone after a crash are
+    not recorded twice (and a line cut short by the crash goes)."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if int(json.loads(line)["step"]) <= step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(k + "\n" for k in keep))
+    os.replace(tmp, path)
 
 
 def _save_checkpoint(root: Path, step: int, model, names: list[str], opt, sched, cfg: TrainConfig, accel,
@@ -430,9 +457,11 @@ def _save_checkpoint(root: Path, step: int, model, names: list[str], opt, sched,
                  "world_size": accel.num_processes, "method_state": (state or {}).get("train_state", {})}, indent=2))
 
         root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob("step-*.*"):  # a killed run's half-written (.tmp) or replaced (.old) folders
+            if stale.suffix in (".tmp", ".old") and stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
         _atomic_dir_write(dest, write)
-        ckpts = sorted((p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith((".tmp", ".old"))),
-                       key=lambda p: int(p.name.split("-")[1]))
+        ckpts = _checkpoints(root)
         for old in ckpts[:-cfg.keep_checkpoints] if cfg.keep_checkpoints > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     accel.wait_for_everyone()
