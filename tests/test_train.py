@@ -240,3 +240,41 @@ def test_from_scratch_full_training_on_the_dictionary_task(tmp_path):
     assert r.exit_code == 0, r.output
     with pytest.raises(LcxError, match="unknown synthetic task 'dict'"):
         train(cfg(tmp_path / "bad", data=["task:dict"]), progress=False)
+
+
+@pytest.mark.slow
+def test_killed_three_times_and_resumed_ends_with_the_uninterrupted_adapter(model_dir, corpus, tmp_path):
+    """SIGKILL (no chance to save) at random points, three times, each followed by --resume: the final
+    adapter is bit-identical to an uninterrupted run's, and every step is recorded exactly once."""
+    import random
+
+    def cmd(out, *extra):
+        return [sys.executable, "-m", "lcx.cli", "train", "-m", str(model_dir), "-d", str(corpus), "--out", str(out),
+                "--method", "smt", "-o", "smt.budget=32", "-o", "smt.window=8", "--seq-len", "96", "--steps", "24",
+                "--batch-size", "2", "--grad-accum", "2", "--lr", "5e-3", "--seed", "3", "--save-every", "1", *extra]
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    full = tmp_path / "full"
+    subprocess.run(cmd(full), check=True, capture_output=True, env=env, timeout=600)
+    part = tmp_path / "part"
+    rng = random.Random(7)
+    kill_after = sorted(rng.sample(range(2, 22), 3))  # steps recorded before each kill
+    for i, k in enumerate(kill_after):
+        proc = subprocess.Popen(cmd(part, *(["--resume"] if i else [])), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, env=env)
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None and not (
+                (part / "metrics.jsonl").exists() and (part / "metrics.jsonl").read_text().count("\n") >= k):
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0, 0.3))  # somewhere inside a step or a checkpoint write
+        proc.kill()
+        proc.wait()
+        assert proc.returncode == -signal.SIGKILL, f"run {i} ended on its own (rc {proc.returncode}) before the kill"
+    subprocess.run(cmd(part, "--resume"), check=True, capture_output=True, env=env, timeout=600)
+    a, b = load_file(str(full / "adapter_model.safetensors")), load_file(str(part / "adapter_model.safetensors"))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    fm, pm = _metrics(full), _metrics(part)
+    assert [m["step"] for m in pm] == list(range(1, 25))  # redone steps are not recorded twice
+    assert [m["loss"] for m in fm] == [m["loss"] for m in pm]
