@@ -113,7 +113,7 @@ def sample_memory(memory: int, budget: int, window: int, decay_iters: int, polic
         if count:
             dist = lo + torch.randperm(hi - lo, generator=gen)[:count]
             picked.append(memory - 1 - dist)  # distance 0 = the last memory token
-    return torch.cat(picked).sort().values
+    return torch.cat(picked).sort().values if picked else torch.zeros(0, dtype=torch.long)
 
 
 def position_range(step: int, seq_len: int, start: int, grow_every: int, grow_by: int) -> int:
