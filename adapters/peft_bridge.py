@@ -21,7 +21,7 @@ from torch import nn
 
 from lcx.adapters import families
 from lcx.errors import LcxError
-from lcx.io import commit_files, recover
+from lcx.io import check_safetensors, commit_files, read_json_file, recover
 
 SIDECAR = "lcx.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -115,10 +115,7 @@ def read_sidecar(adapter_dir: str | os.PathLike) -> dict[str, Any]:
     path = d / SIDECAR
     if not path.exists():
         raise LcxError(f"{str(d)!r} has no {SIDECAR}: not an lcx adapter (PEFT-only adapters load with peft directly)")
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise LcxError(f"{str(path)!r} is corrupted ({e}); re-save the adapter") from None
+    return read_json_file(path, "re-save the adapter (or train it again)")
 
 
 def check_base(model: nn.Module, sidecar: dict[str, Any], adapter_dir: str | os.PathLike) -> None:
@@ -142,6 +139,9 @@ def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike, trainable: bo
         raise LcxError(
             f"{str(d)!r} has no {ADAPTER_WEIGHTS}; lcx loads adapters from safetensors only (never pickle)"
         )
+    fix = "re-save the adapter (or train it again)"
+    read_json_file(d / "adapter_config.json", fix)
+    check_safetensors(d / ADAPTER_WEIGHTS, fix)
     check_base(model, sidecar, adapter_dir)
     try:
         peft_model = PeftModel.from_pretrained(model, str(d), is_trainable=trainable, use_safetensors=True)

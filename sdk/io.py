@@ -34,6 +34,44 @@ def token_counts(text: str) -> list[int]:
     return out
 
 
+def read_json_file(path: str | os.PathLike[str], fix: str) -> Any:
+    """A JSON file lcx wrote, or a clear error naming it (``fix``: what the user should do)."""
+    from lcx.errors import LcxError
+
+    p = Path(path)
+    if not p.exists():
+        raise LcxError(f"{str(p)!r} is missing; {fix}")
+    try:
+        return json.loads(p.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise LcxError(f"{str(p)!r} is corrupted or truncated ({e}); {fix}") from None
+
+
+def check_safetensors(path: str | os.PathLike[str], fix: str) -> None:
+    """Refuse a safetensors file whose header is damaged or whose data the file no longer covers
+    (truncation), naming it; reads only the header."""
+    from safetensors import safe_open
+
+    from lcx.errors import LcxError
+
+    p = Path(path)
+    if not p.exists():
+        raise LcxError(f"{str(p)!r} is missing; {fix}")
+    try:
+        with safe_open(str(p), "pt"):
+            pass
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError for unreadable files)
+        raise LcxError(f"{str(p)!r} is corrupted or truncated ({str(e).splitlines()[0]}); {fix}") from None
+
+
+def load_safetensors(path: str | os.PathLike[str], fix: str) -> dict[str, Any]:
+    """``safetensors.torch.load_file`` with ``check_safetensors``'s clear error."""
+    from safetensors.torch import load_file
+
+    check_safetensors(path, fix)
+    return load_file(str(path))
+
+
 def write_json(obj: Any, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")

@@ -369,6 +369,8 @@ def load_model(
         if "trust_remote_code" in str(e):
             raise LcxError(f"{str(path)!r} needs its own Python code; pass --trust-remote-code if you trust it") from None
         raise LcxError(f"cannot read the config of {str(path)!r}: {str(e).splitlines()[0]}") from None
+    except OSError as e:  # transformers' "not a valid JSON file"
+        raise LcxError(f"cannot read {str(path / 'config.json')!r}: {str(e).splitlines()[0]}") from None
     not_causal = LcxError(
         f"{str(path)!r} is not a causal language model (model_type {config.model_type!r}); "
         "lcx works with decoder-only models that AutoModelForCausalLM loads"
@@ -379,6 +381,10 @@ def load_model(
     if archs and not any(a.endswith(CAUSAL_SUFFIXES) or a in _causal_lm_architectures() for a in archs):
         # e.g. BertModel: AutoModelForCausalLM would build BertLMHeadModel with a fresh, random head
         raise not_causal
+    from lcx.io import check_safetensors
+
+    for weights in sorted(path.glob("*.safetensors")):  # a damaged file is named, not a bare header error
+        check_safetensors(weights, "copy the model folder again")
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(path), config=config, dtype=dtype or torch.float32, local_files_only=True,

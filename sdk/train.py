@@ -469,10 +469,15 @@ def _save_checkpoint(root: Path, step: int, model, names: list[str], opt, sched,
 
 
 def _load_checkpoint(path: Path, model, names: list[str], opt, sched, rank: int, state: dict | None = None) -> int:
-    meta = json.loads((path / "meta.json").read_text())
+    from lcx.io import load_safetensors, read_json_file
+
+    older = [p.name for p in _checkpoints(path.parent) if p != path]
+    fix = (f"delete the folder {str(path)!r} to resume from {older[-1]}" if older else
+           "start the run again without --resume")
+    meta = read_json_file(path / "meta.json", fix)
     if state is not None and meta.get("method_state"):
         state["train_state"] = dict(meta["method_state"])  # e.g. fot's d schedule (switched or not)
-    weights = load_file(str(path / "trainable.safetensors"))
+    weights = load_safetensors(path / "trainable.safetensors", fix)
     missing = set(names) - set(weights)
     if missing:
         raise LcxError(f"checkpoint {str(path)!r} lacks {sorted(missing)[0]!r}: it was written by another setup")
@@ -480,11 +485,11 @@ def _load_checkpoint(path: Path, model, names: list[str], opt, sched, rank: int,
     with torch.no_grad():
         for n in names:
             params[n].copy_(weights[n])
-    _optimizer_from_files(opt, load_file(str(path / "optimizer.safetensors")), meta["optimizer"])
+    _optimizer_from_files(opt, load_safetensors(path / "optimizer.safetensors", fix), meta["optimizer"])
     sd = sched.state_dict()
     sd.update(meta["scheduler"])
     sched.load_state_dict(sd)
     rng_file = path / f"rng-{rank}.safetensors"
     if rng_file.exists() and str(rank) in meta["rng"]:
-        _set_rng_state(load_file(str(rng_file)), meta["rng"][str(rank)])
+        _set_rng_state(load_safetensors(rng_file, fix), meta["rng"][str(rank)])
     return int(meta["step"])
