@@ -63,13 +63,42 @@ def method_options(f):
                      help="lcx adapter folder (from `lcx train`); its methods apply unless --method is given.")(f)
     f = click.option("--trust-remote-code", is_flag=True, default=False,
                      help="Allow model folders to run their own Python code (off by default).")(f)
+    return limit_options(f)
+
+
+def limit_options(f):
+    f = click.option("--max-input-tokens", type=click.IntRange(1), default=None, expose_value=False,
+                     callback=_limit("max_input_tokens"), metavar="N",
+                     help="Refuse prompts over N tokens per request (default 262144, or LCX_MAX_INPUT_TOKENS). "
+                          "Requests whose key/value estimate exceeds the free RAM are refused too.")(f)
+    f = click.option("--max-memory-entries", type=click.IntRange(1), default=None, expose_value=False,
+                     callback=_limit("max_memory_entries"), metavar="N",
+                     help="Refuse requests leaving a method's memory over N entries per layer and KV head "
+                          "(default 4194304, or LCX_MAX_MEMORY_ENTRIES); -o fot.max_entries evicts instead.")(f)
     return f
+
+
+def _limit(name: str):
+    """Click callback: a limit flag is kept on the command's context; ``_with_limits`` applies it."""
+    def callback(ctx, param, value):
+        if value is not None:
+            ctx.meta.setdefault("lcx.limits", {})[name] = value
+    return callback
+
+
+def _with_limits(session):
+    """The session's run refuses requests over the limits (flags over LCX_* variables over defaults)."""
+    from lcx.limits import Limits
+
+    ctx = click.get_current_context(silent=True)
+    session.run.limits = Limits.from_env(**(ctx.meta.get("lcx.limits", {}) if ctx else {}))
+    return session
 
 
 def _open(model: str, methods: tuple[str, ...], options: tuple[str, ...], adapter: Path | None, trust: bool):
     from lcx.session import open_session, parse_options
 
-    return open_session(model, methods, parse_options(options), adapter, trust_remote_code=trust)
+    return _with_limits(open_session(model, methods, parse_options(options), adapter, trust_remote_code=trust))
 
 
 def _echo_json(obj: Any) -> None:
@@ -253,6 +282,7 @@ def memory_grp() -> None:
 @click.option("--option", "-o", "options", multiple=True, metavar="KEY=VALUE", help="Method option (fot).")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Folder for memory.safetensors + memory.json.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing memory folder.")
+@limit_options
 @click.argument("docs", nargs=-1, required=True, type=click.Path(path_type=Path))
 def memory_build(model, methods, options, out, overwrite, docs):
     """Index DOCS (text files or folders) into a kNN memory saved to --out.
@@ -273,7 +303,7 @@ def memory_build(model, methods, options, out, overwrite, docs):
         raise LcxError(f"memory build supports the fot method, got {', '.join(methods)}")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise LcxError(f"memory folder {str(out)!r} exists; pass --overwrite to replace it")
-    s = open_session(model, ["fot"], parse_options(options))
+    s = _with_limits(open_session(model, ["fot"], parse_options(options)))
     try:
         fot = s.run.method("fot")
         listed = []
@@ -542,7 +572,8 @@ def eval_dictionary(model, methods, options, adapter, trust_remote_code, dict_to
     from lcx.io import write_json
     from lcx.session import open_session, parse_options
 
-    s = open_session(model, methods, parse_options(options), adapter, trust_remote_code, require_tokenizer=False)
+    s = _with_limits(open_session(model, methods, parse_options(options), adapter, trust_remote_code,
+                                  require_tokenizer=False))
     if s.model.config.vocab_size < dictionary.VOCAB_SIZE:
         s.close()
         raise LcxError(f"model vocab_size {s.model.config.vocab_size} < {dictionary.VOCAB_SIZE}: not a dictionary-task model")

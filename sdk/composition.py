@@ -61,6 +61,8 @@ class Run:
         self.attached = False
         #: Free-form per-run state methods may keep (e.g. the current plan).
         self.state: dict[str, Any] = {}
+        #: Per-request resource limits (``lcx.limits.Limits``); None = defaults and LCX_* variables.
+        self.limits: Any = None
         self._has_attention = bool(self.pm.hook.lcx_attention.get_hookimpls())
 
     # ------------------------------------------------------------------ conveniences

@@ -9,6 +9,7 @@ from transformers import DynamicCache
 
 from lcx.composition import Run
 from lcx.errors import LcxError
+from lcx.limits import check_request
 from lcx.plan import Plan
 
 
@@ -56,6 +57,7 @@ def make_plan(run: Run, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
         raise LcxError(f"empty input: got input_ids of shape {tuple(input_ids.shape)}; give at least one token")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
+    check_request(run, int(input_ids.shape[1]), max_new_tokens, batch=int(input_ids.shape[0]))
     plan = run.hook.lcx_plan(
         run=run, input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens
     )

@@ -43,6 +43,11 @@ class Method:
     #: is rewritten by :meth:`vllm_config`), or "" (needs lcx inside vLLM's attention: not servable yet).
     serving: ClassVar[str] = ""
 
+    def memory_entries(self, run: Any, input_tokens: int) -> int:
+        """Entries per memory layer and KV head this method's own memory holds after a request of
+        ``input_tokens`` (checked against ``lcx.limits``); 0 for methods whose memory is the model's cache."""
+        return 0
+
     def vllm_config(self, config: dict[str, Any]) -> dict[str, Any]:
         """For ``serving == "config"``: the model's config.json (a dict) as vLLM should load it."""
         return config

@@ -75,6 +75,7 @@ class FoT(Method):
         self.crossbatch_layout(self.d)  # validates d, w and segments
         crossbatch.d_for_step(self.d_schedule, self.d, 0, 0, None, False)  # validates the schedule
         self._stores: dict[int, dict[tuple[int, int], MemoryStore]] | None = None  # multi-document memory
+        self._shared: dict[int, dict[tuple[int, int], MemoryStore]] | None = None  # while a document is added
 
     # ------------------------------------------------------------------ configuration
     def layer_indices(self, run) -> list[int]:
@@ -220,6 +221,7 @@ class FoT(Method):
 
         self.mode = "multi"
         shared, self._stores = self._stores if self._stores is not None else {}, {}
+        self._shared = shared  # counted by memory_entries (lcx.limits) while the document is encoded
         run.state["doc_ids"] = [doc_id]
         try:
             plan = make_plan(run, input_ids, None, 0)
@@ -233,9 +235,19 @@ class FoT(Method):
                         target = shared.setdefault(i, {}).setdefault(key, make_store(self.store_config()))
                         target.add(store.keys, store.values, store.positions, doc_id)
         finally:
-            self._stores = shared
+            self._stores, self._shared = shared, None
             run.state.pop("doc_ids", None)
         return int(input_ids.shape[1])
+
+    def memory_entries(self, run, input_tokens: int) -> int:
+        """Entries per memory layer and KV head after a request: the input's tokens, plus in multi-document
+        mode what the memory already holds; at most ``max_entries`` when it evicts."""
+        held = 0
+        if self.mode == "multi":
+            groups = [*(self._stores or {}).values(), *(self._shared or {}).values()]
+            held = max((len(s) for per in groups for s in per.values()), default=0)
+        n = held + input_tokens
+        return min(n, self.max_entries) if self.max_entries else n
 
     def stores_for_saving(self) -> dict[tuple[int, int], MemoryStore]:
         return {(layer, head): store for layer, per in (self._stores or {}).items() for (_, head), store in per.items()}

@@ -1,0 +1,123 @@
+"""Per-request resource limits: token and memory-entry caps, and a memory estimate checked against
+the machine's free RAM before any work starts, so a request too big for the machine is a clear
+error rather than an out-of-memory kill halfway through a long prefill.
+
+Defaults (documented in the README; each can be changed per command or by environment variable):
+
+==========================  ===========  ===============================  =========================
+cap                         default      flag                             environment
+==========================  ===========  ===============================  =========================
+prompt tokens per request   262,144      ``--max-input-tokens``           ``LCX_MAX_INPUT_TOKENS``
+new tokens per request      4,096        ``--max-new-tokens`` is checked  ``LCX_MAX_NEW_TOKENS``
+memory entries per layer    4,194,304    ``--max-memory-entries``         ``LCX_MAX_MEMORY_ENTRIES``
+and KV head (fot)
+share of free RAM a         0.9          --                               ``LCX_RAM_FRACTION``
+request may plan to use
+==========================  ===========  ===============================  =========================
+
+The memory estimate is an upper bound: the keys and values of every layer for every token of the
+request (what the bare model keeps; every method keeps at most that) plus what the methods' own
+memories already hold (a multi-document fot memory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from lcx.errors import LcxError
+
+_ENV = {"max_input_tokens": "LCX_MAX_INPUT_TOKENS", "max_new_tokens": "LCX_MAX_NEW_TOKENS",
+        "max_memory_entries": "LCX_MAX_MEMORY_ENTRIES", "ram_fraction": "LCX_RAM_FRACTION"}
+
+
+class LimitError(LcxError):
+    """A request over a resource limit."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_input_tokens: int = 262_144
+    max_new_tokens: int = 4_096
+    max_memory_entries: int = 4_194_304
+    ram_fraction: float = 0.9
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> "Limits":
+        """Defaults, then ``LCX_*`` environment variables, then ``overrides`` that are not None."""
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = os.environ.get(_ENV[f.name])
+            if raw:
+                try:
+                    values[f.name] = float(raw) if f.name == "ram_fraction" else int(raw)
+                except ValueError:
+                    raise LcxError(f"{_ENV[f.name]}={raw!r} is not a number") from None
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        limits = cls(**values)
+        for f in dataclasses.fields(cls):
+            if getattr(limits, f.name) <= 0:
+                raise LcxError(f"{f.name} must be > 0, got {getattr(limits, f.name)}")
+        return limits
+
+
+def available_ram() -> int:
+    """Bytes the kernel says can be allocated without swapping (``MemAvailable``)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def kv_bytes_per_token(model: Any) -> int:
+    """Bytes of keys + values one token takes in every layer's cache."""
+    cfg = model.config
+    cfg = getattr(cfg, "get_text_config", lambda: cfg)()
+    layers = cfg.num_hidden_layers
+    heads = getattr(cfg, "num_attention_heads", 1)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    size = next(model.parameters()).element_size()
+    return 2 * layers * kv_heads * head_dim * size
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def check_request(run: Any, input_tokens: int, max_new_tokens: int, batch: int = 1,
+                  limits: Limits | None = None) -> dict[str, int]:
+    """Refuse a request over a cap or whose memory estimate exceeds the free RAM; returns the estimate."""
+    limits = limits or getattr(run, "limits", None) or Limits.from_env()
+    if input_tokens > limits.max_input_tokens:
+        raise LimitError(f"the prompt has {input_tokens:,} tokens, over the limit of {limits.max_input_tokens:,} "
+                         f"per request; raise it with --max-input-tokens (or LCX_MAX_INPUT_TOKENS) if the machine "
+                         f"has the memory, or shorten the prompt")
+    if max_new_tokens > limits.max_new_tokens:
+        raise LimitError(f"max_new_tokens={max_new_tokens:,} is over the limit of {limits.max_new_tokens:,} per "
+                         f"request; raise it with LCX_MAX_NEW_TOKENS")
+    entries = 0
+    for m in run.methods:
+        n = m.memory_entries(run, input_tokens)
+        if n > limits.max_memory_entries:
+            raise LimitError(f"{m.name}: its memory would hold {n:,} entries per layer and KV head after this "
+                             f"request, over the limit of {limits.max_memory_entries:,}; cap it with "
+                             f"-o {m.name}.max_entries=N (the oldest are evicted), or raise the limit with "
+                             f"--max-memory-entries (or LCX_MAX_MEMORY_ENTRIES)")
+        entries = max(entries, n)
+    per_token = kv_bytes_per_token(run.model)
+    need = per_token * (batch * (input_tokens + max_new_tokens) + entries)
+    free = available_ram()
+    if need > limits.ram_fraction * free:
+        raise LimitError(f"this request needs up to {_gib(need)} for keys and values ({batch} x "
+                         f"{input_tokens + max_new_tokens:,} tokens x {per_token:,} bytes"
+                         f"{f' + {entries:,} memory entries' if entries else ''}), more than the "
+                         f"{_gib(limits.ram_fraction * free)} this machine has free; shorten the prompt, generate "
+                         f"fewer rows at once, or free memory")
+    return {"kv_bytes": need, "free_bytes": free}

@@ -1,0 +1,102 @@
+"""Resource limits: token and memory-entry caps per request, and the free-RAM check, refuse a request
+with a clear error before any work starts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import lcx
+from lcx import limits
+from lcx.cli import main
+from lcx.generation import generate
+from lcx.limits import LimitError, Limits, check_request, kv_bytes_per_token
+from tests.conftest import tiny_model
+from tests.helpers import make_tiny_model_dir
+
+
+def _ids(T, seed=0):
+    return torch.randint(3, 256, (1, T), generator=torch.Generator().manual_seed(seed))
+
+
+class _Forwards:
+    """Counts the model's forward passes (a refused request must run none)."""
+
+    def __init__(self, model):
+        self.n = 0
+        model.register_forward_pre_hook(lambda *a: setattr(self, "n", self.n + 1))
+
+
+def test_defaults_environment_and_overrides(monkeypatch):
+    assert Limits.from_env() == Limits(262_144, 4_096, 4_194_304, 0.9)
+    monkeypatch.setenv("LCX_MAX_INPUT_TOKENS", "1000")
+    monkeypatch.setenv("LCX_RAM_FRACTION", "0.5")
+    assert Limits.from_env().max_input_tokens == 1000 and Limits.from_env().ram_fraction == 0.5
+    assert Limits.from_env(max_input_tokens=7).max_input_tokens == 7
+    monkeypatch.setenv("LCX_MAX_NEW_TOKENS", "lots")
+    with pytest.raises(lcx.LcxError, match="LCX_MAX_NEW_TOKENS='lots' is not a number"):
+        Limits.from_env()
+
+
+def test_a_prompt_over_the_token_cap_is_refused_before_any_forward(monkeypatch):
+    model = tiny_model("llama")
+    calls = _Forwards(model)
+    monkeypatch.setenv("LCX_MAX_INPUT_TOKENS", "50")
+    with lcx.attach(model, ["streaming"], chunk=16) as run:
+        with pytest.raises(LimitError, match=r"the prompt has 60 tokens, over the limit of 50 .*--max-input-tokens"):
+            generate(run, _ids(60), max_new_tokens=2)
+        assert calls.n == 0
+        generate(run, _ids(50), max_new_tokens=2)  # at the cap: served
+    monkeypatch.setenv("LCX_MAX_NEW_TOKENS", "8")
+    with lcx.attach(model, []) as run, pytest.raises(LimitError, match="max_new_tokens=9 is over the limit of 8"):
+        generate(run, _ids(5), max_new_tokens=9)
+
+
+def test_the_cli_flag_sets_the_cap_and_the_error_is_one_line(tmp_path):
+    d = make_tiny_model_dir(tmp_path / "m")
+    r = CliRunner().invoke(main, ["generate", "-m", str(d), "-p", "x" * 40, "-n", "1", "--max-input-tokens", "10"])
+    assert r.exit_code == 2 and "over the limit of 10 per request" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(main, ["generate", "-m", str(d), "-p", "x" * 40, "-n", "1", "--max-input-tokens", "100"])
+    assert r.exit_code == 0, r.output
+
+
+def test_a_multi_document_memory_over_its_entry_cap_is_refused_unless_it_evicts(monkeypatch):
+    model = tiny_model("llama")
+    monkeypatch.setenv("LCX_MAX_MEMORY_ENTRIES", "200")
+    with lcx.attach(model, ["fot"], local=32, memory_layers="0", mode="multi") as run:
+        fot = run.method("fot")
+        fot.ingest(run, _ids(120, 1), 0)
+        assert fot.memory_entries(run, 0) == 120
+        with pytest.raises(LimitError, match=r"fot: its memory would hold 240 entries .* over the limit of 200; "
+                                             r"cap it with -o fot.max_entries=N"):
+            fot.ingest(run, _ids(120, 2), 1)
+        assert len(fot.stores_for_saving()[(0, 0)]) == 120  # the refused document left nothing behind
+    with lcx.attach(model, ["fot"], local=32, memory_layers="0", mode="multi", max_entries=150) as run:
+        fot = run.method("fot")
+        for doc in range(3):  # evicting: the memory stays at 150 entries, never refused
+            fot.ingest(run, _ids(120, doc), doc)
+        assert len(fot.stores_for_saving()[(0, 0)]) == 150
+
+
+def test_a_request_whose_keys_and_values_exceed_the_free_ram_is_refused(monkeypatch):
+    model = tiny_model("llama")
+    per_token = kv_bytes_per_token(model)
+    assert per_token == 2 * 2 * 1 * 32 * 4  # layers x (k, v) x kv heads x head dim x fp32
+    monkeypatch.setattr(limits, "available_ram", lambda: 100 * per_token)  # room for 90 tokens at 0.9
+    calls = _Forwards(model)
+    with lcx.attach(model, ["vanilla"]) as run:
+        with pytest.raises(LimitError, match=r"needs up to .* GiB for keys and values \(1 x 100 tokens"):
+            generate(run, _ids(96), max_new_tokens=4)
+        assert calls.n == 0
+        generate(run, _ids(80), max_new_tokens=4)
+        est = check_request(run, 80, 4)
+    assert est["kv_bytes"] == 84 * per_token
+
+
+def test_available_ram_reads_the_machine():
+    free = limits.available_ram()
+    total = 0
+    with open("/proc/meminfo") as f:
+        total = int(next(l for l in f if l.startswith("MemTotal:")).split()[1]) * 1024
+    assert 0 < free <= total
