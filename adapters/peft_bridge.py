@@ -86,6 +86,21 @@ def add_adapter(
     return get_peft_model(model, config)
 
 
+def random_adapter(model: nn.Module, out_dir: str | os.PathLike, seed: int, scale: float = 0.05,
+                   roles: tuple[str, ...] = ("q", "k"), rank: int = 8, methods: list[dict] | None = None,
+                   **lora: Any) -> Path:
+    """Save a LoRA adapter with seeded random A and B (B ~ N(0, scale^2)): a stand-in for a trained one in
+    tests and benchmarks (an untrained adapter, B = 0, would change nothing).  Wraps ``model`` in place."""
+    torch.manual_seed(seed)  # PEFT draws lora_A from the global generator
+    peft = add_adapter(model, roles=roles, rank=rank, **lora)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return save_adapter(peft, out_dir, methods=methods if methods is not None else [{"name": "smt", "options": {}}])
+
+
 def save_adapter(model: PeftModel, out_dir: str | os.PathLike, methods: list[dict], extra: dict | None = None) -> Path:
     """Write the PEFT adapter (safetensors) and the lcx sidecar into ``out_dir``, as one atomic update
     (a crash leaves the previous adapter, or the new one once committed; never a mix)."""

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from transformers import AutoModelForCausalLM
 
 import lcx
-from lcx.adapters.peft_bridge import add_adapter, save_adapter
+from lcx.adapters.peft_bridge import random_adapter
 from lcx.cli import main
 from lcx.errors import LcxError
 from lcx.integrations.vllm import export_for_vllm
@@ -28,16 +28,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def _adapter(model_dir: Path, out: Path, seed: int = 1, methods=({"name": "smt", "options": {}},), **lora) -> Path:
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
-    torch.manual_seed(seed)  # lora_A comes from the global generator
-    peft = add_adapter(model, roles=("q", "k"), rank=8, **lora)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in peft.named_parameters():
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    save_adapter(peft, out, methods=list(methods))
-    return out
+    return random_adapter(AutoModelForCausalLM.from_pretrained(str(model_dir)), out, seed, methods=list(methods), **lora)
 
 
 def test_rope_export_equals_the_rope_method(model_dir, tmp_path):

@@ -28,19 +28,10 @@ NEW = 8
 
 def _adapter(out: Path, seed: int) -> Path:
     """A q/k LoRA adapter (rank 8) with random B: what `lcx train --method smt` writes, untrained."""
-    from lcx.adapters.peft_bridge import add_adapter, save_adapter
+    from lcx.adapters.peft_bridge import random_adapter
     from lcx.models import load_model
 
-    model, _ = load_model(MODEL)
-    torch.manual_seed(seed)  # lora_A comes from the global generator: seed it, or the adapter depends on test order
-    peft = add_adapter(model, roles=("q", "k"), rank=8)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in peft.named_parameters():
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    save_adapter(peft, out, methods=[{"name": "smt", "options": {}}])
-    return out
+    return random_adapter(load_model(MODEL)[0], out, seed)
 
 
 def start_server(args: list[str], tmp: Path) -> ServerProcess:
