@@ -224,7 +224,8 @@ def export_for_vllm(model: str, methods: list[str] | tuple[str, ...] = (), optio
             os.symlink(f.resolve(), mdir / f.name)
     (mdir / "config.json").write_text(json.dumps(config, indent=2))
     described = [{"name": m.name, "options": m.to_options()} for m in insts]
-    (mdir / "lcx.json").write_text(json.dumps({"format": 1, "methods": described, "source": str(src)}, indent=2))
+    (mdir / "lcx.json").write_text(json.dumps({"format": 1, "methods": described, "source": str(src), "baked": True},
+                                              indent=2))
     final_adapters = {}
     for name, path in adapters.items():
         adir = tmp / "adapters" / name
@@ -260,6 +261,72 @@ def _derived_len(config: dict) -> int:
     if params.get("rope_type", "default") in ("linear", "dynamic", "yarn"):
         return int(n * float(params.get("factor", 1.0)))
     return n
+
+
+# ---------------------------------------------------------------------- the vLLM plugin
+MODEL_SIDECAR = "lcx.json"
+CONFIG_FORMAT = "lcx"
+_registered = False
+
+
+def register() -> None:
+    """vLLM general plugin (entry point ``vllm.general_plugins``: ``lcx``).
+
+    vLLM calls it in every process it starts, so it is re-entrant (a second call does nothing) and
+    imports vLLM only here.  It registers the ``lcx`` config format: ``vllm serve DIR --config-format lcx``
+    reads ``DIR/lcx.json`` (``{"methods": [{"name": "rope", "options": {"type": "yarn", "factor": 4}}]}``)
+    and applies the listed methods to the model's config as vLLM loads it, with no exported copy;
+    a method vLLM cannot serve yet is refused at start with the reason.
+    """
+    global _registered
+    if _registered:
+        return
+    from vllm.transformers_utils import config as vllm_config
+
+    if CONFIG_FORMAT not in vllm_config._CONFIG_FORMAT_TO_CONFIG_PARSER:
+        vllm_config.register_config_parser(CONFIG_FORMAT)(_config_parser(vllm_config.HFConfigParser))
+    _registered = True
+
+
+def sidecar_config(config: dict[str, Any], sidecar: dict[str, Any], where: str) -> dict[str, Any]:
+    """``config`` (config.json as a dict) with the sidecar's methods applied, as ``lcx export`` bakes them;
+    unchanged for a sidecar ``lcx export`` wrote (its config.json is already baked)."""
+    if sidecar.get("baked"):
+        return config
+    methods = sidecar.get("methods")
+    if not isinstance(methods, list) or not all(isinstance(m, dict) and "name" in m for m in methods):
+        raise LcxError(f"{where}: 'methods' must be a list of {{\"name\": ..., \"options\": {{...}}}}, got {methods!r}")
+    names = [m["name"] for m in methods]
+    options = {m["name"]: dict(m.get("options") or {}) for m in methods}
+    try:
+        insts = servable_methods(names, options, {})
+    except (LcxError, ValueError, TypeError) as e:
+        raise LcxError(f"{where}: {e}") from None
+    for m in insts:
+        if m.serving == "config":
+            config = m.vllm_config(config)
+    return config
+
+
+def _config_parser(base: type) -> type:
+    """vLLM's Hugging Face config parser, plus the methods of the folder's lcx.json."""
+    from lcx.io import read_json_file
+
+    class LcxConfigParser(base):  # type: ignore[misc, valid-type]
+        def parse(self, model, trust_remote_code, revision=None, code_revision=None, **kwargs):
+            config_dict, config = super().parse(model, trust_remote_code, revision, code_revision, **kwargs)
+            path = Path(model) / MODEL_SIDECAR
+            if not path.is_file():
+                raise LcxError(f"--config-format {CONFIG_FORMAT}: {str(path)!r} does not exist; write the methods to "
+                               f"apply there, e.g. {{\"methods\": [{{\"name\": \"rope\", \"options\": "
+                               f"{{\"type\": \"yarn\", \"factor\": 4}}}}]}}, or use `lcx export --for vllm`")
+            new = sidecar_config(dict(config_dict), read_json_file(path, "fix or remove it"), str(path))
+            for key, value in new.items():
+                if config_dict.get(key) != value:
+                    setattr(config, key, value)
+            return new, config
+
+    return LcxConfigParser
 
 
 # ---------------------------------------------------------------------- serve

@@ -47,7 +47,8 @@ class Rope(Method):
 
     def vllm_config(self, config: dict) -> dict:
         """config.json with the stretched rope parameters baked in: vLLM builds the same rotary
-        embedding and derives its maximum length as factor x window."""
+        embedding (its maximum length, factor x window, is passed as --max-model-len: vLLM does not
+        derive it for YaRN, whose max_position_embeddings it takes as already stretched)."""
         out = dict(config)
         window = int(config["max_position_embeddings"])
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]

@@ -152,3 +152,67 @@ def test_user_options_override_the_adapters(model_dir, tmp_path):
     a = _adapter(model_dir, tmp_path / "a", methods=({"name": "rope", "options": {"factor": 2.0}},))
     exp = export_for_vllm(str(model_dir), [], {"rope": {"factor": "3"}}, adapters={"a": a}, out=tmp_path / "x")
     assert exp.methods == [{"name": "rope", "options": {"type": "yarn", "factor": 3.0}}] and exp.max_model_len == 384
+
+
+# ---------------------------------------------------------------------- the vLLM plugin (no engine started)
+def _sidecar(model_dir: Path, tmp_path: Path, sidecar: dict) -> Path:
+    d = tmp_path / "m"
+    d.mkdir()
+    for f in model_dir.iterdir():
+        (d / f.name).symlink_to(f.resolve())
+    (d / "lcx.json").write_text(json.dumps(sidecar))
+    return d
+
+
+def test_the_plugin_is_a_vllm_entry_point_and_registers_once(caplog):
+    from importlib.metadata import entry_points
+
+    from vllm.transformers_utils.config import get_config_parser
+
+    from lcx.integrations import vllm as plugin
+
+    (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "lcx"]
+    assert ep.value == "lcx.integrations.vllm:register" and ep.load() is plugin.register
+    plugin.register()
+    first = type(get_config_parser("lcx"))
+    plugin.register()  # vLLM calls it in every process: a second call changes nothing
+    assert type(get_config_parser("lcx")) is first and "overwritten" not in caplog.text
+
+
+def test_the_lcx_config_format_applies_the_sidecar_as_export_bakes_it(model_dir, tmp_path):
+    from vllm.transformers_utils.config import get_config_parser
+
+    from lcx.integrations.vllm import register
+
+    register()
+    rope = {"name": "rope", "options": {"type": "yarn", "factor": 4}}
+    d = _sidecar(model_dir, tmp_path, {"methods": [rope]})
+    config_dict, config = get_config_parser("lcx").parse(d, trust_remote_code=False)
+    baked = json.loads((export_for_vllm(str(model_dir), ["rope"], {"rope": rope["options"]}, out=tmp_path / "x")
+                        .model_dir / "config.json").read_text())
+    assert config_dict["rope_parameters"] == baked["rope_parameters"] == config.rope_parameters
+    assert config.rope_parameters["rope_type"] == "yarn" and config.rope_parameters["factor"] == 4.0
+    # an exported folder's sidecar says its config.json is baked: parsing it does not stretch twice
+    config_dict, _ = get_config_parser("lcx").parse(tmp_path / "x" / "model", trust_remote_code=False)
+    assert config_dict["rope_parameters"] == baked["rope_parameters"]
+
+
+@pytest.mark.parametrize("sidecar,needle", [
+    ({"methods": [{"name": "fot"}]}, "method 'fot' .* cannot be served through vLLM yet"),
+    ({"methods": [{"name": "rope", "options": {"factor": "lots"}}]}, "factor"),
+    ({"methods": "rope"}, "'methods' must be a list"),
+    ({"methods": [{"name": "warp"}]}, "warp"),
+])
+def test_the_lcx_config_format_refuses_what_it_cannot_serve(model_dir, tmp_path, sidecar, needle):
+    from vllm.transformers_utils.config import get_config_parser
+
+    from lcx.integrations.vllm import register
+
+    register()
+    d = _sidecar(model_dir, tmp_path, sidecar)
+    with pytest.raises(LcxError, match=needle) as e:
+        get_config_parser("lcx").parse(d, trust_remote_code=False)
+    assert str(d / "lcx.json") in str(e.value)
+    (d / "lcx.json").unlink()
+    with pytest.raises(LcxError, match="lcx.json' does not exist"):
+        get_config_parser("lcx").parse(d, trust_remote_code=False)
