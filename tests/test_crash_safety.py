@@ -28,6 +28,9 @@ _fork = multiprocessing.get_context("fork")
 
 
 def _writer(save, first: int) -> None:  # runs in the forked child until killed
+    # OpenMP's thread pool does not survive fork: a parallel torch op in the child would hang for good
+    # once the parent has used its pool (it has, by the time other tests ran). One thread runs inline.
+    torch.set_num_threads(1)
     v = first
     while True:
         save(v)
