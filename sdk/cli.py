@@ -8,6 +8,7 @@ line starting with ``error:`` and exit with status 2.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -785,6 +786,8 @@ def train_cmd(model, methods, options, data, out, seq_len, steps, batch_size, gr
         seed=seed, bf16=bf16, save_every=save_every, concat=concat, text_field=text_field,
     )
     path = train(cfg, resume=resume, overwrite=overwrite, progress=not as_json)
+    if int(os.environ.get("RANK", "0")) != 0:  # under accelerate launch: one report, from the main process
+        return
     if as_json:
         lines = (path / "metrics.jsonl").read_text().splitlines()
         _echo_json({"adapter": str(path), "steps": len(lines), "last": json.loads(lines[-1]) if lines else None})

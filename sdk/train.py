@@ -318,6 +318,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, progr
     if interrupted or step < cfg.steps:
         path = _save_checkpoint(ckpt_root, step, peft_model, names, opt, sched, cfg, accel, run.state)
         run.detach()
+        _end(accel)
         if interrupted:
             raise Interrupted(
                 f"training interrupted after step {step}/{cfg.steps}; checkpoint kept in {path}; "
@@ -332,7 +333,16 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, progr
         else:
             save_adapter(accel.unwrap_model(ddp_model), out, methods=run.describe()["methods"], extra=extra)
     run.detach()
+    _end(accel)
     return out
+
+
+def _end(accel) -> None:
+    """Leave the process group together: a rank exiting with its (gloo) group alive can abort at
+    interpreter exit (seen once in CI: rank 1 SIGABRT after a finished 2-process run)."""
+    if accel.num_processes > 1:
+        accel.wait_for_everyone()
+        accel.end_training()
 
 
 #: Synthetic training tasks, named in --data as task:NAME: fn(rng, batch_size, seq_len) -> batch with labels.
