@@ -8,7 +8,7 @@ Defaults (documented in the README; each can be changed per command or by enviro
 cap                         default      flag                             environment
 ==========================  ===========  ===============================  =========================
 prompt tokens per request   262,144      ``--max-input-tokens``           ``LCX_MAX_INPUT_TOKENS``
-new tokens per request      4,096        ``--max-new-tokens`` is checked  ``LCX_MAX_NEW_TOKENS``
+new tokens per request      4,096        --                               ``LCX_MAX_NEW_TOKENS``
 memory entries per layer    4,194,304    ``--max-memory-entries``         ``LCX_MAX_MEMORY_ENTRIES``
 and KV head (fot)
 share of free RAM a         0.9          --                               ``LCX_RAM_FRACTION``
