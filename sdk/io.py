@@ -72,12 +72,17 @@ def load_safetensors(path: str | os.PathLike[str], fix: str) -> dict[str, Any]:
     return load_file(str(path))
 
 
-def write_json(obj: Any, path: Path) -> Path:
+def write_text(text: str, path: Path) -> Path:
+    """Write ``text`` to ``path`` atomically (a temporary file, then a rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    tmp.write_text(text)
     os.replace(tmp, path)
     return path
+
+
+def write_json(obj: Any, path: Path) -> Path:
+    return write_text(json.dumps(obj, indent=2, default=str), path)
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -200,10 +205,7 @@ class Journal:
             except (ValueError, KeyError, TypeError):
                 break  # a line cut short by a crash: everything after it is redone
         if good < len(lines):  # rewrite without the damaged tail, so appends stay parseable
-            keep = lines[:good]
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("\n".join(keep) + "\n")
-            os.replace(tmp, self.path)
+            write_text("\n".join(lines[:good]) + "\n", self.path)
 
     def get(self, sample_id: str) -> dict[str, Any] | None:
         return self.records.get(sample_id)

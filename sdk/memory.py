@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lcx.errors import LcxError
-from lcx.io import commit_files, recover
+from lcx.io import commit_files, read_json_file, recover
 
 KINDS = ("torch", "faiss-flat", "faiss-ivf", "faiss-hnsw", "faiss-gpu")
 
@@ -309,10 +309,7 @@ def load_memory(path: str | os.PathLike, config: StoreConfig | None = None) -> t
     meta_path, tensor_path = d / MEMORY_META, d / MEMORY_TENSORS
     if not meta_path.exists() or not tensor_path.exists():
         raise LcxError(f"{str(d)!r} is not an lcx memory folder (needs {MEMORY_META} and {MEMORY_TENSORS})")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise LcxError(f"memory metadata {str(meta_path)!r} is corrupted ({e}); rebuild the memory") from None
+    meta = read_json_file(meta_path, "rebuild the memory")
     if _sha256(tensor_path) != meta.get("sha256"):
         raise LcxError(f"memory file {str(tensor_path)!r} is corrupted or truncated (checksum mismatch); rebuild it")
     tensors = load_file(str(tensor_path))

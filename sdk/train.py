@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from lcx.errors import LcxError
 
@@ -435,6 +435,8 @@ def _trim_metrics(path: Path, step: int) -> None:
     not recorded twice (and a line cut short by the crash goes)."""
     if not path.exists():
         return
+    from lcx.io import write_text
+
     keep = []
     for line in path.read_text().splitlines():
         try:
@@ -442,9 +444,7 @@ def _trim_metrics(path: Path, step: int) -> None:
                 keep.append(line)
         except (ValueError, KeyError, TypeError):
             continue
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(k + "\n" for k in keep))
-    os.replace(tmp, path)
+    write_text("".join(k + "\n" for k in keep), path)
 
 
 def _save_checkpoint(root: Path, step: int, model, names: list[str], opt, sched, cfg: TrainConfig, accel,
