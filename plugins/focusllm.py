@@ -23,16 +23,24 @@ the decoder reads candidates up to N-1 tokens old; cheaper, measured in bench/fo
 ``refresh=0`` keeps the prompt's candidates and no chunk cache (flat memory).  The newest token is
 computed with the candidate projections (gate open) and kept in the chunk cache with the base ones.
 Batches of several inputs need equal lengths without padding.
+
+Training (``lcx train --method focusllm``; only the candidate adapter trains, the base weights stay
+frozen): per step and loss term, a chunk size is drawn from ``train_chunks`` and a local size at
+random; the *continuation* term reads the training window's end as the local tokens, the
+*repetition* term a span copied from inside the memory.  The candidates see the local tokens' first
+``fragment`` tokens; the loss is the frozen decoder's next-token loss on the local tokens after them.
+Only the candidate position of each chunk carries autograd (its chunk is read without it), so a
+step costs one no-grad pass over the window plus a backward pass over the local tokens.
 """
 
 from __future__ import annotations
 
-import contextlib
+import random
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from lcx.adapters import families
 from lcx.adapters.rotary import rotate
@@ -40,6 +48,9 @@ from lcx.errors import LcxError
 from lcx.hookspecs import hookimpl
 from lcx.method import Method, option
 from lcx.plan import Plan
+
+#: Training loss terms (``-o focusllm.losses``).
+LOSSES = ("continuation", "repetition")
 
 
 # ---------------------------------------------------------------------- chunking
@@ -59,36 +70,50 @@ class ChunkGroup:
     cache: Any = None
 
 
-def _forward_group(model, group: ChunkGroup, ids: torch.Tensor, cache, gate, keep: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _forward_group(model, group: ChunkGroup, ids: torch.Tensor, cache, gate, keep: bool,
+                   grad: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Feed ``ids`` (rows, m) after ``cache``; returns per layer the last position's (keys, values)
     computed with the candidate projections (gate open there).  With ``keep``, the cache ends up holding
-    the base projections of all m tokens (a second, ungated pass over the last token when gated)."""
+    the base projections of all m tokens (a second, ungated pass over the last token when gated).
+
+    With a gate, the first m-1 tokens go through the base weights without autograd and only the last
+    one (the candidate) through the adapter: attention is causal, so that equals one pass with the gate
+    open at the last position, and with ``grad`` (training) the graph holds one token per chunk."""
     L = cache.get_seq_length() if cache is not None else 0
     pos = torch.arange(L, L + ids.shape[1])[None].expand(ids.shape[0], -1)
-    mask = torch.zeros_like(ids, dtype=torch.float32)
-    mask[:, -1] = 1
-    with gate.only(mask) if gate is not None else contextlib.nullcontext():
-        out = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
-    cache = out.past_key_values
-    last = [(layer.keys[:, :, -1:].clone(), layer.values[:, :, -1:].clone()) for layer in cache.layers]
+    if gate is None:
+        with torch.set_grad_enabled(grad):
+            cache = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1).past_key_values
+    else:
+        if ids.shape[1] > 1:
+            with torch.no_grad(), gate.only(torch.zeros_like(ids[:, :-1], dtype=torch.float32)):
+                cache = model(input_ids=ids[:, :-1], position_ids=pos[:, :-1], past_key_values=cache, use_cache=True,
+                              logits_to_keep=1).past_key_values
+        with torch.set_grad_enabled(grad), gate.only(torch.ones_like(ids[:, -1:], dtype=torch.float32)):
+            cache = model(input_ids=ids[:, -1:], position_ids=pos[:, -1:], past_key_values=cache, use_cache=True,
+                          logits_to_keep=1).past_key_values
+    last = [(layer.keys[:, :, -1:], layer.values[:, :, -1:]) for layer in cache.layers]
+    if not grad:
+        last = [(k.clone(), v.clone()) for k, v in last]
     if keep and gate is not None:  # the cache keeps the newest token with the base weights
         cache.crop(L + ids.shape[1] - 1)
-        with gate.only(torch.zeros_like(mask[:, -1:])):
-            model(input_ids=ids[:, -1:], position_ids=pos[:, -1:], past_key_values=cache, use_cache=True)
+        with torch.no_grad(), gate.only(torch.zeros_like(ids[:, -1:], dtype=torch.float32)):
+            model(input_ids=ids[:, -1:], position_ids=pos[:, -1:], past_key_values=cache, use_cache=True, logits_to_keep=1)
     group.cache = cache if keep else None
     group.length = L + ids.shape[1]
     return last
 
 
-@torch.no_grad()
 def candidate_kv(model, memory_ids: torch.Tensor, fragment_ids: torch.Tensor, chunk: int, parallel: int,
-                 gate=None, groups: list[ChunkGroup] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                 gate=None, groups: list[ChunkGroup] | None = None,
+                 grad: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, the candidates' (keys, values) of shape (B, H_kv, n_chunks, D), keys rotated at the
     position each candidate had in its own [chunk ; fragment] forward (its last position).
 
     ``memory_ids`` (B, M), ``fragment_ids`` (B, F).  Chunks of equal length are batched ``parallel`` at
     a time (0 = all); ``gate`` (a ``TokenGate``) opens the candidate adapter at the last position only.
-    Pass a list as ``groups`` to keep every chunk's cache in it (for ``refresh_candidates``).
+    Pass a list as ``groups`` to keep every chunk's cache in it (for ``refresh_candidates``); with
+    ``grad`` (training) the candidates carry autograd through the adapter.
     """
     B = fragment_ids.shape[0]
     spans = chunk_spans(memory_ids.shape[1], chunk)
@@ -100,7 +125,7 @@ def candidate_kv(model, memory_ids: torch.Tensor, fragment_ids: torch.Tensor, ch
     per_chunk: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = [None] * len(spans)
     for group in made:
         ids = torch.cat([torch.cat([memory_ids[:, spans[i][0]:spans[i][1]], fragment_ids], dim=1) for i in group.idx])
-        _scatter(per_chunk, group, _forward_group(model, group, ids, None, gate, keep=groups is not None), B)
+        _scatter(per_chunk, group, _forward_group(model, group, ids, None, gate, keep=groups is not None, grad=grad), B)
     if groups is not None:
         groups.extend(made)
     return _stack(per_chunk)
@@ -169,6 +194,10 @@ class FocusLLM(Method):
     parallel: int = option(0, "chunks per forward pass: 0 = all at once (fast), 1 = serial (flat memory)")
     refresh: int = option(1, "generation: refresh every chunk's candidate every N new tokens (1 = exact; N > 1 = "
                              "approximate, faster; 0 = never: the prompt's candidates, no chunk caches kept)")
+    losses: str = option("continuation,repetition", "training: loss terms, comma-separated: continuation (the local "
+                         "tokens are the window's end) and/or repetition (a span copied from the memory)")
+    train_chunks: str = option("64,128,256,512,1024,2048", "training: chunk sizes, one drawn per step and loss term "
+                               "(among those that fit the window and the training window)")
 
     def __post_init__(self) -> None:
         if self.chunk <= 0 or self.local <= 0 or self.fragment <= 0 or self.parallel < 0 or self.refresh < 0:
@@ -179,6 +208,16 @@ class FocusLLM(Method):
             raise ValueError(f"fragment ({self.fragment}) must not be longer than the chunk ({self.chunk})")
         if self.fragment > self.local:
             raise ValueError(f"fragment ({self.fragment}) must not be longer than the local tokens ({self.local})")
+        terms = [t.strip() for t in self.losses.split(",") if t.strip()]
+        if not terms or set(terms) - set(LOSSES):
+            raise ValueError(f"losses must name one or both of {', '.join(LOSSES)}, got {self.losses!r}")
+        try:
+            chunks = sorted({int(c) for c in self.train_chunks.split(",") if c.strip()})
+        except ValueError:
+            chunks = []
+        if not chunks or chunks[0] <= 0:
+            raise ValueError(f"train_chunks must be positive integers separated by commas, got {self.train_chunks!r}")
+        self._terms, self._chunks = terms, chunks
 
     def check_window(self, run) -> None:
         if self.chunk + self.fragment > run.window:
@@ -279,6 +318,93 @@ class FocusLLM(Method):
             run.state["focusllm_generation"] = {"cache": cache, "groups": groups, "pending": [], "refreshes": 0,
                                                 "prompt": int(plan.input_ids.shape[1]) if plan is not None else 0}
         return cache
+
+
+    # ------------------------------------------------------------------ training: sampling stage
+    @hookimpl
+    def lcx_sample(self, run, batch, step):
+        """Per loss term, a draw of chunk size, local size and (repetition) the copied span: a pure
+        function of (seed, step, rank), so resumed runs draw the same."""
+        self._check_trainable(run)
+        ids = batch["input_ids"]
+        rng = random.Random(f"focusllm:{run.state.get('seed', 0)}:{step}:{run.state.get('rank', 0)}")
+        return {"input_ids": ids, "focusllm": {t: self._draw(run.window, ids.shape[1], t, rng) for t in self._terms}}
+
+    def _draw(self, window: int, N: int, term: str, rng: random.Random) -> TrainDraw:
+        """Chunk c from ``train_chunks`` (one chunk + its fragment within the window, at least one chunk of
+        memory, candidates + local tokens within the window); local size l uniform in [hi / 4, hi] with
+        hi = ``local`` (continuation) or c (repetition: a span no longer than a chunk, so that one or two
+        candidates hold it); fragment = min(``fragment``, c, l // 2), so at least half the local tokens are
+        predicted.  Continuation: memory = the first N - l tokens, local = the last l.  Repetition: the same
+        memory, local = a copy of memory[s:s + l]."""
+        def limit(c: int) -> int:
+            hi = min(self.local, N - c) if term == "continuation" else min(c, (N - c) // 2)
+            return hi if hi >= 2 and c + min(self.fragment, c) <= window and -(-(N - 2) // c) + hi <= window else 0
+
+        fits = [c for c in self._chunks if limit(c)]
+        if not fits:
+            raise LcxError(f"focusllm {term} training: no chunk size in train_chunks={self.train_chunks} fits "
+                           f"{N}-token training windows and the model's {window}-token window; use a longer --seq-len "
+                           f"or smaller -o focusllm.train_chunks")
+        c = rng.choice(fits)
+        hi = limit(c)
+        l = rng.randint(max(2, hi // 4), hi)
+        start = N - l if term == "continuation" else rng.randrange(0, N - l - l + 1)
+        return TrainDraw(chunk=c, local=l, fragment=max(1, min(self.fragment, c, l // 2)), memory=N - l, start=start)
+
+    def _check_trainable(self, run) -> None:
+        if run.state.get("focusllm_checked"):
+            return
+        if "focusllm_gate" not in run.state:
+            raise LcxError("focusllm trains its candidate adapter (a LoRA on q/k/v/o), and this model has none; "
+                           "train without --full all")
+        extra = [n for n, p in run.model.named_parameters() if p.requires_grad and "lora_" not in n]
+        if extra:
+            raise LcxError(f"focusllm trains only its candidate adapter, which keeps the base weights frozen; "
+                           f"{extra[0]!r} would train for every token; drop --full")
+        run.state["focusllm_checked"] = True
+
+    # ------------------------------------------------------------------ training: loss stage
+    @hookimpl
+    def lcx_loss(self, run, model, batch):
+        """Per term: candidates of the memory's chunks (with autograd through the adapter at the candidate
+        positions only), then the frozen decoder reads [candidates ; local] with contiguous positions and
+        the loss is the next-token loss on the local tokens after the fragment (the candidates saw the
+        fragment, never the tokens predicted)."""
+        draws = batch.get("focusllm")
+        if draws is None:
+            return None
+        ids = batch["input_ids"]
+        gate = run.state["focusllm_gate"]
+        terms = {}
+        for term, d in draws.items():
+            local = ids[:, d.start:d.start + d.local]
+            cand = candidate_kv(model, ids[:, :d.memory], local[:, :d.fragment], d.chunk, self.parallel, gate, grad=True)
+            spans = chunk_spans(d.memory, d.chunk)
+            lengths = torch.tensor([e - s + d.fragment for s, e in spans])
+            cache = DynamicCache(config=run.model.config)
+            for layer, (k, v) in enumerate(to_slots(cand, lengths - 1, run)):
+                cache.update(k, v, layer)
+            n = len(spans)
+            labels = local.clone()
+            labels[:, :d.fragment] = -100
+            pos = torch.arange(n, n + d.local)[None].expand(ids.shape[0], -1)
+            with gate.only(torch.zeros_like(local, dtype=torch.float32)):
+                terms[term] = model(input_ids=local, position_ids=pos, past_key_values=cache, labels=labels,
+                                    attention_mask=torch.ones(ids.shape[0], n + d.local, dtype=torch.long),
+                                    use_cache=True).loss
+        return terms
+
+
+@dataclass(frozen=True)
+class TrainDraw:
+    """One loss term's draw for a training step (token counts; ``start`` is where the local tokens begin)."""
+
+    chunk: int
+    local: int
+    fragment: int
+    memory: int
+    start: int
 
 
 @hookimpl

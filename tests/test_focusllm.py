@@ -196,3 +196,132 @@ def test_refresh_needs_no_chunk_cache_when_only_one_token_is_generated():
     with lcx.attach(tiny_model("llama"), ["focusllm"], focusllm={**OPTS, "refresh": 1}) as run:
         generate(run, _ids(T=110), max_new_tokens=1)
         assert run.state.get("focusllm_generation") is None
+
+
+# ---------------------------------------------------------------------- training: sampling and loss stages
+TRAIN_OPTS = {**OPTS, "train_chunks": "16,32"}
+
+
+def _explicit_loss(model, ids, d):
+    """The continuation/repetition loss written out: each chunk + the fragment through the plain model,
+    the last position's keys/values moved to slot i, then the local tokens after them; loss after the fragment."""
+    local = ids[:, d.start:d.start + d.local]
+    memory, frag = ids[:, :d.memory], local[:, :d.fragment]
+    inv = model.model.rotary_emb.inv_freq
+    per_chunk = []
+    for i, (s, e) in enumerate(chunk_spans(d.memory, d.chunk)):
+        x = torch.cat([memory[:, s:e], frag], dim=1)
+        cache = model(input_ids=x, use_cache=True).past_key_values
+        per_chunk.append([(rotate(l.keys[:, :, -1:], i - (x.shape[1] - 1), inv), l.values[:, :, -1:]) for l in cache.layers])
+    cache = DynamicCache(config=model.config)
+    for layer in range(len(per_chunk[0])):
+        cache.update(torch.cat([c[layer][0] for c in per_chunk], 2), torch.cat([c[layer][1] for c in per_chunk], 2), layer)
+    labels = local.clone()
+    labels[:, :d.fragment] = -100
+    n = len(per_chunk)
+    return model(input_ids=local, position_ids=torch.arange(n, n + d.local)[None], past_key_values=cache, labels=labels).loss
+
+
+def _train_run(peft, **opts):
+    run = lcx.attach(peft, ["focusllm"], focusllm={**TRAIN_OPTS, **opts})
+    run.state["seed"] = 0
+    return run
+
+
+def test_training_draws_follow_the_options_and_are_seeded():
+    peft = add_adapter(tiny_model("llama"), roles=("q", "k", "v", "o"), rank=4)
+    ids = _ids(T=120)
+    with _train_run(peft) as run:
+        draws = [run.hook.lcx_sample(run=run, batch={"input_ids": ids}, step=s)["focusllm"] for s in range(40)]
+        again = run.hook.lcx_sample(run=run, batch={"input_ids": ids}, step=7)["focusllm"]
+    assert again == draws[7]  # a pure function of (seed, step, rank): resumed runs draw the same
+    cont = [d["continuation"] for d in draws]
+    rep = [d["repetition"] for d in draws]
+    assert {d.chunk for d in cont} == {16, 32} and len({d.local for d in cont}) > 3  # both sizes drawn, local varies
+    for d in cont:
+        assert d.start + d.local == 120 and d.memory == 120 - d.local and 2 <= d.local <= 24
+        assert d.fragment == min(8, d.local // 2)
+    for d in rep:  # a span copied from the memory, no longer than a chunk
+        assert d.memory == 120 - d.local and d.start + d.local <= d.memory and d.local <= d.chunk
+    with _train_run(peft, train_chunks="200") as run, pytest.raises(LcxError, match="no chunk size in train_chunks=200 fits"):
+        run.hook.lcx_sample(run=run, batch={"input_ids": ids}, step=0)
+
+
+def test_training_loss_equals_the_explicit_computation_and_only_the_adapter_gets_gradients():
+    base = tiny_model("llama")
+    peft = add_adapter(tiny_model("llama"), roles=("q", "k", "v", "o"), rank=4).train()  # untrained: zero B
+    ids = _ids(T=120, seed=5)
+    with _train_run(peft) as run:
+        batch = run.hook.lcx_sample(run=run, batch={"input_ids": ids}, step=3)
+        terms = {k: v for r in run.hook.lcx_loss(run=run, model=peft, batch=batch) for k, v in (r or {}).items()}
+        assert set(terms) == {"continuation", "repetition"}
+        with torch.no_grad():
+            for name, d in batch["focusllm"].items():
+                torch.testing.assert_close(terms[name], _explicit_loss(base, ids, d), atol=1e-5, rtol=0)
+        sum(terms.values()).backward()
+    grads = {n: p.grad for n, p in peft.named_parameters()}
+    assert all(g is None for n, g in grads.items() if "lora_" not in n)  # base weights: no gradient, never change
+    for role in ("q_proj", "k_proj", "v_proj", "o_proj"):  # the candidate path reaches every projection's adapter
+        assert any(g is not None and g.abs().sum() > 0 for n, g in grads.items() if role in n and "lora_B" in n), role
+
+
+def test_the_loss_never_sees_the_tokens_it_predicts():
+    """The decoder's logits at local position j depend on memory, fragment and local tokens <= j only:
+    changing the last local token leaves every earlier logit unchanged (candidates built from the
+    local tail would change them all)."""
+    peft = _trained_peft().train()
+    ids = _ids(T=120, seed=9)
+    logits = []
+    handle = peft.get_output_embeddings().register_forward_hook(lambda m, i, o: logits.append(o))
+    with _train_run(peft, losses="continuation") as run, torch.no_grad():
+        batch = run.hook.lcx_sample(run=run, batch={"input_ids": ids}, step=0)
+        changed = ids.clone()
+        changed[:, -1] = (ids[:, -1] + 1) % 250 + 3
+        first = run.hook.lcx_loss(run=run, model=peft, batch=batch)[0]["continuation"]
+        decoder_first = logits[-1]
+        second = run.hook.lcx_loss(run=run, model=peft, batch={**batch, "input_ids": changed})[0]["continuation"]
+        decoder_second = logits[-1]
+    handle.remove()
+    d = batch["focusllm"]["continuation"]
+    assert decoder_first.shape[1] == d.local
+    torch.testing.assert_close(decoder_first[:, :-1], decoder_second[:, :-1], atol=0, rtol=0)
+    assert not torch.isclose(first, second)  # the last token is a target: its loss term changes
+
+
+def test_bad_training_options_and_base_weights_are_refused():
+    with pytest.raises(LcxError, match="losses must name one or both of continuation, repetition"):
+        lcx.attach(tiny_model("llama"), ["focusllm"], focusllm={**OPTS, "losses": "continuation,copy"})
+    with pytest.raises(LcxError, match="train_chunks must be positive integers"):
+        lcx.attach(tiny_model("llama"), ["focusllm"], focusllm={**OPTS, "train_chunks": "64,big"})
+    with lcx.attach(tiny_model("llama"), ["focusllm"], focusllm=OPTS) as run, pytest.raises(LcxError, match="has none"):
+        run.hook.lcx_sample(run=run, batch={"input_ids": _ids(T=120)}, step=0)
+    peft = add_adapter(tiny_model("llama"), roles=("q", "k", "v", "o"), rank=4, modules_to_save=["k_proj"])
+    with _train_run(peft) as run, pytest.raises(LcxError, match="would train for every token; drop --full"):
+        run.hook.lcx_sample(run=run, batch={"input_ids": _ids(T=120)}, step=0)
+
+
+def test_lcx_train_focusllm_learns_and_its_adapter_serves_the_candidates(tmp_path):
+    """`lcx train --method focusllm` end to end on a tiny model: both loss terms logged, the saved adapter
+    gates in at inference (the candidates change, the short-input path stays the base model)."""
+    from lcx.session import open_session
+    from lcx.train import TrainConfig, train
+    from tests.helpers import make_tiny_model_dir
+
+    model_dir = make_tiny_model_dir(tmp_path / "tiny", hidden_size=128, intermediate_size=256)
+    (tmp_path / "doc.txt").write_text("the pass key is 4821. remember it. " * 40)
+    out = train(TrainConfig(model=str(model_dir), data=[str(tmp_path / "doc.txt")], out=str(tmp_path / "run"),
+                            methods=["focusllm"], options={"focusllm": TRAIN_OPTS}, seq_len=120, steps=4, lr=1e-2),
+                progress=False)
+    import json
+
+    m = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(m) == 4 and all("loss/continuation" in r and "loss/repetition" in r for r in m)
+    s = open_session(str(model_dir), adapter=out)
+    try:
+        assert "focusllm_gate" in s.run.state and s.run.method("focusllm").chunk == 16
+    finally:
+        s.close()
+    with pytest.raises(LcxError, match="drop --full"):
+        train(TrainConfig(model=str(model_dir), data=[str(tmp_path / "doc.txt")], out=str(tmp_path / "full"),
+                          methods=["focusllm"], options={"focusllm": TRAIN_OPTS}, seq_len=120, steps=1, full=["k_proj"]),
+              progress=False)
