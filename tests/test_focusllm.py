@@ -321,6 +321,9 @@ def test_lcx_train_focusllm_learns_and_its_adapter_serves_the_candidates(tmp_pat
         assert "focusllm_gate" in s.run.state and s.run.method("focusllm").chunk == 16
     finally:
         s.close()
+    other = make_tiny_model_dir(tmp_path / "other", seed=1, hidden_size=128, intermediate_size=256)
+    with pytest.raises(LcxError, match="trained for another base model"):
+        open_session(str(other), adapter=out)
     with pytest.raises(LcxError, match="drop --full"):
         train(TrainConfig(model=str(model_dir), data=[str(tmp_path / "doc.txt")], out=str(tmp_path / "full"),
                           methods=["focusllm"], options={"focusllm": TRAIN_OPTS}, seq_len=120, steps=1, full=["k_proj"]),
