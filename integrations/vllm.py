@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from lcx.errors import LcxError
+from lcx.integrations.vllm_requests import MIDDLEWARE as REQUEST_CHECK
+from lcx.integrations.vllm_requests import SERVED_ENV
 
 #: Ranks vLLM 0.32 accepts for ``--max-lora-rank``.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -335,7 +337,7 @@ def vllm_command(exp: Export, host: str, port: int, served_name: str, dtype: str
     """The `vllm serve` command line for an export."""
     cmd = [sys.executable, "-m", "lcx.integrations.vllm", "serve", str(exp.model_dir), "--host", host, "--port", str(port),
            "--served-model-name", served_name, "--dtype", dtype, "--max-model-len", str(exp.max_model_len),
-           "--enforce-eager", "--disable-log-stats"]
+           "--enforce-eager", "--disable-log-stats", "--middleware", REQUEST_CHECK]
     if exp.adapters:
         cmd += ["--enable-lora", "--max-lora-rank", str(exp.max_lora_rank),
                 "--max-loras", str(max_loras or len(exp.adapters)),
@@ -343,8 +345,24 @@ def vllm_command(exp: Export, host: str, port: int, served_name: str, dtype: str
     return cmd + list(extra)
 
 
-def vllm_env(exp: Export, kv_cache_gib: float) -> dict[str, str]:
+def served_methods(exp: Export, served_name: str) -> dict[str, list[dict[str, Any]]]:
+    """The methods each served model name applies: the base name the config-changing ones (``rope``),
+    each adapter those plus the ones it was trained with (what ``LcxRequestOptions`` checks requests against)."""
+    from lcx.adapters.peft_bridge import read_sidecar
+    from lcx.registry import registry
+
+    reg = registry()
+    base = [m for m in exp.methods if reg.get(m["name"]).serving == "config"]
+    out = {served_name: base}
+    for name, path in exp.adapters.items():
+        own = [m for m in read_sidecar(path).get("methods", []) if m["name"] not in {b["name"] for b in base}]
+        out[name] = base + own
+    return out
+
+
+def vllm_env(exp: Export, kv_cache_gib: float, served_name: str = "lcx") -> dict[str, str]:
     env = dict(os.environ)
+    env[SERVED_ENV] = json.dumps(served_methods(exp, served_name))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{kv_cache_gib:g}")
     if (os.cpu_count() or 1) <= 4:
         # vLLM keeps one CPU for its API server by default; on a 2-core machine that halves the compute
@@ -399,7 +417,8 @@ def start(exp: Export, host: str = "127.0.0.1", port: int = 8000, served_name: s
           stdout: Any = None, stderr: Any = None) -> subprocess.Popen:
     """Start `vllm serve` on an export in its own process group (so ``stop`` reaches its workers)."""
     cmd = vllm_command(exp, host, port, served_name, dtype, max_loras, extra)
-    return subprocess.Popen(cmd, env=vllm_env(exp, kv_cache_gib), start_new_session=True, stdout=stdout, stderr=stderr)
+    return subprocess.Popen(cmd, env=vllm_env(exp, kv_cache_gib, served_name), start_new_session=True, stdout=stdout,
+                            stderr=stderr)
 
 
 class ServerProcess:

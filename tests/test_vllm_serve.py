@@ -116,8 +116,18 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(lora_server, tok):
     assert status == 404 and "no-such-adapter" in out["error"]["message"]
     status, out = lora_server.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -3})
     assert 400 <= status < 500, out
+    # per-request lcx options (lcx.integrations.vllm_requests): malformed or not applicable -> 400
+    status, out = lora_server.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4, "lcx": "fast"})
+    assert status == 400 and "'lcx' must map method names to their options" in out["error"]["message"]
+    status, out = lora_server.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4,
+                                                       "lcx": {"rope": {"factor": 8}}})
+    assert status == 400 and f"model '{MODEL}' applies no lcx method; options for 'rope'" in out["error"]["message"]
+    status, out = lora_server.post("/v1/completions", {"model": "a1", "prompt": "hi", "max_tokens": 4,
+                                                       "lcx": {"smt": {"beta": 0}}})
+    assert status == 400 and "smt.beta=0 differs from the server's smt.beta=1.0" in out["error"]["message"]
     ids = tok("The capital of France is", return_tensors="pt")["input_ids"][0]
     assert len(lora_server.complete(MODEL, ids.tolist(), 4)) == 4
+    assert lora_server.complete("a1", ids.tolist(), 4, lcx={"smt": {}}) == lora_server.complete("a1", ids.tolist(), 4)
 
 
 def test_rope_server_equals_the_hf_rope_method_at_twice_the_window(tmp_path_factory, tok):

@@ -1,0 +1,107 @@
+"""Per-request lcx options on the served API (`lcx.integrations.vllm_requests`): refused with a 400
+naming the fix when they cannot apply, stripped before vLLM when they restate the server's own.
+An ASGI stand-in for vLLM's app keeps these tests fast; tests/test_vllm_serve.py checks the real server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from lcx.adapters.peft_bridge import random_adapter
+from lcx.integrations import vllm_requests as vr
+from lcx.integrations.vllm import Export, served_methods, vllm_command, vllm_env
+from tests.conftest import tiny_model
+
+SERVED = {"base": [{"name": "rope", "options": {"type": "yarn", "factor": 4.0}}],
+          "a1": [{"name": "rope", "options": {"type": "yarn", "factor": 4.0}}, {"name": "smt", "options": {}}]}
+
+
+def _call(body, method="POST", served=SERVED, monkeypatch=None):
+    """Run one request through the middleware; returns (status, JSON answer, what the app received or None)."""
+    got = {}
+
+    async def app(scope, receive, send):
+        body, more = b"", True
+        while more:
+            msg = await receive()
+            body, more = body + msg["body"], msg.get("more_body", False)
+        got["body"], got["headers"] = body, dict(scope["headers"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    parts = [raw[:7], raw[7:]]  # a body in two messages, as servers deliver large ones
+    messages = [{"type": "http.request", "body": p, "more_body": i == 0} for i, p in enumerate(parts)]
+
+    async def receive():
+        return messages.pop(0)
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    mw = vr.LcxRequestOptions(app)
+    mw.served = served
+    scope = {"type": "http", "method": method, "path": "/v1/completions",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]}
+    asyncio.run(mw(scope, receive, send))
+    status = sent[0]["status"]
+    answer = json.loads(sent[1]["body"] or b"{}")
+    return status, answer, got or None
+
+
+def test_requests_without_lcx_options_pass_unchanged():
+    body = {"model": "base", "prompt": "hi", "max_tokens": 3}
+    status, _, got = _call(body)
+    assert status == 200 and json.loads(got["body"]) == body
+    assert _call(b"not json at all")[2]["body"] == b"not json at all"  # vLLM answers malformed JSON itself
+
+
+def test_restating_the_servers_options_is_accepted_and_stripped_before_vllm():
+    status, _, got = _call({"model": "a1", "prompt": "hi", "lcx": {"rope": {"factor": "4"}, "smt": {}}})
+    assert status == 200
+    assert json.loads(got["body"]) == {"model": "a1", "prompt": "hi"}
+    assert got["headers"][b"content-length"] == str(len(got["body"])).encode()
+
+
+@pytest.mark.parametrize("model, lcx, needle", [
+    ("base", "rope", "'lcx' must map method names to their options"),
+    ("base", {"rope": [1]}, "'lcx' must map method names to their options"),
+    ("base", {"ropey": {}}, "unknown method 'ropey'; known: "),
+    ("base", {"rope": {"factr": 4}}, "unknown option 'factr' for method 'rope'"),
+    ("base", {"rope": {"factor": "four"}}, "rope"),
+    ("base", {"smt": {}}, "model 'base' applies rope; options for 'smt' cannot apply to it"),
+    ("base", {"rope": {"factor": 8}}, "rope.factor=8 differs from the server's rope.factor=4.0; rope's options are "
+                                      "fixed when the server starts (start one with -o rope.factor=8,"),
+    ("a1", {"smt": {"beta": 0}}, "smt.beta=0 differs from the server's smt.beta=1.0"),
+])
+def test_options_that_cannot_apply_get_a_400_naming_the_fix(model, lcx, needle):
+    status, answer, got = _call({"model": model, "prompt": "hi", "lcx": lcx})
+    assert status == 400 and got is None  # vLLM never sees the request
+    assert needle in answer["error"]["message"] and answer["error"]["param"] == "lcx"
+
+
+def test_without_the_served_table_form_and_values_are_still_checked():
+    assert _call({"model": "x", "lcx": {"rope": {"factor": 8}}}, served=None)[0] == 200
+    assert _call({"model": "x", "lcx": {"rope": {"factr": 8}}}, served=None)[0] == 400
+
+
+def test_get_requests_pass_untouched():
+    status, _, got = _call({"lcx": "anything"}, method="GET")
+    assert status == 200 and json.loads(got["body"]) == {"lcx": "anything"}
+
+
+def test_lcx_serve_installs_the_check_with_each_served_names_methods(tmp_path):
+    adapter = random_adapter(tiny_model("llama"), tmp_path / "a1", seed=1)  # an smt adapter
+    exp = Export(out=tmp_path, model_dir=tmp_path / "model", adapters={"a1": adapter},
+                 methods=[{"name": "rope", "options": {"type": "yarn", "factor": 4.0}}, {"name": "smt", "options": {}}])
+    table = served_methods(exp, "base")
+    assert [m["name"] for m in table["base"]] == ["rope"] and [m["name"] for m in table["a1"]] == ["rope", "smt"]
+    assert json.loads(vllm_env(exp, 1.0, "base")[vr.SERVED_ENV]) == table
+    cmd = vllm_command(exp, "127.0.0.1", 8000, "base", "float32", None)
+    assert cmd[cmd.index("--middleware") + 1] == vr.MIDDLEWARE
+    mod, name = vr.MIDDLEWARE.rsplit(".", 1)  # the path vLLM imports
+    assert getattr(__import__(mod, fromlist=[name]), name) is vr.LcxRequestOptions
