@@ -43,15 +43,18 @@ ppl_beta0() {
     $LCX eval ppl -m smollm2-135m --adapter results/smt/adapter-beta0 "${EVAL_BOOKS[@]}" --contexts 4K,8K,16K,32K \
         --target 256 --out results/smt/ppl-after-beta0
 }
+# Passkey grids: 5 depths x 2 keys (x 1 key for the bare model, which cannot read past its 8K window) per
+# length: a full-attention pass over 32K tokens takes ~1.5 min on 2 cores.
 passkey_before() {  # the bare model over the whole prompt
-    $LCX eval passkey -m smollm2-135m --lengths 16K,32K --out results/smt/passkey-before --resume
+    $LCX eval passkey -m smollm2-135m --lengths 16K,32K --samples 1 --out results/smt/passkey-before --resume
 }
 passkey_yarn() {  # YaRN x4 without training: the "before" of this recipe
     $LCX eval passkey -m smollm2-135m --method rope -o rope.type=yarn -o rope.factor=4 --lengths 16K,32K \
-        --out results/smt/passkey-yarn --resume
+        --samples 2 --out results/smt/passkey-yarn --resume
 }
 passkey_after() {
-    $LCX eval passkey -m smollm2-135m --adapter results/smt/adapter --lengths 16K,32K --out results/smt/passkey-after --resume
+    $LCX eval passkey -m smollm2-135m --adapter results/smt/adapter --lengths 16K,32K --samples 2 \
+        --out results/smt/passkey-after --resume
 }
 
 steps=("$@")
