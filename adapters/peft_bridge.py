@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -68,13 +69,19 @@ def add_adapter(
     modules_to_save: list[str] | None = None,
 ) -> PeftModel:
     """Wrap ``model`` with a fresh LoRA adapter on its attention projections; ``modules_to_save``
-    (module-name suffixes) are trained fully and saved whole in the adapter (PEFT's mechanism)."""
+    (module-name suffixes) are trained fully and saved whole in the adapter (PEFT's mechanism).
+
+    When the fully trained modules are all the LoRA targets (SMT's full q/k), PEFT 0.21 still needs one
+    LoRA target: a frozen rank-1 LoRA with B = 0 on one other linear layer hosts the config and changes
+    nothing (``lora_host``)."""
     if rank <= 0:
         raise LcxError(f"LoRA rank must be > 0, got {rank}")
-    targets = [t for t in (target_modules or lora_targets(model, roles)) if t not in (modules_to_save or [])]
+    targets: list[str] | str = [t for t in (target_modules or lora_targets(model, roles))
+                                if t not in (modules_to_save or [])]
+    host = None
     if not targets:
-        raise LcxError(f"the fully trained modules {modules_to_save} leave no LoRA target; train other roles with "
-                       f"LoRA (--lora-targets) or every weight with --full all")
+        host = lora_host(model, modules_to_save or [])
+        targets, rank = f"^{re.escape(host)}$", 1  # a str target is matched in full against module names
     config = LoraConfig(
         r=rank,
         lora_alpha=alpha if alpha is not None else 2 * rank,
@@ -83,7 +90,22 @@ def add_adapter(
         modules_to_save=modules_to_save,
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config)
+    peft = get_peft_model(model, config)
+    if host is not None:
+        for name, p in peft.named_parameters():
+            if ".lora_" in name:
+                p.requires_grad_(False)
+    return peft
+
+
+def lora_host(model: nn.Module, modules_to_save: list[str]) -> str:
+    """The first decoder linear layer not trained fully: where ``add_adapter`` puts its inert LoRA."""
+    for name, module in unwrap(model).named_modules():
+        if isinstance(module, nn.Linear) and ".layers." in f".{name}" and \
+                not any(name == m or name.endswith("." + m) for m in modules_to_save):
+            return name
+    raise LcxError(f"the fully trained modules {modules_to_save} cover every linear layer; train every weight "
+                   f"with --full all")
 
 
 def random_adapter(model: nn.Module, out_dir: str | os.PathLike, seed: int, scale: float = 0.05,

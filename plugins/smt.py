@@ -21,7 +21,9 @@ random with the right expectation (systematic sampling), so a far window whose s
 token still gets it that often; within a window the tokens are drawn uniformly without replacement.  A memory of at most W tokens, or
 ``policy=uniform``, is sampled uniformly; a memory no longer than the sample is taken whole.
 
-Trainable state: q/k projections (LoRA by default).  ``grow_every``/``grow_by`` extend the position
+Trainable state: q/k projections, as LoRA (default; what vLLM serves) or whole with
+``lcx train --full q_proj,k_proj`` (PEFT's modules_to_save; HF path only, vLLM's LoRA loader refuses it).
+``grow_every``/``grow_by`` extend the position
 range progressively (the paper: +2K every 1000 steps), a pure function of the step, so resume is exact.
 """
 

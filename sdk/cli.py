@@ -754,7 +754,7 @@ def analyze_distraction(model, methods, options, adapter, trust_remote_code, dat
 @click.option("--lora-rank", type=click.IntRange(1), default=8, show_default=True)
 @click.option("--lora-targets", default=None, metavar="ROLES", help="Comma-separated attention roles q,k,v,o (default: the method's).")
 @click.option("--full", default=None, metavar="MODULES|all",
-              help="Train these modules fully (module-name suffixes, e.g. q_proj,k_proj; saved whole in the PEFT "
+              help="Train these modules fully (module-name suffixes, e.g. q_proj,k_proj for SMT; saved whole in the PEFT "
                    "adapter), or 'all': every weight, no LoRA, written as a model folder (load it with -m OUT).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--bf16", is_flag=True, help="bf16 autocast (where the hardware supports it).")

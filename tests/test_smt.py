@@ -207,6 +207,32 @@ def test_training_changes_only_q_and_k_and_works_on_top_of_rope_and_under_stream
         s.close()
 
 
+def test_full_q_and_k_training_saves_them_whole_through_peft_and_changes_nothing_else(model_dir, tmp_path):
+    """--full q_proj,k_proj: PEFT's modules_to_save carries the whole q/k matrices; the inert LoRA that
+    hosts the config (PEFT needs one target) stays B = 0 and frozen, so merged, only q/k differ."""
+    from transformers import AutoModelForCausalLM
+
+    from lcx.adapters.peft_bridge import load_adapter
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(TEXT)
+    cfg = TrainConfig(model=str(model_dir), data=[str(corpus)], out=str(tmp_path / "run"), methods=["smt"],
+                      options={"smt": {"budget": 32, "window": 8}}, full=["q_proj", "k_proj"],
+                      seq_len=256, steps=3, batch_size=2, lr=1e-2, save_every=0, seed=1)
+    out = train(cfg, progress=False)
+    weights = load_file(str(out / "adapter_model.safetensors"))
+    whole = [k for k in weights if "lora_" not in k]
+    assert whole and all(k.endswith(("q_proj.weight", "k_proj.weight")) for k in whole), sorted(weights)
+    host = [v for k, v in weights.items() if "lora_B" in k]
+    assert len(host) == 1 and not host[0].any()
+
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir)).state_dict()
+    merged = load_adapter(AutoModelForCausalLM.from_pretrained(str(model_dir)), out)[0].merge_and_unload().state_dict()
+    changed = {k for k in base if not torch.equal(base[k], merged[k])}
+    assert changed and all(k.endswith(("q_proj.weight", "k_proj.weight")) for k in changed), sorted(changed)
+    assert len(changed) == len(whole)  # every layer's q and k trained
+
+
 def test_progressive_training_resumes_exactly(model_dir, tmp_path):
     corpus = tmp_path / "c.txt"
     corpus.write_text(TEXT)
