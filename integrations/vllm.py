@@ -18,8 +18,10 @@ line when the server answers, and shuts it down cleanly on SIGINT/SIGTERM.
 
 Which methods can be served is declared by each method (``Method.serving``): "base" methods (``smt``:
 training-only) serve as the plain model plus their adapter, "config" methods (``rope``) rewrite
-config.json; memory methods (``vanilla``, ``streaming``, ``fot``, ``focusllm``) need lcx inside
-vLLM's attention and are refused with a clear error until that part lands.
+config.json, "prompt" methods (``vanilla``: truncation to the window) rewrite each prompt's tokens in
+lcx's request middleware (``lcx.integrations.vllm_requests``) before vLLM reads it; memory methods
+(``streaming``, ``fot``, ``focusllm``) need lcx inside vLLM's attention and are refused with a clear
+error until that part lands.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from typing import Any, Callable
 
 from lcx.errors import LcxError
 from lcx.integrations.vllm_requests import MIDDLEWARE as REQUEST_CHECK
-from lcx.integrations.vllm_requests import SERVED_ENV
+from lcx.integrations.vllm_requests import MODEL_ENV, SERVED_ENV
 
 #: Ranks vLLM 0.32 accepts for ``--max-lora-rank``.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -66,11 +68,14 @@ class Export:
     max_model_len: int = 0
     window: int = 0
     max_lora_rank: int = 0
+    #: The methods named with --method (they apply to every served name; the adapters' own methods
+    #: apply to the adapter's name only).
+    named: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"model_dir": str(self.model_dir), "adapters": {k: str(v) for k, v in self.adapters.items()},
-                "methods": self.methods, "max_model_len": self.max_model_len, "window": self.window,
-                "max_lora_rank": self.max_lora_rank}
+                "methods": self.methods, "named": self.named, "max_model_len": self.max_model_len,
+                "window": self.window, "max_lora_rank": self.max_lora_rank}
 
 
 # ---------------------------------------------------------------------- export
@@ -240,7 +245,7 @@ def export_for_vllm(model: str, methods: list[str] | tuple[str, ...] = (), optio
         final_adapters[name] = (out / "adapters" / name).resolve()
     rank = max((int(c.get("r", 0)) for c in checked.values()), default=0)
     exp = Export(out=out.resolve(), model_dir=(out / "model").resolve(), adapters=final_adapters, methods=described,
-                 max_model_len=max_model_len or derived, window=window,
+                 max_model_len=max_model_len or derived, window=window, named=list(methods),
                  max_lora_rank=next((r for r in VLLM_LORA_RANKS if r >= rank), 0) if rank else 0)
     (tmp / MANIFEST).write_text(json.dumps(exp.to_json(), indent=2))
     if out.exists():
@@ -305,6 +310,9 @@ def sidecar_config(config: dict[str, Any], sidecar: dict[str, Any], where: str) 
     except (LcxError, ValueError, TypeError) as e:
         raise LcxError(f"{where}: {e}") from None
     for m in insts:
+        if m.serving == "prompt":  # plain `vllm serve` has no lcx middleware to rewrite prompts with
+            raise LcxError(f"{where}: method {m.name!r} rewrites each prompt in lcx's request middleware, which "
+                           f"plain `vllm serve` does not run; serve it with `lcx serve MODEL --method {m.name}`")
         if m.serving == "config":
             config = m.vllm_config(config)
     return config
@@ -346,13 +354,15 @@ def vllm_command(exp: Export, host: str, port: int, served_name: str, dtype: str
 
 
 def served_methods(exp: Export, served_name: str) -> dict[str, list[dict[str, Any]]]:
-    """The methods each served model name applies: the base name the config-changing ones (``rope``),
-    each adapter those plus the ones it was trained with (what ``LcxRequestOptions`` checks requests against)."""
+    """The methods each served model name applies: the base name the config-changing ones (``rope``) and
+    the prompt-rewriting ones named with --method (``vanilla``), each adapter those plus the ones it was
+    trained with (what ``LcxRequestOptions`` checks requests against and rewrites prompts by)."""
     from lcx.adapters.peft_bridge import read_sidecar
     from lcx.registry import registry
 
     reg = registry()
-    base = [m for m in exp.methods if reg.get(m["name"]).serving == "config"]
+    base = [m for m in exp.methods if reg.get(m["name"]).serving == "config"
+            or (reg.get(m["name"]).serving == "prompt" and m["name"] in exp.named)]
     out = {served_name: base}
     for name, path in exp.adapters.items():
         own = [m for m in read_sidecar(path).get("methods", []) if m["name"] not in {b["name"] for b in base}]
@@ -363,6 +373,7 @@ def served_methods(exp: Export, served_name: str) -> dict[str, list[dict[str, An
 def vllm_env(exp: Export, kv_cache_gib: float, served_name: str = "lcx") -> dict[str, str]:
     env = dict(os.environ)
     env[SERVED_ENV] = json.dumps(served_methods(exp, served_name))
+    env[MODEL_ENV] = json.dumps({"tokenizer": str(exp.model_dir), "window": exp.window})
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{kv_cache_gib:g}")
     if (os.cpu_count() or 1) <= 4:
         # vLLM keeps one CPU for its API server by default; on a 2-core machine that halves the compute

@@ -21,10 +21,21 @@ through vLLM's ``--middleware`` (an ASGI middleware class, no vLLM code patched)
 methods each served model name applies (environment variable ``LCX_SERVED_METHODS``, JSON
 ``{"name": [{"name": method, "options": {...}}]}``); without that variable, only the form, the
 method names and the option values are checked.
+
+The same middleware serves the methods that only rewrite the prompt (``Method.serving == "prompt"``:
+``vanilla`` keeps the start and the end of a prompt longer than the window): for a model name that
+applies one, each ``/v1/completions`` prompt is tokenized with the model's tokenizer (``add_special_tokens``
+as the request says, vLLM's default otherwise), passed through the method's ``serve_prompt`` with the
+request's ``max_tokens`` (vLLM's default 16 when absent), and handed to vLLM as token ids when it
+changed — the tokens lcx's own path feeds the model.  Chat requests are served as they come (vLLM
+refuses one past its length limit with a 400): truncating a templated conversation would cut its
+turns in the middle.  ``LCX_SERVED_MODEL`` (JSON ``{"tokenizer": dir, "window": n}``) says where the
+tokenizer is and the model's trained window.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from typing import Any
@@ -32,6 +43,9 @@ from typing import Any
 from lcx.errors import LcxError
 
 SERVED_ENV = "LCX_SERVED_METHODS"
+MODEL_ENV = "LCX_SERVED_MODEL"
+#: vLLM's ``max_tokens`` for a completion request that does not say.
+DEFAULT_MAX_TOKENS = 16
 FIELD = "lcx"
 #: The import path vLLM's ``--middleware`` takes.
 MIDDLEWARE = f"{__name__}.LcxRequestOptions"
@@ -74,12 +88,77 @@ def served_from_env() -> dict[str, list[dict[str, Any]]] | None:
     return json.loads(raw) if raw else None
 
 
+def prompt_methods(served: dict[str, list[dict[str, Any]]] | None) -> dict[str, list]:
+    """{served name: its prompt-rewriting method instances, in order} for the names that apply any."""
+    from lcx.registry import registry
+
+    reg, out = registry(), {}
+    for name, methods in (served or {}).items():
+        insts = [reg.get(m["name"]).from_options(**(m.get("options") or {})) for m in methods
+                 if reg.get(m["name"]).serving == "prompt"]
+        if insts:
+            out[name] = insts
+    return out
+
+
+def rewrite_prompts(body: dict[str, Any], methods: list, tokenizer: Any, window: int) -> bool:
+    """Apply ``methods``' ``serve_prompt`` to the completion request's prompt(s), in place; True if a prompt
+    changed (it is then token ids).  Malformed prompts and token counts are left for vLLM to refuse."""
+    prompt, max_new = body.get("prompt"), body.get("max_tokens", DEFAULT_MAX_TOKENS)
+    if max_new is None:
+        max_new = DEFAULT_MAX_TOKENS
+    if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1 or not prompt:
+        return False
+    single = isinstance(prompt, str) or all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    prompts = [prompt] if single else prompt
+    if not isinstance(prompts, list) or not all(
+            isinstance(p, str) or (isinstance(p, list) and all(isinstance(t, int) for t in p)) for p in prompts):
+        return False
+    special = body.get("add_special_tokens", True) is not False
+    out, changed = [], False
+    for p in prompts:
+        ids = tokenizer.encode(p, add_special_tokens=special) if isinstance(p, str) else list(p)
+        new = ids
+        for m in methods:
+            try:
+                new = m.serve_prompt(new, max_new, window)
+            except ValueError as e:
+                raise LcxError(f"{m.name}: {e}; ask for fewer tokens (max_tokens)") from None
+        changed |= new != ids
+        out.append(new if new != ids else p)
+    if changed:
+        body["prompt"] = out[0] if single else out
+    return changed
+
+
 class LcxRequestOptions:
     """ASGI middleware: checks the ``lcx`` field of JSON POST bodies (see the module docstring)."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
         self.served = served_from_env()
+        self.model = json.loads(os.environ.get(MODEL_ENV) or "{}")
+        self._prompt_methods: dict[str, list] | None = None
+        self._tokenizer: Any = None
+
+    @property
+    def rewriters(self) -> dict[str, list]:
+        if self._prompt_methods is None:
+            self._prompt_methods = prompt_methods(self.served)
+        return self._prompt_methods
+
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model["tokenizer"])
+        return self._tokenizer
+
+    def _rewrite(self, data: dict[str, Any]) -> bool:
+        methods = self.rewriters.get(data.get("model"))  # type: ignore[arg-type]
+        if not methods:
+            return False
+        return rewrite_prompts(data, methods, self.tokenizer(), int(self.model.get("window") or 0))
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["method"] != "POST":
@@ -92,17 +171,24 @@ class LcxRequestOptions:
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
         body = b"".join(chunks)
-        if f'"{FIELD}"'.encode() in body:
+        rewrite = scope.get("path", "").endswith("/v1/completions") and bool(self.rewriters)
+        if rewrite or f'"{FIELD}"'.encode() in body:
             try:
                 data = json.loads(body)
             except ValueError:
                 data = None  # not JSON: vLLM answers that itself
-            if isinstance(data, dict) and FIELD in data:
+            changed = False
+            if isinstance(data, dict):
                 try:
-                    check_options(data, self.served)
+                    if FIELD in data:
+                        check_options(data, self.served)
+                        data.pop(FIELD)
+                        changed = True
+                    if rewrite:  # tokenizing a long prompt takes a while: off the event loop
+                        changed |= await asyncio.to_thread(self._rewrite, data)
                 except LcxError as e:
-                    return await _send_error(send, str(e))
-                data.pop(FIELD)
+                    return await _send_error(send, str(e), FIELD if FIELD in data else "prompt")
+            if changed:
                 body = json.dumps(data).encode()
                 scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
                          + [(b"content-length", str(len(body)).encode())]}
@@ -116,9 +202,9 @@ def _replay(messages: list[dict], receive: Any) -> Any:
     return again
 
 
-async def _send_error(send: Any, message: str) -> None:
+async def _send_error(send: Any, message: str, param: str = FIELD) -> None:
     """A 400 in the OpenAI error shape vLLM uses."""
-    payload = json.dumps({"error": {"message": message, "type": "BadRequestError", "param": FIELD, "code": 400}}).encode()
+    payload = json.dumps({"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}}).encode()
     await send({"type": "http.response.start", "status": 400,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
     await send({"type": "http.response.body", "body": payload})

@@ -29,17 +29,36 @@ class Vanilla(Method):
         if self.window < 0:
             raise ValueError(f"window must be >= 0 (0 = model window), got {self.window}")
 
+    #: vLLM serves it as the plain model behind a request middleware that truncates the prompt.
+    serving = "prompt"
+
+    def budget(self, max_new_tokens: int, window: int) -> int:
+        """Prompt tokens kept: the window (this method's, else the model's) less the tokens to generate."""
+        budget = (self.window or window) - max_new_tokens
+        if budget <= 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room in a window of {self.window or window}")
+        return budget
+
+    def keep(self, n: int, budget: int) -> tuple[int, int]:
+        """For a prompt of ``n`` tokens: (tokens kept from its start, index where its kept end begins)."""
+        if n <= budget:
+            return n, n
+        head = int(budget * self.head_fraction)
+        return head, n - (budget - head)
+
+    def serve_prompt(self, ids: list[int], max_new_tokens: int, window: int) -> list[int]:
+        head, tail = self.keep(len(ids), self.budget(max_new_tokens, window))
+        return ids[:head] + ids[tail:]
+
     @hookimpl
     def lcx_plan(self, run, input_ids, attention_mask, max_new_tokens):
-        budget = (self.window or run.window) - max_new_tokens
-        if budget <= 0:
-            raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room in a window of {self.window or run.window}")
+        budget = self.budget(max_new_tokens, run.window)
         rows, dropped = [], 0
         for row in unpad(input_ids, attention_mask):
             if row.numel() > budget:
-                head = int(budget * self.head_fraction)
+                head, tail = self.keep(row.numel(), budget)
                 dropped = max(dropped, row.numel() - budget)
-                row = torch.cat([row[:head], row[row.numel() - (budget - head):]])
+                row = torch.cat([row[:head], row[tail:]])
             rows.append(row)
         if not dropped:
             return Plan.whole(input_ids, attention_mask)

@@ -40,7 +40,9 @@ class Method:
     fixed_by_training: ClassVar[tuple[str, ...]] = ()
     #: How vLLM serves this method (``lcx export --for vllm``, ``lcx serve``): "base" (inference is the
     #: plain model, plus the method's LoRA adapter when trained), "config" (the model's config.json
-    #: is rewritten by :meth:`vllm_config`), or "" (needs lcx inside vLLM's attention: not servable yet).
+    #: is rewritten by :meth:`vllm_config`), "prompt" (the method only rewrites the prompt's tokens:
+    #: :meth:`serve_prompt`, applied by lcx's request middleware in front of vLLM), or "" (needs lcx
+    #: inside vLLM's attention: not servable yet).
     serving: ClassVar[str] = ""
 
     def memory_entries(self, run: Any, input_tokens: int) -> int:
@@ -51,6 +53,12 @@ class Method:
     def vllm_config(self, config: dict[str, Any]) -> dict[str, Any]:
         """For ``serving == "config"``: the model's config.json (a dict) as vLLM should load it."""
         return config
+
+    def serve_prompt(self, ids: list[int], max_new_tokens: int, window: int) -> list[int]:
+        """For ``serving == "prompt"``: the token ids vLLM should read for one prompt of ``ids`` that asks
+        for ``max_new_tokens`` (``window``: the model's trained window); the same tokens the method's
+        plan feeds the model on lcx's own path."""
+        raise NotImplementedError(f"method {self.name!r} does not rewrite prompts (serving={self.serving!r})")
 
     # ------------------------------------------------------------------ options
     @classmethod

@@ -74,7 +74,7 @@ def test_beyond_the_window_raises_the_rotary_table_only_with_a_note(model_dir, t
         export_for_vllm(str(model_dir), ["rope"], {"rope": {"factor": "2"}}, out=tmp_path / "y", max_model_len=300)
 
 
-@pytest.mark.parametrize("method", ["streaming", "fot", "focusllm", "vanilla"])
+@pytest.mark.parametrize("method", ["streaming", "fot", "focusllm"])
 def test_memory_methods_are_refused_by_name(model_dir, tmp_path, method):
     with pytest.raises(LcxError, match=rf"method '{method}' \(--method\) cannot be served through vLLM yet"):
         export_for_vllm(str(model_dir), [method], out=tmp_path / "x")
@@ -199,6 +199,8 @@ def test_the_lcx_config_format_applies_the_sidecar_as_export_bakes_it(model_dir,
 
 @pytest.mark.parametrize("sidecar,needle", [
     ({"methods": [{"name": "fot"}]}, "method 'fot' .* cannot be served through vLLM yet"),
+    ({"methods": [{"name": "vanilla"}]}, "method 'vanilla' rewrites each prompt in lcx's request middleware, which "
+                                         "plain `vllm serve` does not run; serve it with `lcx serve MODEL --method vanilla`"),
     ({"methods": [{"name": "rope", "options": {"factor": "lots"}}]}, "factor"),
     ({"methods": "rope"}, "'methods' must be a list"),
     ({"methods": [{"name": "warp"}]}, "warp"),

@@ -18,7 +18,7 @@ SERVED = {"base": [{"name": "rope", "options": {"type": "yarn", "factor": 4.0}}]
           "a1": [{"name": "rope", "options": {"type": "yarn", "factor": 4.0}}, {"name": "smt", "options": {}}]}
 
 
-def _call(body, method="POST", served=SERVED, monkeypatch=None):
+def _call(body, method="POST", served=SERVED, monkeypatch=None, tokenizer=None, window=0, path="/v1/completions"):
     """Run one request through the middleware; returns (status, JSON answer, what the app received or None)."""
     got = {}
 
@@ -44,8 +44,8 @@ def _call(body, method="POST", served=SERVED, monkeypatch=None):
         sent.append(message)
 
     mw = vr.LcxRequestOptions(app)
-    mw.served = served
-    scope = {"type": "http", "method": method, "path": "/v1/completions",
+    mw.served, mw._tokenizer, mw.model = served, tokenizer, {"window": window}
+    scope = {"type": "http", "method": method, "path": path,
              "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]}
     asyncio.run(mw(scope, receive, send))
     status = sent[0]["status"]
@@ -105,3 +105,66 @@ def test_lcx_serve_installs_the_check_with_each_served_names_methods(tmp_path):
     assert cmd[cmd.index("--middleware") + 1] == vr.MIDDLEWARE
     mod, name = vr.MIDDLEWARE.rsplit(".", 1)  # the path vLLM imports
     assert getattr(__import__(mod, fromlist=[name]), name) is vr.LcxRequestOptions
+
+
+# ---------------------------------------------------------------------- prompt methods (vanilla) in the middleware
+class _Chars:
+    """A stand-in tokenizer: one token per character, a BOS of 1 when special tokens are added."""
+
+    def encode(self, text, add_special_tokens=True):
+        return ([1] if add_special_tokens else []) + [ord(c) for c in text]
+
+
+VANILLA = {"v": [{"name": "vanilla", "options": {"window": 12, "head_fraction": 0.5}}], "plain": []}
+
+
+@pytest.mark.parametrize("n, new, head_fraction", [(5, 2, 0.5), (40, 3, 0.5), (41, 1, 0.25), (33, 4, 1.0), (30, 5, 0.0)])
+def test_served_truncation_is_the_tokens_the_hf_plan_feeds(n, new, head_fraction):
+    import torch
+
+    from lcx.registry import registry
+
+    m = registry().get("vanilla").from_options(head_fraction=head_fraction)
+    ids = torch.arange(100, 100 + n)[None]
+    plan = m.lcx_plan(run=type("Run", (), {"window": 16})(), input_ids=ids, attention_mask=torch.ones_like(ids),
+                      max_new_tokens=new)
+    assert m.serve_prompt(ids[0].tolist(), new, 16) == plan.input_ids[0].tolist()
+    assert len(m.serve_prompt(ids[0].tolist(), new, 16)) == min(n, 16 - new)
+
+
+def test_completion_prompts_of_a_vanilla_model_are_truncated_before_vllm():
+    text = "abcdefghijklmnopqrstuvwxyz"
+    status, _, got = _call({"model": "v", "prompt": text, "max_tokens": 2}, served=VANILLA, tokenizer=_Chars())
+    ids = [1] + [ord(c) for c in text]  # 27 tokens, a window of 12 - 2 new: 5 from the start, 5 from the end
+    assert status == 200 and json.loads(got["body"])["prompt"] == ids[:5] + ids[-5:]
+    assert got["headers"][b"content-length"] == str(len(got["body"])).encode()
+    # batches, token prompts, add_special_tokens and vLLM's default max_tokens (16 > window 12 - prompt)
+    body = {"model": "v", "prompt": [text, list(range(200, 220)), "short"], "max_tokens": 4, "add_special_tokens": False}
+    out = json.loads(_call(body, served=VANILLA, tokenizer=_Chars())[2]["body"])["prompt"]
+    assert out == [[ord(c) for c in "abcd"] + [ord(c) for c in "wxyz"], [*range(200, 204), *range(216, 220)], "short"]
+    status, answer, got = _call({"model": "v", "prompt": text}, served=VANILLA, tokenizer=_Chars())
+    assert status == 400 and got is None and "max_new_tokens=16 leaves no room in a window of 12; ask for fewer tokens (max_tokens)" in answer["error"]["message"]
+
+
+def test_prompts_that_fit_other_models_and_chat_pass_unchanged():
+    for body, path in [({"model": "v", "prompt": "short", "max_tokens": 2}, "/v1/completions"),
+                       ({"model": "plain", "prompt": "x" * 50, "max_tokens": 2}, "/v1/completions"),
+                       ({"model": "v", "messages": [{"role": "user", "content": "x" * 50}]}, "/v1/chat/completions"),
+                       ({"model": "v", "prompt": "x" * 50, "max_tokens": -1}, "/v1/completions")]:  # vLLM refuses it
+        status, _, got = _call(body, served=VANILLA, tokenizer=_Chars(), path=path)
+        assert status == 200 and json.loads(got["body"]) == body
+
+
+def test_vanilla_applies_to_every_served_name_when_named_and_to_its_adapter_when_trained_with(tmp_path):
+    a1 = random_adapter(tiny_model("llama"), tmp_path / "a1", seed=1)  # an smt adapter
+    a2 = random_adapter(tiny_model("llama"), tmp_path / "a2", seed=2, methods=[{"name": "vanilla", "options": {}}])
+    vanilla = {"name": "vanilla", "options": {"head_fraction": 0.5, "window": 0}}
+    exp = Export(out=tmp_path, model_dir=tmp_path / "model", adapters={"a1": a1, "a2": a2}, window=64,
+                 methods=[vanilla, {"name": "smt", "options": {}}], named=["vanilla"])
+    table = served_methods(exp, "base")
+    assert {k: [m["name"] for m in v] for k, v in table.items()} == {"base": ["vanilla"], "a1": ["vanilla", "smt"],
+                                                                     "a2": ["vanilla"]}
+    exp.named = []
+    table = served_methods(exp, "base")
+    assert {k: [m["name"] for m in v] for k, v in table.items()} == {"base": [], "a1": ["smt"], "a2": ["vanilla"]}
+    assert json.loads(vllm_env(exp, 1.0, "base")[vr.MODEL_ENV]) == {"tokenizer": str(tmp_path / "model"), "window": 64}

@@ -1,8 +1,9 @@
 """`lcx serve` on SmolLM2-135M, for real (vLLM on CPU): same tokens as lcx's Hugging Face path,
 several LoRA adapters at once, concurrent requests kept apart, bad requests answered with 4xx.
 
-Two servers, each started once for the module: the bare model with two q/k LoRA adapters (the shape
-an smt adapter has) and prompts up to 2x the model's window, and the model with YaRN x4 (`rope`).
+Servers: the bare model with two q/k LoRA adapters (the shape an smt adapter has) and prompts up to 2x
+the model's window, started once for the module; the model with YaRN x4 (`rope`), the model behind
+`vanilla`'s truncating middleware, and plain `vllm serve` with the plugin, one test each.
 """
 
 from __future__ import annotations
@@ -140,6 +141,25 @@ def test_rope_server_equals_the_hf_rope_method_at_twice_the_window(tmp_path_fact
         assert s.close() == 0
     assert got == hf_tokens(ids, ["rope"], {"rope": {"type": "yarn", "factor": "4"}})
     assert "71234" in tok.decode(got)  # YaRN x4 finds the key at 16K: the served answer is a real answer
+
+
+def test_vanilla_server_truncates_as_the_hf_path_does_at_twice_the_window(tmp_path_factory, tok):
+    """`vanilla` is served by lcx's request middleware: the 2x-window prompt reaches vLLM cut to its start
+    and end, the same tokens lcx's plan feeds the model; the key sits in the kept start, so it is found."""
+    s = start_server(["--method", "vanilla"], tmp_path_factory.mktemp("vanilla"))
+    try:
+        assert s.ready["methods"] == ["vanilla"]
+        ids = build_prompt_ids(tok, LONG, 0.1, 52817)
+        got = s.complete(MODEL, ids.tolist(), NEW)
+        text = tok.decode(ids)
+        as_text = s.complete(MODEL, text, NEW)  # a text prompt is tokenized by the middleware, then cut
+        status, out = s.post("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": WINDOW})
+    finally:
+        assert s.close() == 0
+    assert got == hf_tokens(ids, ["vanilla"])
+    assert "52817" in tok.decode(got)
+    assert as_text == hf_tokens(tok(text, return_tensors="pt")["input_ids"][0], ["vanilla"])
+    assert status == 400 and f"max_new_tokens={WINDOW} leaves no room in a window of {WINDOW}" in out["error"]["message"]
 
 
 def test_plain_vllm_serve_applies_the_sidecar_through_the_plugin(tmp_path, tok):
