@@ -324,10 +324,12 @@ class FocusLLM(Method):
     @hookimpl
     def lcx_sample(self, run, batch, step):
         """Per loss term, a draw of chunk size, local size and (repetition) the copied span: a pure
-        function of (seed, step, rank), so resumed runs draw the same."""
+        function of (seed, step), so resumed runs draw the same.  Every process draws the same: the draw
+        sets how many forwards a step makes, and DDP needs the same number on each (each forward of the
+        wrapped model is a collective); the processes differ by their data."""
         self._check_trainable(run)
         ids = batch["input_ids"]
-        rng = random.Random(f"focusllm:{run.state.get('seed', 0)}:{step}:{run.state.get('rank', 0)}")
+        rng = random.Random(f"focusllm:{run.state.get('seed', 0)}:{step}")
         return {"input_ids": ids, "focusllm": {t: self._draw(run.window, ids.shape[1], t, rng) for t in self._terms}}
 
     def _draw(self, window: int, N: int, term: str, rng: random.Random) -> TrainDraw:

@@ -234,7 +234,10 @@ def test_training_draws_follow_the_options_and_are_seeded():
     with _train_run(peft) as run:
         draws = [run.hook.lcx_sample(run=run, batch={"input_ids": ids}, step=s)["focusllm"] for s in range(40)]
         again = run.hook.lcx_sample(run=run, batch={"input_ids": ids}, step=7)["focusllm"]
-    assert again == draws[7]  # a pure function of (seed, step, rank): resumed runs draw the same
+        run.state["rank"] = 1
+        other_process = run.hook.lcx_sample(run=run, batch={"input_ids": ids}, step=7)["focusllm"]
+    assert again == draws[7]  # a pure function of (seed, step): resumed runs draw the same
+    assert other_process == draws[7]  # and so does every DDP process (as many forwards on each)
     cont = [d["continuation"] for d in draws]
     rep = [d["repetition"] for d in draws]
     assert {d.chunk for d in cont} == {16, 32} and len({d.local for d in cont}) > 3  # both sizes drawn, local varies
