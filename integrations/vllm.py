@@ -19,9 +19,9 @@ line when the server answers, and shuts it down cleanly on SIGINT/SIGTERM.
 Which methods can be served is declared by each method (``Method.serving``): "base" methods (``smt``:
 training-only) serve as the plain model plus their adapter, "config" methods (``rope``) rewrite
 config.json, "prompt" methods (``vanilla``: truncation to the window) rewrite each prompt's tokens in
-lcx's request middleware (``lcx.integrations.vllm_requests``) before vLLM reads it; memory methods
-(``streaming``, ``fot``, ``focusllm``) need lcx inside vLLM's attention and are refused with a clear
-error until that part lands.
+lcx's request middleware (``lcx.integrations.vllm_requests``) before vLLM reads it, "attention" methods
+(``streaming``) run inside vLLM's attention (``lcx.integrations.vllm_attention``: the Transformers
+backend, prefix caching off); ``fot`` and ``focusllm`` are refused with a clear error until they land.
 """
 
 from __future__ import annotations
@@ -292,6 +292,9 @@ def register() -> None:
 
     if CONFIG_FORMAT not in vllm_config._CONFIG_FORMAT_TO_CONFIG_PARSER:
         vllm_config.register_config_parser(CONFIG_FORMAT)(_config_parser(vllm_config.HFConfigParser))
+    from lcx.integrations.vllm_attention import install
+
+    install()  # a no-op unless `lcx serve` named an attention method (LCX_SERVED_MODEL)
     _registered = True
 
 
@@ -313,6 +316,9 @@ def sidecar_config(config: dict[str, Any], sidecar: dict[str, Any], where: str) 
         if m.serving == "prompt":  # plain `vllm serve` has no lcx middleware to rewrite prompts with
             raise LcxError(f"{where}: method {m.name!r} rewrites each prompt in lcx's request middleware, which "
                            f"plain `vllm serve` does not run; serve it with `lcx serve MODEL --method {m.name}`")
+        if m.serving == "attention":  # needs the serving flags lcx serve passes (Transformers backend, ...)
+            raise LcxError(f"{where}: method {m.name!r} runs inside vLLM's attention with engine settings `lcx "
+                           f"serve` passes; serve it with `lcx serve MODEL --method {m.name}`")
         if m.serving == "config":
             config = m.vllm_config(config)
     return config
@@ -346,11 +352,25 @@ def vllm_command(exp: Export, host: str, port: int, served_name: str, dtype: str
     cmd = [sys.executable, "-m", "lcx.integrations.vllm", "serve", str(exp.model_dir), "--host", host, "--port", str(port),
            "--served-model-name", served_name, "--dtype", dtype, "--max-model-len", str(exp.max_model_len),
            "--enforce-eager", "--disable-log-stats", "--middleware", REQUEST_CHECK]
+    if attention_method(exp):  # lcx answers the attention: the HF modeling code, no shared prefix blocks
+        cmd += ["--model-impl", "transformers", "--no-enable-prefix-caching",
+                "--max-num-batched-tokens", str(max(exp.max_model_len, 2048))]
     if exp.adapters:
         cmd += ["--enable-lora", "--max-lora-rank", str(exp.max_lora_rank),
                 "--max-loras", str(max_loras or len(exp.adapters)),
                 "--lora-modules", *[f"{n}={p}" for n, p in exp.adapters.items()]]
     return cmd + list(extra)
+
+
+def attention_method(exp: Export) -> dict[str, Any] | None:
+    """The method (name and options) the served model runs inside vLLM's attention, if any."""
+    from lcx.registry import registry
+
+    reg = registry()
+    found = [m for m in exp.methods if reg.get(m["name"]).serving == "attention"]
+    if len(found) > 1:
+        raise LcxError(f"methods {', '.join(m['name'] for m in found)} each replace vLLM's attention; serve one")
+    return found[0] if found else None
 
 
 def served_methods(exp: Export, served_name: str) -> dict[str, list[dict[str, Any]]]:
@@ -361,7 +381,7 @@ def served_methods(exp: Export, served_name: str) -> dict[str, list[dict[str, An
     from lcx.registry import registry
 
     reg = registry()
-    base = [m for m in exp.methods if reg.get(m["name"]).serving == "config"
+    base = [m for m in exp.methods if reg.get(m["name"]).serving in ("config", "attention")
             or (reg.get(m["name"]).serving == "prompt" and m["name"] in exp.named)]
     out = {served_name: base}
     for name, path in exp.adapters.items():
@@ -373,7 +393,8 @@ def served_methods(exp: Export, served_name: str) -> dict[str, list[dict[str, An
 def vllm_env(exp: Export, kv_cache_gib: float, served_name: str = "lcx") -> dict[str, str]:
     env = dict(os.environ)
     env[SERVED_ENV] = json.dumps(served_methods(exp, served_name))
-    env[MODEL_ENV] = json.dumps({"tokenizer": str(exp.model_dir), "window": exp.window})
+    env[MODEL_ENV] = json.dumps({"tokenizer": str(exp.model_dir), "window": exp.window,
+                                 "attention": attention_method(exp)})
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{kv_cache_gib:g}")
     if (os.cpu_count() or 1) <= 4:
         # vLLM keeps one CPU for its API server by default; on a 2-core machine that halves the compute

@@ -76,6 +76,8 @@ class Streaming(Method):
     name = "streaming"
     description = "attention sinks + recent window with re-rotated keys (StreamingLLM)"
     requires = frozenset({"attention_interface", "rotary"})
+    #: vLLM serves it inside its attention (lcx.integrations.vllm_attention), same answers as this path.
+    serving = "attention"
 
     sinks: int = option(4, "number of initial tokens always kept (attention sinks)")
     window: int = option(0, "recent tokens kept per layer; 0 = model window - sinks - chunk")

@@ -41,8 +41,8 @@ class Method:
     #: How vLLM serves this method (``lcx export --for vllm``, ``lcx serve``): "base" (inference is the
     #: plain model, plus the method's LoRA adapter when trained), "config" (the model's config.json
     #: is rewritten by :meth:`vllm_config`), "prompt" (the method only rewrites the prompt's tokens:
-    #: :meth:`serve_prompt`, applied by lcx's request middleware in front of vLLM), or "" (needs lcx
-    #: inside vLLM's attention: not servable yet).
+    #: :meth:`serve_prompt`, applied by lcx's request middleware in front of vLLM), "attention" (lcx
+    #: answers vLLM's attention: ``lcx.integrations.vllm_attention``), or "" (not servable yet).
     serving: ClassVar[str] = ""
 
     def memory_entries(self, run: Any, input_tokens: int) -> int:

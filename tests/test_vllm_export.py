@@ -74,7 +74,7 @@ def test_beyond_the_window_raises_the_rotary_table_only_with_a_note(model_dir, t
         export_for_vllm(str(model_dir), ["rope"], {"rope": {"factor": "2"}}, out=tmp_path / "y", max_model_len=300)
 
 
-@pytest.mark.parametrize("method", ["streaming", "fot", "focusllm"])
+@pytest.mark.parametrize("method", ["fot", "focusllm"])
 def test_memory_methods_are_refused_by_name(model_dir, tmp_path, method):
     with pytest.raises(LcxError, match=rf"method '{method}' \(--method\) cannot be served through vLLM yet"):
         export_for_vllm(str(model_dir), [method], out=tmp_path / "x")
@@ -82,8 +82,8 @@ def test_memory_methods_are_refused_by_name(model_dir, tmp_path, method):
 
 
 def test_adapter_of_a_memory_method_is_refused(model_dir, tmp_path):
-    a = _adapter(model_dir, tmp_path / "a", methods=({"name": "streaming", "options": {}},))
-    with pytest.raises(LcxError, match=r"method 'streaming' \(a\) cannot be served"):
+    a = _adapter(model_dir, tmp_path / "a", methods=({"name": "fot", "options": {}},))
+    with pytest.raises(LcxError, match=r"method 'fot' \(a\) cannot be served"):
         export_for_vllm(str(model_dir), adapters={"a": a}, out=tmp_path / "x")
 
 

@@ -3,7 +3,8 @@ several LoRA adapters at once, concurrent requests kept apart, bad requests answ
 
 Servers: the bare model with two q/k LoRA adapters (the shape an smt adapter has) and prompts up to 2x
 the model's window, started once for the module; the model with YaRN x4 (`rope`), the model behind
-`vanilla`'s truncating middleware, and plain `vllm serve` with the plugin, one test each.
+`vanilla`'s truncating middleware, `streaming` inside vLLM's attention, and plain `vllm serve` with the
+plugin, one test each.
 """
 
 from __future__ import annotations
@@ -160,6 +161,31 @@ def test_vanilla_server_truncates_as_the_hf_path_does_at_twice_the_window(tmp_pa
     assert "52817" in tok.decode(got)
     assert as_text == hf_tokens(tok(text, return_tensors="pt")["input_ids"][0], ["vanilla"])
     assert status == 400 and f"max_new_tokens={WINDOW} leaves no room in a window of {WINDOW}" in out["error"]["message"]
+
+
+def test_streaming_server_equals_the_hf_path_and_keeps_concurrent_requests_apart(tmp_path_factory, tok):
+    """`streaming` runs inside vLLM's attention (lcx.integrations.vllm_attention): at 2x the window the
+    served tokens equal lcx's streaming path; 8 concurrent requests, passkeys in their recent windows,
+    shuffled, each get their own key (the per-request state is keyed and reset per request)."""
+    opts = {"sinks": 4, "chunk": 512}
+    s = start_server(["--method", "streaming", *(x for k, v in opts.items() for x in ("-o", f"streaming.{k}={v}")),
+                      "--max-model-len", str(LONG + 64)], tmp_path_factory.mktemp("streaming"))
+    try:
+        assert s.ready["methods"] == ["streaming"]
+        ids = build_prompt_ids(tok, LONG, 0.5, 60413)
+        got = s.complete(MODEL, ids.tolist(), NEW)
+        rng = random.Random(3)
+        keys = rng.sample(range(10000, 99999), 8)
+        jobs = [(build_prompt_ids(tok, rng.choice([1024, 3000]), rng.uniform(0.2, 0.9), k).tolist(), k) for k in keys]
+        rng.shuffle(jobs)
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            answers = list(pool.map(lambda j: tok.decode(s.complete(MODEL, j[0], NEW)), jobs))
+    finally:
+        assert s.close() == 0
+    assert "lcx: streaming answers vLLM's attention" in s.log_path.read_text()  # not vLLM's own attention
+    assert got == hf_tokens(ids, ["streaming"], {"streaming": opts})
+    for (_, key), text in zip(jobs, answers):
+        assert str(key) in text and not any(str(k) in text for k in keys if k != key), (key, text)
 
 
 def test_plain_vllm_serve_applies_the_sidecar_through_the_plugin(tmp_path, tok):

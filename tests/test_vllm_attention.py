@@ -1,0 +1,127 @@
+"""streaming inside vLLM's attention (`lcx.integrations.vllm_attention`), driven the way vLLM drives it:
+every scheduled token of every request flattened into one forward, prompts cut anywhere by chunked
+prefill, generated tokens one per step, requests interleaved.  The greedy tokens must equal lcx's own
+streaming path (`lcx.generate`).  tests/test_vllm_serve.py checks the real server."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+import lcx
+from lcx.integrations.vllm_attention import Seq, StreamingServed
+from tests.conftest import tiny_model
+
+OPTS = dict(sinks=4, window=24, chunk=16)
+
+
+class FakeEngine:
+    """One HF model called like vLLM's Transformers backend: one flattened sequence per step."""
+
+    def __init__(self, model, served: StreamingServed) -> None:
+        self.model, self.served, self.seqs = model, served, []
+        ALL_ATTENTION_FUNCTIONS["lcx_test_served"] = self._attention
+        model.config._attn_implementation = "lcx_test_served"
+        for layer in model.model.layers:
+            layer.self_attn.config._attn_implementation = "lcx_test_served"
+
+    def _attention(self, module, query, key, value, attention_mask, **kwargs):
+        if module.layer_idx == 0:
+            self.served.begin_step()
+        return self.served.attend(module, query, key, value, self.seqs), None
+
+    def step(self, work: list[tuple[int, list[int], int]]) -> torch.Tensor:
+        """work: (request key, tokens, position of the first); returns each request's last logits row."""
+        self.seqs = [Seq(key, pos, len(toks)) for key, toks, pos in work]
+        ids = torch.tensor([[t for _, toks, _ in work for t in toks]])
+        pos = torch.tensor([[p0 + i for _, toks, p0 in work for i in range(len(toks))]])
+        with torch.no_grad():
+            logits = self.model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+        ends = torch.tensor([len(toks) for _, toks, _ in work]).cumsum(0) - 1
+        return logits[ends]
+
+
+def _hf(model, prompt: list[int], new: int) -> tuple[list[int], torch.Tensor]:
+    """lcx's streaming path (what `lcx generate` runs): greedy tokens and the logits of each step."""
+    from lcx.generation import make_plan, prefill
+
+    model.generation_config.eos_token_id = None  # always `new` tokens
+    with lcx.attach(model, ["streaming"], **OPTS) as run:
+        plan = make_plan(run, torch.tensor([prompt]), None, new)
+        out = run.model.generate(input_ids=plan.input_ids, attention_mask=plan.attention_mask,
+                                 past_key_values=prefill(run, plan), max_new_tokens=new, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), torch.stack([x[0] for x in out.logits])
+
+
+def _served(engine: FakeEngine, prompts: dict[int, list[int]], forced: dict[int, list[int]],
+            rng: random.Random) -> dict[int, torch.Tensor]:
+    """Prefill every prompt in random pieces (several requests per step, in random order), then decode them
+    together, feeding the ``forced`` tokens (the HF path's answer); returns each request's logits per step."""
+    done = {k: 0 for k in prompts}
+    out: dict[int, list[torch.Tensor]] = {k: [] for k in prompts}
+    while any(done[k] < len(p) for k, p in prompts.items()):
+        work = []
+        for k, p in prompts.items():
+            if done[k] < len(p) and rng.random() < 0.8:
+                n = min(len(p) - done[k], rng.choice([2, 5, 16, 17, 40, 100]))
+                if len(p) - done[k] - n == 1:  # a one-token prompt piece reads as a generated token (documented)
+                    n += 1
+                work.append((k, p[done[k]:done[k] + n], done[k]))
+                done[k] += n
+        if not work:
+            continue
+        rng.shuffle(work)
+        for (k, toks, pos), row in zip(work, engine.step(work)):
+            if pos + len(toks) == len(prompts[k]):
+                out[k].append(row)
+    for i in range(len(next(iter(forced.values()))) - 1):
+        work = [(k, [forced[k][i]], len(prompts[k]) + i) for k in prompts]
+        rng.shuffle(work)
+        for (k, _, _), row in zip(work, engine.step(work)):
+            out[k].append(row)
+    return {k: torch.stack(v) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_served_streaming_equals_lcx_streaming_over_any_prefill_split_and_interleaving(seed):
+    """Logits of every step (prompt end, then each generated token) equal the HF path's; logits, not
+    greedy tokens: a tiny random model has near-ties that a different batch shape can flip."""
+    model = tiny_model("llama")
+    rng = random.Random(seed)
+    prompts = {100 + i: [rng.randrange(3, 120) for _ in range(rng.choice([3, 30, 90, 150]))] for i in range(4)}
+    want = {k: _hf(model, p, 10) for k, p in prompts.items()}
+    engine = FakeEngine(tiny_model("llama"), StreamingServed(**OPTS))
+    got = _served(engine, prompts, {k: w[0] for k, w in want.items()}, rng)
+    for k in prompts:
+        torch.testing.assert_close(got[k], want[k][1], atol=1e-4, rtol=1e-4)
+    # a finished request's first block is reused by a new one: the state starts afresh
+    again = _served(engine, {100: prompts[101]}, {100: want[101][0]}, rng)
+    torch.testing.assert_close(again[100], want[101][1], atol=1e-4, rtol=1e-4)
+
+
+def test_without_the_sink_re_rotation_the_logits_differ():
+    """The check above is not blind: served attention that leaves the sinks at their true positions is
+    caught (on a prompt long enough for the sinks to have moved)."""
+    model = tiny_model("llama")
+    rng = random.Random(5)
+    prompts = {1: [rng.randrange(3, 120) for _ in range(150)]}
+    tokens, logits = _hf(model, prompts[1], 10)
+
+    class NoRotation(StreamingServed):
+        def inv_freq(self, module):
+            return torch.zeros_like(super().inv_freq(module))  # a rotation by any shift changes nothing
+
+    engine = FakeEngine(tiny_model("llama"), StreamingServed(**OPTS))
+    torch.testing.assert_close(_served(engine, prompts, {1: tokens}, rng)[1], logits, atol=1e-4, rtol=1e-4)
+    engine = FakeEngine(tiny_model("llama"), NoRotation(**OPTS))
+    assert (_served(engine, prompts, {1: tokens}, rng)[1] - logits).abs().max() > 1e-3  # 10x the tolerance
+
+
+def test_a_request_continuing_without_state_is_an_error():
+    engine = FakeEngine(tiny_model("llama"), StreamingServed(**OPTS))
+    with pytest.raises(RuntimeError, match="no state for a request continuing at position 7"):
+        engine.step([(9, [5, 6], 7)])
