@@ -20,8 +20,9 @@ Which methods can be served is declared by each method (``Method.serving``): "ba
 training-only) serve as the plain model plus their adapter, "config" methods (``rope``) rewrite
 config.json, "prompt" methods (``vanilla``: truncation to the window) rewrite each prompt's tokens in
 lcx's request middleware (``lcx.integrations.vllm_requests``) before vLLM reads it, "attention" methods
-(``streaming``) run inside vLLM's attention (``lcx.integrations.vllm_attention``: the Transformers
-backend, prefix caching off); ``fot`` and ``focusllm`` are refused with a clear error until they land.
+(``streaming``, ``fot`` with a per-request memory) run inside vLLM's attention
+(``lcx.integrations.vllm_attention``: the Transformers backend, prefix caching off); ``focusllm`` and a
+shared document memory (``fot`` mode=multi) are refused with a clear error until they land.
 """
 
 from __future__ import annotations
@@ -353,8 +354,11 @@ def vllm_command(exp: Export, host: str, port: int, served_name: str, dtype: str
            "--served-model-name", served_name, "--dtype", dtype, "--max-model-len", str(exp.max_model_len),
            "--enforce-eager", "--disable-log-stats", "--middleware", REQUEST_CHECK]
     if attention_method(exp):  # lcx answers the attention: the HF modeling code, no shared prefix blocks
+        from lcx.integrations.vllm_attention import PROMPT_LENGTHS_FQCN
+
         cmd += ["--model-impl", "transformers", "--no-enable-prefix-caching",
-                "--max-num-batched-tokens", str(max(exp.max_model_len, 2048))]
+                "--max-num-batched-tokens", str(max(exp.max_model_len, 2048)),
+                "--logits-processors", PROMPT_LENGTHS_FQCN]  # tells the attention where prompts end
     if exp.adapters:
         cmd += ["--enable-lora", "--max-lora-rank", str(exp.max_lora_rank),
                 "--max-loras", str(max_loras or len(exp.adapters)),
@@ -370,6 +374,10 @@ def attention_method(exp: Export) -> dict[str, Any] | None:
     found = [m for m in exp.methods if reg.get(m["name"]).serving == "attention"]
     if len(found) > 1:
         raise LcxError(f"methods {', '.join(m['name'] for m in found)} each replace vLLM's attention; serve one")
+    if found and found[0]["name"] == "fot" and found[0]["options"].get("mode") == "multi":
+        raise LcxError("fot mode=multi (a document memory shared across inputs) is not served yet: each served "
+                       "request keeps its own memory; serve fot without -o fot.mode=multi, or use "
+                       "`lcx generate --memory PATH`")
     return found[0] if found else None
 
 

@@ -1,29 +1,30 @@
-"""Memory methods inside vLLM's attention: ``streaming`` served with the answers of lcx's own path.
+"""Memory methods inside vLLM's attention: ``streaming`` and ``fot`` served with lcx's own answers.
 
 vLLM's Transformers backend (``--model-impl transformers``) runs the model's Hugging Face modeling code
 and calls the attention function registered as ``"vllm"`` with every scheduled token of every request
 flattened into one sequence (query ``[1, heads, tokens, head_dim]``, keys already rotated at their true
-positions).  ``install`` wraps that function: for a served ``streaming`` model it answers from its own
-per-request, per-layer state instead of vLLM's paged cache, reproducing lcx's ``SinkWindowLayer``
-exactly:
+positions).  ``install`` wraps that function: for a served memory method it answers from its own
+per-request, per-layer state instead of vLLM's paged cache, reproducing what lcx's cache layers do on
+lcx's own path (``lcx generate``):
 
-- the prompt is read in updates of ``chunk`` tokens on the grid 0, C, 2C, ... and each generated token
-  is an update of its own (what ``lcx generate`` does); vLLM's own prefill chunks may cut an update
-  anywhere: the tokens of an update read so far wait in the state until it completes;
-- a query of update [a, b) sees the sink keys (the first ``sinks`` tokens, re-rotated to sit right
-  before the recent block), the last ``window`` non-sink tokens before a, and the update's tokens up
-  to itself; when the update completes, the state keeps the sinks and the last ``window`` tokens.
+- the prompt is read in *updates* on the method's chunk grid (0, C, 2C, ... up to the prompt's end) and
+  each generated token is an update of its own; vLLM's prefill chunks may cut an update anywhere: the
+  update's tokens read so far stay visible to its later ones, exactly as if it had come in one forward;
+- ``streaming`` (``SinkWindowLayer``): a query sees the sink keys (re-rotated to sit right before the
+  recent block), the last ``window`` non-sink tokens before its update, and its update's tokens up to
+  itself; at the update's end the state keeps the sinks and the last ``window`` tokens;
+- ``fot`` (``FoTLayer`` + ``memory_attention``): at an update's start every layer evicts what no longer
+  fits its ``local`` window, memory layers into the request's own kNN memory (keys un-rotated to
+  position 0); a query attends to its local keys and, in memory layers, to its top-``k`` memory keys
+  under one softmax, with the query re-rotated per the positions mode.
 
-Per-request state is keyed by the request's first KV block (unique among running requests while
-prefix caching is off, which ``lcx serve`` ensures); a request's first step (position 0) starts afresh,
-and the state of a request not scheduled for ``STALE_STEPS`` forward passes is dropped.
-
-A step that carries one token of a request is read as a generated token, several as prompt tokens: the
-worker does not see where a prompt ends.  So when vLLM's scheduler splits a prompt and leaves exactly
-one token for the next step, that token closes the prompt's last update early (it sees the same keys
-except the ones the early eviction drops); ``lcx serve`` schedules ``max_model_len`` tokens per step,
-so a prompt is split only when concurrent prompts share a step's budget.  A request vLLM preempts and
-recomputes is read as a fresh prompt.  vLLM still allocates its paged cache for every token (unused).
+Where a prompt ends comes from a vLLM logits processor (``PromptLengths``, which vLLM hands every
+request's prompt as it joins the batch; its row order is the attention metadata's).  Per-request state
+is keyed by the request's first KV block (unique among running requests with prefix caching off, which
+``lcx serve`` ensures); a request's first step (position 0) starts afresh, and the state of a request
+not scheduled for ``STALE_STEPS`` forward passes is dropped.  A request vLLM preempts and recomputes is
+read as a fresh prompt of prompt + generated tokens (lcx's path never does that).  vLLM still allocates
+its paged cache for every token, unused.
 """
 
 from __future__ import annotations
@@ -44,17 +45,23 @@ STALE_STEPS = 512
 
 
 @dataclass
-class _Layer:
-    """One request, one layer: what ``SinkWindowLayer`` holds, plus the update being read."""
+class Seq:
+    """One request's tokens in a forward pass: its key, the first token's position, how many tokens, and
+    its prompt's length (None: unknown, then a one-token step is read as a generated token)."""
 
-    sink_k: torch.Tensor
-    sink_v: torch.Tensor
-    keys: torch.Tensor  # the recent block: last <= window non-sink tokens before the update
-    values: torch.Tensor
-    pend_k: torch.Tensor  # tokens of the current update read so far
-    pend_v: torch.Tensor
+    key: Any
+    start: int
+    length: int
+    prompt: int | None = None
+
+
+@dataclass
+class _Layer:
+    """One request, one layer: the method's state plus the current update."""
+
     start: int = 0  # absolute position of the current update's first token
-    end: int = 0  # absolute position where the current update ends (exclusive)
+    end: int = 0  # where it ends (exclusive)
+    data: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -63,28 +70,20 @@ class _Request:
     last_step: int = 0
 
 
-@dataclass
-class Seq:
-    """One request's tokens in a forward pass: its key, the first token's position, how many tokens."""
+class ServedAttention:
+    """Per-request, per-layer updates over vLLM's flattened token batches (see the module docstring)."""
 
-    key: Any
-    start: int
-    length: int
+    name = ""
 
-
-class StreamingServed:
-    """lcx's streaming (sinks + recent window, re-rotated sinks) over vLLM's flattened token batches."""
-
-    def __init__(self, sinks: int, window: int, chunk: int) -> None:
-        self.sinks, self.window, self.chunk = sinks, window, chunk
+    def __init__(self, chunk: int) -> None:
+        self.chunk = chunk
         self.requests: dict[Any, _Request] = {}
         self.step = 0
         self._inv: dict[int, torch.Tensor] = {}
 
     def begin_step(self) -> None:
         self.step += 1
-        stale = [k for k, r in self.requests.items() if self.step - r.last_step > STALE_STEPS]
-        for k in stale:
+        for k in [k for k, r in self.requests.items() if self.step - r.last_step > STALE_STEPS]:
             del self.requests[k]
 
     def inv_freq(self, module: torch.nn.Module) -> torch.Tensor:
@@ -108,74 +107,167 @@ class StreamingServed:
             req = self.requests.get(s.key)
             if req is None:
                 if s.start:
-                    raise RuntimeError(f"lcx streaming: no state for a request continuing at position {s.start} "
+                    raise RuntimeError(f"lcx {self.name}: no state for a request continuing at position {s.start} "
                                        f"(its earlier tokens were never seen; prefix caching must be off)")
                 req = self.requests[s.key] = _Request()
             if s.start == 0:  # a new request (first block reused, or recomputed after preemption): start afresh
                 req.layers.pop(layer_idx, None)
             req.last_step = self.step
+            st = req.layers.setdefault(layer_idx, _Layer())
             sl = slice(at, at + s.length)
-            out[sl] = self._sequence(req, layer_idx, module, query[0, :, sl], key[0, :, sl], value[0, :, sl], s,
+            out[sl] = self._sequence(st, module, query[0, :, sl], key[0, :, sl], value[0, :, sl], s,
                                      scale).transpose(0, 1)
             at += s.length
         return out.reshape(out.shape[0], -1)
 
-    def _sequence(self, req: _Request, layer_idx: int, module, q, k, v, s: Seq, scale: float) -> torch.Tensor:
-        st = req.layers.get(layer_idx)
-        if st is None:
-            empty_k, empty_v = k[:, :0], v[:, :0]
-            st = req.layers[layer_idx] = _Layer(empty_k, empty_v, empty_k, empty_v, empty_k, empty_v)
-        if s.length == 1:  # a generated token: an update of its own (it ends the prompt's last update)
-            self._complete(st)
-            st.start, st.end = s.start, s.start + 1
+    def _sequence(self, st: _Layer, module, q, k, v, s: Seq, scale: float) -> torch.Tensor:
+        if s.prompt is None and s.length == 1:  # no prompt length: one token is a generated token
+            self.complete(st, module)
+            self.begin(st, module, s.start, s.start + 1, k)
         outs, pos, i = [], s.start, 0
         while i < s.length:
-            if pos >= st.end:  # a prompt update starts here, on the grid
-                self._complete(st)
-                st.start, st.end = pos, (pos // self.chunk + 1) * self.chunk
+            if pos >= st.end:  # an update starts here
+                self.complete(st, module)
+                if s.prompt is not None and pos >= s.prompt:
+                    end = pos + 1  # a generated token
+                else:
+                    end = (pos // self.chunk + 1) * self.chunk
+                    end = min(end, s.prompt) if s.prompt is not None else end
+                self.begin(st, module, pos, end, k)
             n = min(s.length - i, st.end - pos)
-            outs.append(self._read(st, module, q[:, i:i + n], k[:, i:i + n], v[:, i:i + n], scale))
+            outs.append(self.read(st, module, q[:, i:i + n], k[:, i:i + n], v[:, i:i + n], pos, scale))
             pos, i = pos + n, i + n
         return torch.cat(outs, dim=1)
 
-    def _complete(self, st: _Layer) -> None:
+    def begin(self, st: _Layer, module, start: int, end: int, like: torch.Tensor) -> None:
+        st.start, st.end = start, end
+
+    def complete(self, st: _Layer, module) -> None:
+        pass
+
+    def read(self, st: _Layer, module, q, k, v, pos: int, scale: float) -> torch.Tensor:
+        """Queries (H, n, D) at [pos, pos + n) of the current update; returns (H, n, Dv)."""
+        raise NotImplementedError
+
+
+def _causal_tail(n: int, total: int, device: torch.device) -> torch.Tensor:
+    """(n, total) bool: the last n of ``total`` keys are the queries themselves, causally."""
+    allowed = torch.ones(n, total, dtype=torch.bool, device=device)
+    allowed[:, total - n:] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return allowed
+
+
+def _sdpa(q, keys, values, allowed, scale):
+    groups = q.shape[0] // keys.shape[0]
+    keys, values = keys.repeat_interleave(groups, 0), values.repeat_interleave(groups, 0)
+    return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=allowed, scale=scale)[0]
+
+
+class StreamingServed(ServedAttention):
+    """lcx's streaming: sinks + recent window, sinks re-rotated (``SinkWindowLayer``)."""
+
+    name = "streaming"
+
+    def __init__(self, sinks: int, window: int, chunk: int) -> None:
+        super().__init__(chunk)
+        self.sinks, self.window = sinks, window
+
+    def begin(self, st, module, start, end, like):
+        super().begin(st, module, start, end, like)
+        if not st.data:
+            empty = like[:, :0]
+            st.data.update(sink_k=empty, sink_v=empty, keys=empty, values=empty, pend_k=empty, pend_v=empty)
+
+    def complete(self, st, module):
         """The update is over: fill the sinks first (only before any eviction), keep the last window."""
-        if not st.pend_k.shape[1]:
+        d = st.data
+        if not d or not d["pend_k"].shape[1]:
             return
-        rest_k, rest_v = torch.cat([st.keys, st.pend_k], dim=1), torch.cat([st.values, st.pend_v], dim=1)
-        ns = st.sink_k.shape[1]
+        rest_k, rest_v = torch.cat([d["keys"], d["pend_k"]], dim=1), torch.cat([d["values"], d["pend_v"]], dim=1)
+        ns = d["sink_k"].shape[1]
         if ns < self.sinks:
             take = min(self.sinks - ns, rest_k.shape[1])
-            st.sink_k, st.sink_v = torch.cat([st.sink_k, rest_k[:, :take]], 1), torch.cat([st.sink_v, rest_v[:, :take]], 1)
+            d["sink_k"] = torch.cat([d["sink_k"], rest_k[:, :take]], 1)
+            d["sink_v"] = torch.cat([d["sink_v"], rest_v[:, :take]], 1)
             rest_k, rest_v = rest_k[:, take:], rest_v[:, take:]
-        st.keys, st.values = rest_k[:, -self.window:], rest_v[:, -self.window:]
-        st.pend_k, st.pend_v = st.pend_k[:, :0], st.pend_v[:, :0]
+        d["keys"], d["values"] = rest_k[:, -self.window:], rest_v[:, -self.window:]
+        d["pend_k"], d["pend_v"] = d["pend_k"][:, :0], d["pend_v"][:, :0]
 
-    def _read(self, st: _Layer, module, q, k, v, scale: float) -> torch.Tensor:
-        """The next n queries of the current update: sinks + recent + the update's tokens up to each."""
-        st.pend_k, st.pend_v = torch.cat([st.pend_k, k], dim=1), torch.cat([st.pend_v, v], dim=1)
-        ns, nr, npend = st.sink_k.shape[1], st.keys.shape[1], st.pend_k.shape[1]
-        recent_start = st.start - nr
-        shift = recent_start - ns
-        sink_k = rotate(st.sink_k, shift, self.inv_freq(module)) if shift and ns else st.sink_k
-        keys = torch.cat([sink_k, st.keys, st.pend_k], dim=1)
-        values = torch.cat([st.sink_v, st.values, st.pend_v], dim=1)
-        n = q.shape[1]
-        # causal within the update: query j (of n, the last n of the pending tokens) sees pending tokens <= it
-        fixed = ns + nr
-        allowed = torch.ones(n, keys.shape[1], dtype=torch.bool, device=q.device)
-        allowed[:, fixed:] = torch.arange(npend, device=q.device)[None] <= torch.arange(npend - n, npend, device=q.device)[:, None]
-        groups = q.shape[0] // keys.shape[0]
-        keys, values = keys.repeat_interleave(groups, 0), values.repeat_interleave(groups, 0)
-        return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=allowed, scale=scale)[0]
+    def read(self, st, module, q, k, v, pos, scale):
+        d = st.data
+        d["pend_k"], d["pend_v"] = torch.cat([d["pend_k"], k], dim=1), torch.cat([d["pend_v"], v], dim=1)
+        ns, nr = d["sink_k"].shape[1], d["keys"].shape[1]
+        shift = (st.start - nr) - ns  # the sinks sit right before the recent block
+        sink_k = rotate(d["sink_k"], shift, self.inv_freq(module)) if shift and ns else d["sink_k"]
+        keys = torch.cat([sink_k, d["keys"], d["pend_k"]], dim=1)
+        values = torch.cat([d["sink_v"], d["values"], d["pend_v"]], dim=1)
+        return _sdpa(q, keys, values, _causal_tail(q.shape[1], keys.shape[1], q.device), scale)
+
+
+class FoTServed(ServedAttention):
+    """lcx's fot at inference: a local window per layer, a kNN memory per memory layer and KV head
+    (``FoTLayer`` eviction, ``memory_attention`` itself)."""
+
+    name = "fot"
+
+    def __init__(self, method: Any) -> None:
+        super().__init__(method.chunk or method.local)
+        self.m = method
+        self.memory_layers: set[int] | None = None
+
+    def begin(self, st, module, start, end, like):
+        super().begin(st, module, start, end, like)
+        d = st.data
+        if not d:
+            d.update(keys=like[:, :0], values=like[:, :0], local_start=0, memory=None)
+            if self.memory_layers is None:
+                self.memory_layers = set(self.m.layers_of(int(module.config.num_hidden_layers)))
+            if int(module.layer_idx) in self.memory_layers:
+                from lcx.memory import make_store
+
+                d["memory"] = {(0, h): make_store(self.m.store_config()) for h in range(like.shape[0])}
+        L, n = d["keys"].shape[1], end - start
+        if L + n > self.m.local:  # FoTLayer.update: evict before the update's forward
+            overflow = min(L, L + n - self.m.local)
+            if d["memory"] is not None:
+                pos = torch.arange(d["local_start"], d["local_start"] + overflow)
+                k0 = rotate(d["keys"][:, :overflow], -pos, self.inv_freq(module))  # keys at "position 0"
+                for h, store in d["memory"].items():
+                    store.add(k0[h[1]], d["values"][h[1], :overflow], pos, 0)
+            d["keys"], d["values"] = d["keys"][:, overflow:], d["values"][:, overflow:]
+            d["local_start"] += overflow
+
+    def read(self, st, module, q, k, v, pos, scale):
+        from lcx.plugins.fot.attention import memory_attention
+
+        d = st.data
+        d["keys"], d["values"] = torch.cat([d["keys"], k], dim=1), torch.cat([d["values"], v], dim=1)
+        n, S = q.shape[1], d["keys"].shape[1]
+        allowed = _causal_tail(n, S, q.device)
+        memory = d["memory"]
+        if memory is None or not any(len(s) for s in memory.values()):
+            return _sdpa(q, d["keys"], d["values"], allowed, scale)
+        q_index = torch.arange(pos, pos + n, device=q.device)[None]
+        if self.m.positions == "first":
+            shift = torch.full_like(q_index, -d["local_start"])
+        elif self.m.positions == "fixed":
+            shift = (self.m.fixed_distance or self.m.local) - q_index
+        else:
+            shift = -q_index
+        mask = torch.zeros(n, S).masked_fill(~allowed, float("-inf"))[None, None]
+        out = memory_attention(q[None], d["keys"][None], d["values"][None], mask, memory, shift.to(torch.float64),
+                               self.inv_freq(module), scale, self.m.k, self.m.dense, self.m.block)
+        return out[0].transpose(0, 1)
 
 
 # ---------------------------------------------------------------------- vLLM glue
 #: The served memory method (set by ``install`` from ``LCX_SERVED_MODEL``), or None.
-SERVED: StreamingServed | None = None
+SERVED: ServedAttention | None = None
+#: Persistent-batch row -> prompt length, kept by the ``PromptLengths`` logits processor.
+PROMPT_LENGTHS: dict[int, int] = {}
 
 
-def served_from_env() -> StreamingServed | None:
+def served_from_env() -> ServedAttention | None:
     from lcx.integrations.vllm_requests import MODEL_ENV
     from lcx.registry import registry
 
@@ -184,8 +276,45 @@ def served_from_env() -> StreamingServed | None:
     if not spec:
         return None
     m = registry().get(spec["name"]).from_options(**(spec.get("options") or {}))
-    window = m.window or int(info["window"]) - m.sinks - m.chunk
-    return StreamingServed(m.sinks, window, m.chunk)
+    if spec["name"] == "streaming":
+        return StreamingServed(m.sinks, m.window or int(info["window"]) - m.sinks - m.chunk, m.chunk)
+    if spec["name"] == "fot":
+        return FoTServed(m)
+    raise ValueError(f"lcx: method {spec['name']!r} has no served attention")
+
+
+def __getattr__(name: str) -> Any:
+    if name == "PromptLengths":  # built on first use: vLLM is imported only in its own processes
+        return _prompt_lengths_class()
+    raise AttributeError(name)
+
+
+def _prompt_lengths_class() -> type:
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+    from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+    class PromptLengths(LogitsProcessor):
+        """Tells the served attention where each request's prompt ends (changes no logits)."""
+
+        def __init__(self, vllm_config, device, is_pin_memory) -> None:
+            PROMPT_LENGTHS.clear()
+
+        def is_argmax_invariant(self) -> bool:
+            return True
+
+        def update_state(self, batch_update) -> None:
+            process_dict_updates(PROMPT_LENGTHS, batch_update,
+                                 lambda params, prompt, output: len(prompt) if prompt is not None else None)
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            return logits
+
+    globals()["PromptLengths"] = PromptLengths
+    return PromptLengths
+
+
+#: vLLM's ``--logits-processors`` value that ``lcx serve`` passes with an attention method.
+PROMPT_LENGTHS_FQCN = f"{__name__}:PromptLengths"
 
 
 def install() -> None:
@@ -204,10 +333,9 @@ def install() -> None:
     def lcx_attention(module, query, key, value, attention_mask, **kwargs):
         from vllm.forward_context import get_forward_context
 
-        self_attn = getattr(module, "attn")
         md = get_forward_context().attn_metadata
         if isinstance(md, dict):
-            md = md.get(self_attn.layer_name)
+            md = md.get(getattr(module, "attn").layer_name)
         if md is None:  # vLLM's warm-up and profiling passes
             return base(module, query, key, value, attention_mask, **kwargs)
         if int(module.layer_idx) == 0:
@@ -218,10 +346,10 @@ def install() -> None:
         for i, total in enumerate(lens):
             n = starts[i + 1] - starts[i]
             if n:
-                seqs.append(Seq(key=int(md.block_table[i, 0]), start=int(total) - n, length=n))
+                seqs.append(Seq(key=int(md.block_table[i, 0]), start=int(total) - n, length=n,
+                                prompt=PROMPT_LENGTHS.get(i)))
         return SERVED.attend(module, query, key, value, seqs), None
 
     lcx_attention._lcx = True  # type: ignore[attr-defined]
     ALL_ATTENTION_FUNCTIONS["vllm"] = lcx_attention
-    print(f"lcx: streaming answers vLLM's attention in process {os.getpid()} (sinks={SERVED.sinks}, "
-          f"window={SERVED.window}, chunk={SERVED.chunk})", file=sys.stderr, flush=True)
+    print(f"lcx: {SERVED.name} answers vLLM's attention in process {os.getpid()}", file=sys.stderr, flush=True)

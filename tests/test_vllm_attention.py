@@ -1,7 +1,7 @@
-"""streaming inside vLLM's attention (`lcx.integrations.vllm_attention`), driven the way vLLM drives it:
-every scheduled token of every request flattened into one forward, prompts cut anywhere by chunked
-prefill, generated tokens one per step, requests interleaved.  The greedy tokens must equal lcx's own
-streaming path (`lcx.generate`).  tests/test_vllm_serve.py checks the real server."""
+"""streaming and fot inside vLLM's attention (`lcx.integrations.vllm_attention`), driven the way vLLM
+drives it: every scheduled token of every request flattened into one forward, prompts cut anywhere by
+chunked prefill, generated tokens one per step, requests interleaved.  The logits of every step must
+equal lcx's own path (`lcx.generate`).  tests/test_vllm_serve.py checks the real server."""
 
 from __future__ import annotations
 
@@ -12,16 +12,18 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import lcx
-from lcx.integrations.vllm_attention import Seq, StreamingServed
+from lcx.integrations.vllm_attention import FoTServed, Seq, StreamingServed
 from tests.conftest import tiny_model
 
 OPTS = dict(sinks=4, window=24, chunk=16)
+FOT = dict(local=24, memory_layers="all", k=4)
 
 
 class FakeEngine:
     """One HF model called like vLLM's Transformers backend: one flattened sequence per step."""
 
-    def __init__(self, model, served: StreamingServed) -> None:
+    def __init__(self, model, served, prompt_lengths: bool = True) -> None:
+        self.prompt_lengths = prompt_lengths  # what the PromptLengths logits processor tells the worker
         self.model, self.served, self.seqs = model, served, []
         ALL_ATTENTION_FUNCTIONS["lcx_test_served"] = self._attention
         model.config._attn_implementation = "lcx_test_served"
@@ -33,23 +35,24 @@ class FakeEngine:
             self.served.begin_step()
         return self.served.attend(module, query, key, value, self.seqs), None
 
-    def step(self, work: list[tuple[int, list[int], int]]) -> torch.Tensor:
-        """work: (request key, tokens, position of the first); returns each request's last logits row."""
-        self.seqs = [Seq(key, pos, len(toks)) for key, toks, pos in work]
-        ids = torch.tensor([[t for _, toks, _ in work for t in toks]])
-        pos = torch.tensor([[p0 + i for _, toks, p0 in work for i in range(len(toks))]])
+    def step(self, work: list[tuple[int, list[int], int, int]]) -> torch.Tensor:
+        """work: (request key, tokens, position of the first, prompt length); returns each request's last
+        logits row."""
+        self.seqs = [Seq(key, pos, len(toks), plen if self.prompt_lengths else None) for key, toks, pos, plen in work]
+        ids = torch.tensor([[t for _, toks, _, _ in work for t in toks]])
+        pos = torch.tensor([[p0 + i for _, toks, p0, _ in work for i in range(len(toks))]])
         with torch.no_grad():
             logits = self.model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
-        ends = torch.tensor([len(toks) for _, toks, _ in work]).cumsum(0) - 1
+        ends = torch.tensor([len(toks) for _, toks, _, _ in work]).cumsum(0) - 1
         return logits[ends]
 
 
-def _hf(model, prompt: list[int], new: int) -> tuple[list[int], torch.Tensor]:
-    """lcx's streaming path (what `lcx generate` runs): greedy tokens and the logits of each step."""
+def _hf(model, prompt: list[int], new: int, method: str = "streaming", opts=None) -> tuple[list[int], torch.Tensor]:
+    """lcx's own path (what `lcx generate` runs): greedy tokens and the logits of each step."""
     from lcx.generation import make_plan, prefill
 
     model.generation_config.eos_token_id = None  # always `new` tokens
-    with lcx.attach(model, ["streaming"], **OPTS) as run:
+    with lcx.attach(model, [method], **(OPTS if opts is None else opts)) as run:
         plan = make_plan(run, torch.tensor([prompt]), None, new)
         out = run.model.generate(input_ids=plan.input_ids, attention_mask=plan.attention_mask,
                                  past_key_values=prefill(run, plan), max_new_tokens=new, do_sample=False,
@@ -58,7 +61,7 @@ def _hf(model, prompt: list[int], new: int) -> tuple[list[int], torch.Tensor]:
 
 
 def _served(engine: FakeEngine, prompts: dict[int, list[int]], forced: dict[int, list[int]],
-            rng: random.Random) -> dict[int, torch.Tensor]:
+            rng: random.Random, avoid_single: bool = False) -> dict[int, torch.Tensor]:
     """Prefill every prompt in random pieces (several requests per step, in random order), then decode them
     together, feeding the ``forced`` tokens (the HF path's answer); returns each request's logits per step."""
     done = {k: 0 for k in prompts}
@@ -68,20 +71,20 @@ def _served(engine: FakeEngine, prompts: dict[int, list[int]], forced: dict[int,
         for k, p in prompts.items():
             if done[k] < len(p) and rng.random() < 0.8:
                 n = min(len(p) - done[k], rng.choice([2, 5, 16, 17, 40, 100]))
-                if len(p) - done[k] - n == 1:  # a one-token prompt piece reads as a generated token (documented)
-                    n += 1
-                work.append((k, p[done[k]:done[k] + n], done[k]))
+                if avoid_single and len(p) - done[k] - n == 1:  # without prompt lengths, a one-token prompt
+                    n += 1                                          # piece reads as a generated token
+                work.append((k, p[done[k]:done[k] + n], done[k], len(p)))
                 done[k] += n
         if not work:
             continue
         rng.shuffle(work)
-        for (k, toks, pos), row in zip(work, engine.step(work)):
+        for (k, toks, pos, _), row in zip(work, engine.step(work)):
             if pos + len(toks) == len(prompts[k]):
                 out[k].append(row)
     for i in range(len(next(iter(forced.values()))) - 1):
-        work = [(k, [forced[k][i]], len(prompts[k]) + i) for k in prompts]
+        work = [(k, [forced[k][i]], len(prompts[k]) + i, len(prompts[k])) for k in prompts]
         rng.shuffle(work)
-        for (k, _, _), row in zip(work, engine.step(work)):
+        for (k, _, _, _), row in zip(work, engine.step(work)):
             out[k].append(row)
     return {k: torch.stack(v) for k, v in out.items()}
 
@@ -121,7 +124,47 @@ def test_without_the_sink_re_rotation_the_logits_differ():
     assert (_served(engine, prompts, {1: tokens}, rng)[1] - logits).abs().max() > 1e-3  # 10x the tolerance
 
 
+def test_without_prompt_lengths_one_token_prompt_pieces_are_the_only_difference():
+    """The fallback when the worker does not know where a prompt ends: exact unless vLLM leaves a
+    one-token piece of a prompt for a later step."""
+    model = tiny_model("llama")
+    rng = random.Random(1)
+    prompts = {100 + i: [rng.randrange(3, 120) for _ in range(rng.choice([30, 90, 150]))] for i in range(3)}
+    want = {k: _hf(model, p, 6) for k, p in prompts.items()}
+    engine = FakeEngine(tiny_model("llama"), StreamingServed(**OPTS), prompt_lengths=False)
+    got = _served(engine, prompts, {k: w[0] for k, w in want.items()}, rng, avoid_single=True)
+    for k in prompts:
+        torch.testing.assert_close(got[k], want[k][1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("opts", [
+    dict(FOT),  # chunk = local (FoT's windows), positions=first
+    dict(FOT, chunk=8, positions="fixed", memory_layers="1"),  # sliding local context, one memory layer
+    dict(FOT, chunk=10, positions="none", dense=True),
+], ids=["first", "fixed-chunk8", "none-dense"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_served_fot_equals_lcx_fot_over_any_prefill_split_and_interleaving(opts, seed):
+    from lcx.registry import registry
+
+    model = tiny_model("llama")
+    rng = random.Random(seed)
+    prompts = {7 + i: [rng.randrange(3, 120) for _ in range(rng.choice([5, 40, 100, 150]))] for i in range(4)}
+    want = {k: _hf(model, p, 8, "fot", opts) for k, p in prompts.items()}
+    served = FoTServed(registry().get("fot").from_options(**opts))
+    engine = FakeEngine(tiny_model("llama"), served)
+    got = _served(engine, prompts, {k: w[0] for k, w in want.items()}, rng)
+    for k in prompts:
+        torch.testing.assert_close(got[k], want[k][1], atol=1e-4, rtol=1e-4)
+    # each request kept its own memory: entries = its tokens beyond the local window, in every memory layer
+    layers = served.memory_layers
+    for k, p in prompts.items():
+        total = len(p) + 8 - 1  # the last generated token is never fed back
+        for i, st in served.requests[k].layers.items():
+            held = {len(s) for s in st.data["memory"].values()} if st.data["memory"] else {0}
+            assert held == ({max(0, total - opts["local"])} if i in layers else {0}), (k, i, held)
+
+
 def test_a_request_continuing_without_state_is_an_error():
     engine = FakeEngine(tiny_model("llama"), StreamingServed(**OPTS))
     with pytest.raises(RuntimeError, match="no state for a request continuing at position 7"):
-        engine.step([(9, [5, 6], 7)])
+        engine.step([(9, [5, 6], 7, 20)])

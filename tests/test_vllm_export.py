@@ -74,7 +74,7 @@ def test_beyond_the_window_raises_the_rotary_table_only_with_a_note(model_dir, t
         export_for_vllm(str(model_dir), ["rope"], {"rope": {"factor": "2"}}, out=tmp_path / "y", max_model_len=300)
 
 
-@pytest.mark.parametrize("method", ["fot", "focusllm"])
+@pytest.mark.parametrize("method", ["focusllm"])
 def test_memory_methods_are_refused_by_name(model_dir, tmp_path, method):
     with pytest.raises(LcxError, match=rf"method '{method}' \(--method\) cannot be served through vLLM yet"):
         export_for_vllm(str(model_dir), [method], out=tmp_path / "x")
@@ -82,8 +82,8 @@ def test_memory_methods_are_refused_by_name(model_dir, tmp_path, method):
 
 
 def test_adapter_of_a_memory_method_is_refused(model_dir, tmp_path):
-    a = _adapter(model_dir, tmp_path / "a", methods=({"name": "fot", "options": {}},))
-    with pytest.raises(LcxError, match=r"method 'fot' \(a\) cannot be served"):
+    a = _adapter(model_dir, tmp_path / "a", methods=({"name": "focusllm", "options": {}},))
+    with pytest.raises(LcxError, match=r"method 'focusllm' \(a\) cannot be served"):
         export_for_vllm(str(model_dir), adapters={"a": a}, out=tmp_path / "x")
 
 
@@ -198,7 +198,9 @@ def test_the_lcx_config_format_applies_the_sidecar_as_export_bakes_it(model_dir,
 
 
 @pytest.mark.parametrize("sidecar,needle", [
-    ({"methods": [{"name": "fot"}]}, "method 'fot' .* cannot be served through vLLM yet"),
+    ({"methods": [{"name": "focusllm"}]}, "method 'focusllm' .* cannot be served through vLLM yet"),
+    ({"methods": [{"name": "fot"}]}, "method 'fot' runs inside vLLM's attention with engine settings `lcx serve` "
+                                     "passes; serve it with `lcx serve MODEL --method fot`"),
     ({"methods": [{"name": "vanilla"}]}, "method 'vanilla' rewrites each prompt in lcx's request middleware, which "
                                          "plain `vllm serve` does not run; serve it with `lcx serve MODEL --method vanilla`"),
     ({"methods": [{"name": "rope", "options": {"factor": "lots"}}]}, "factor"),
@@ -218,3 +220,23 @@ def test_the_lcx_config_format_refuses_what_it_cannot_serve(model_dir, tmp_path,
     (d / "lcx.json").unlink()
     with pytest.raises(LcxError, match="lcx.json' does not exist"):
         get_config_parser("lcx").parse(d, trust_remote_code=False)
+
+
+def test_attention_methods_serve_through_the_transformers_backend_with_prompt_lengths(model_dir, tmp_path):
+    from lcx.integrations.vllm import vllm_command, vllm_env
+    from lcx.integrations.vllm_attention import PROMPT_LENGTHS_FQCN
+    from lcx.integrations.vllm_requests import MODEL_ENV
+
+    exp = export_for_vllm(str(model_dir), ["fot"], {"fot": {"k": 8}}, out=tmp_path / "x", max_model_len=512)
+    cmd = vllm_command(exp, "127.0.0.1", 8000, "m", "float32", None)
+    assert cmd[cmd.index("--model-impl") + 1] == "transformers" and "--no-enable-prefix-caching" in cmd
+    assert cmd[cmd.index("--logits-processors") + 1] == PROMPT_LENGTHS_FQCN
+    assert json.loads(vllm_env(exp, 1.0)[MODEL_ENV])["attention"]["options"]["k"] == 8
+    plain = export_for_vllm(str(model_dir), ["rope"], out=tmp_path / "y", overwrite=True)
+    assert "--model-impl" not in vllm_command(plain, "127.0.0.1", 8000, "m", "float32", None)
+    multi = export_for_vllm(str(model_dir), ["fot"], {"fot": {"mode": "multi"}}, out=tmp_path / "z")
+    with pytest.raises(LcxError, match="fot mode=multi .* is not served yet"):
+        vllm_command(multi, "127.0.0.1", 8000, "m", "float32", None)
+    with pytest.raises(LcxError, match="each replace vLLM's attention; serve one"):
+        export = export_for_vllm(str(model_dir), ["fot", "streaming"], out=tmp_path / "w")
+        vllm_command(export, "127.0.0.1", 8000, "m", "float32", None)

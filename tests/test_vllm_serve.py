@@ -3,8 +3,8 @@ several LoRA adapters at once, concurrent requests kept apart, bad requests answ
 
 Servers: the bare model with two q/k LoRA adapters (the shape an smt adapter has) and prompts up to 2x
 the model's window, started once for the module; the model with YaRN x4 (`rope`), the model behind
-`vanilla`'s truncating middleware, `streaming` inside vLLM's attention, and plain `vllm serve` with the
-plugin, one test each.
+`vanilla`'s truncating middleware, `streaming` and `fot` inside vLLM's attention, and plain `vllm serve`
+with the plugin, one test each.
 """
 
 from __future__ import annotations
@@ -186,6 +186,28 @@ def test_streaming_server_equals_the_hf_path_and_keeps_concurrent_requests_apart
     assert got == hf_tokens(ids, ["streaming"], {"streaming": opts})
     for (_, key), text in zip(jobs, answers):
         assert str(key) in text and not any(str(k) in text for k in keys if k != key), (key, text)
+
+
+def test_fot_server_equals_the_hf_path_for_concurrent_requests_each_with_its_own_memory(tmp_path_factory, tok):
+    """`fot` inside vLLM's attention, a kNN memory per request: the 2x-window passkey prompt and 8 concurrent
+    prompts (memory in use: longer than the 512-token local window), shuffled, are each answered with the
+    tokens lcx's fot path gives that prompt alone: no request reads another's memory."""
+    opts = {"local": 512, "k": 16}
+    s = start_server(["--method", "fot", *(x for k, v in opts.items() for x in ("-o", f"fot.{k}={v}")),
+                      "--max-model-len", str(LONG + 64)], tmp_path_factory.mktemp("fot"))
+    try:
+        ids = build_prompt_ids(tok, LONG, 0.5, 38127)
+        got = s.complete(MODEL, ids.tolist(), NEW)
+        rng = random.Random(4)
+        jobs = [build_prompt_ids(tok, rng.choice([1000, 2500]), rng.uniform(0.1, 0.9), k).tolist()
+                for k in rng.sample(range(10000, 99999), 8)]
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            answers = list(pool.map(lambda j: s.complete(MODEL, j, NEW), jobs))
+    finally:
+        assert s.close() == 0
+    assert "lcx: fot answers vLLM's attention" in s.log_path.read_text()
+    assert got == hf_tokens(ids, ["fot"], {"fot": opts})
+    assert answers == [hf_tokens(torch.tensor(j), ["fot"], {"fot": opts}) for j in jobs]
 
 
 def test_plain_vllm_serve_applies_the_sidecar_through_the_plugin(tmp_path, tok):

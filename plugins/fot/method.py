@@ -41,6 +41,8 @@ class FoT(Method):
     requires = frozenset({"attention_interface", "rotary"})
     data_order = "streams"  # crossbatch: a document stays in its batch row across steps
     fixed_by_training = ("positions", "fixed_distance")  # how memory keys are encoded is learned
+    #: vLLM serves it inside its attention, a memory per request (lcx.integrations.vllm_attention).
+    serving = "attention"
 
     memory_layers: str = option("auto", "memory layers: auto (3 at 1/4, 1/2, 3/4 depth), all, or indices like 7,15,22")
     k: int = option(32, "memory keys retrieved per query and head")
@@ -79,7 +81,10 @@ class FoT(Method):
 
     # ------------------------------------------------------------------ configuration
     def layer_indices(self, run) -> list[int]:
-        n = families.num_layers(run.model, run.family)
+        return self.layers_of(families.num_layers(run.model, run.family))
+
+    def layers_of(self, n: int) -> list[int]:
+        """The memory layers of a model with ``n`` layers."""
         spec = str(self.memory_layers).strip()
         if spec == "auto":
             return sorted({n // 4, n // 2, (3 * n) // 4})
