@@ -72,11 +72,13 @@ class Export:
     #: The methods named with --method (they apply to every served name; the adapters' own methods
     #: apply to the adapter's name only).
     named: list[str] = field(default_factory=list)
+    #: A document memory (``lcx memory build``) the served fot reads, or None.
+    memory: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"model_dir": str(self.model_dir), "adapters": {k: str(v) for k, v in self.adapters.items()},
                 "methods": self.methods, "named": self.named, "max_model_len": self.max_model_len,
-                "window": self.window, "max_lora_rank": self.max_lora_rank}
+                "window": self.window, "max_lora_rank": self.max_lora_rank, "memory": self.memory}
 
 
 # ---------------------------------------------------------------------- export
@@ -119,6 +121,26 @@ def servable_methods(methods: list[str], options: dict[str, Any], adapters: dict
 
 def _servable_names(reg) -> str:
     return ", ".join(sorted(n for n, c in reg.methods.items() if c.serving)) or "(none)"
+
+
+def check_memory_for_serving(path: Path, model_dir: Path, methods: list[str]) -> None:
+    """A memory for ``lcx serve --memory``: built by `lcx memory build` for this model, served with fot."""
+    from lcx.io import read_json_file
+    from lcx.memory import MEMORY_META, MEMORY_TENSORS
+
+    if "fot" not in methods:
+        raise LcxError(f"--memory {str(path)!r} is read by the fot method: add --method fot")
+    if not (path / MEMORY_META).is_file() or not (path / MEMORY_TENSORS).is_file():
+        raise LcxError(f"--memory {str(path)!r} is not an lcx memory folder (needs {MEMORY_META} and "
+                       f"{MEMORY_TENSORS}); build one with `lcx memory build`")
+    built = read_json_file(path / MEMORY_META, "rebuild the memory").get("model", {})
+    config = json.loads((model_dir / "config.json").read_text())
+    have = {"model_type": config.get("model_type"), "num_hidden_layers": config.get("num_hidden_layers"),
+            "hidden_size": config.get("hidden_size"), "embedding_sha256": embedding_fingerprint(model_dir)}
+    for key, value in have.items():
+        if built.get(key) != value:
+            raise LcxError(f"--memory {str(path)!r} was built with another model ({key}: {built.get(key)!r} vs "
+                           f"{value!r}); rebuild it with `lcx memory build -m {model_dir}`")
 
 
 def check_adapter_for_vllm(path: Path, model_dir: Path) -> dict[str, Any]:
@@ -186,7 +208,7 @@ def embedding_fingerprint(model_dir: Path) -> str | None:
 def export_for_vllm(model: str, methods: list[str] | tuple[str, ...] = (), options: dict[str, Any] | None = None,
                     adapters: dict[str, Path] | None = None, out: str | Path = "out/vllm",
                     max_model_len: int | None = None, overwrite: bool = False,
-                    log: Callable[[str], None] = lambda s: None) -> Export:
+                    log: Callable[[str], None] = lambda s: None, memory: str | Path | None = None) -> Export:
     """Write a folder vLLM serves without lcx code (see the module docstring)."""
     from lcx.models import resolve_model_path
 
@@ -215,6 +237,8 @@ def export_for_vllm(model: str, methods: list[str] | tuple[str, ...] = (), optio
         config["max_position_embeddings"] = max_model_len
         derived = max_model_len
     checked = {name: check_adapter_for_vllm(path, src) for name, path in adapters.items()}
+    if memory is not None:
+        check_memory_for_serving(Path(memory), src, [m.name for m in insts])
 
     if out.exists() and any(out.iterdir()):
         if not overwrite:
@@ -247,6 +271,7 @@ def export_for_vllm(model: str, methods: list[str] | tuple[str, ...] = (), optio
     rank = max((int(c.get("r", 0)) for c in checked.values()), default=0)
     exp = Export(out=out.resolve(), model_dir=(out / "model").resolve(), adapters=final_adapters, methods=described,
                  max_model_len=max_model_len or derived, window=window, named=list(methods),
+                 memory=str(Path(memory).resolve()) if memory is not None else None,
                  max_lora_rank=next((r for r in VLLM_LORA_RANKS if r >= rank), 0) if rank else 0)
     (tmp / MANIFEST).write_text(json.dumps(exp.to_json(), indent=2))
     if out.exists():
@@ -375,9 +400,9 @@ def attention_method(exp: Export) -> dict[str, Any] | None:
     if len(found) > 1:
         raise LcxError(f"methods {', '.join(m['name'] for m in found)} each replace vLLM's attention; serve one")
     if found and found[0]["name"] == "fot" and found[0]["options"].get("mode") == "multi":
-        raise LcxError("fot mode=multi (a document memory shared across inputs) is not served yet: each served "
-                       "request keeps its own memory; serve fot without -o fot.mode=multi, or use "
-                       "`lcx generate --memory PATH`")
+        raise LcxError("fot mode=multi is not how a server shares a memory (requests would write into each "
+                       "other's): drop -o fot.mode=multi, and serve a document memory built by `lcx memory "
+                       "build` with --memory PATH (read by every request, written by none)")
     return found[0] if found else None
 
 
@@ -402,7 +427,7 @@ def vllm_env(exp: Export, kv_cache_gib: float, served_name: str = "lcx") -> dict
     env = dict(os.environ)
     env[SERVED_ENV] = json.dumps(served_methods(exp, served_name))
     env[MODEL_ENV] = json.dumps({"tokenizer": str(exp.model_dir), "window": exp.window,
-                                 "attention": attention_method(exp)})
+                                 "attention": attention_method(exp), "memory": exp.memory})
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{kv_cache_gib:g}")
     if (os.cpu_count() or 1) <= 4:
         # vLLM keeps one CPU for its API server by default; on a 2-core machine that halves the compute

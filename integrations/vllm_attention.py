@@ -210,10 +210,12 @@ class FoTServed(ServedAttention):
 
     name = "fot"
 
-    def __init__(self, method: Any) -> None:
+    def __init__(self, method: Any, shared: dict[tuple[int, int], Any] | None = None) -> None:
         super().__init__(method.chunk or method.local)
         self.m = method
         self.memory_layers: set[int] | None = None
+        #: (layer, KV head) -> a document memory every request reads (``lcx serve --memory``), never writes
+        self.shared = shared or {}
 
     def begin(self, st, module, start, end, like):
         super().begin(st, module, start, end, like)
@@ -223,9 +225,11 @@ class FoTServed(ServedAttention):
             if self.memory_layers is None:
                 self.memory_layers = set(self.m.layers_of(int(module.config.num_hidden_layers)))
             if int(module.layer_idx) in self.memory_layers:
-                from lcx.memory import make_store
+                from lcx.memory import UnionStore, make_store
 
-                d["memory"] = {(0, h): make_store(self.m.store_config()) for h in range(like.shape[0])}
+                layer, own = int(module.layer_idx), lambda: make_store(self.m.store_config())
+                d["memory"] = {(0, h): UnionStore(self.shared[(layer, h)], own()) if (layer, h) in self.shared
+                               else own() for h in range(like.shape[0])}
         L, n = d["keys"].shape[1], end - start
         if L + n > self.m.local:  # FoTLayer.update: evict before the update's forward
             overflow = min(L, L + n - self.m.local)
@@ -279,7 +283,12 @@ def served_from_env() -> ServedAttention | None:
     if spec["name"] == "streaming":
         return StreamingServed(m.sinks, m.window or int(info["window"]) - m.sinks - m.chunk, m.chunk)
     if spec["name"] == "fot":
-        return FoTServed(m)
+        shared = None
+        if info.get("memory"):
+            from lcx.memory import load_memory
+
+            shared = load_memory(info["memory"], m.store_config())[0]
+        return FoTServed(m, shared)
     raise ValueError(f"lcx: method {spec['name']!r} has no served attention")
 
 

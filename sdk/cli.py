@@ -813,7 +813,8 @@ def serve_options(f):
     f = click.option("--option", "-o", "options", multiple=True, metavar="KEY=VALUE",
                      help="Method option, e.g. -o rope.factor=4 (see `lcx methods -v`).")(f)
     f = click.option("--method", "methods", multiple=True, metavar="NAME",
-                     help="Method applied to the served model (servable: rope, smt); adapters add their own.")(f)
+                     help="Method applied to the served model (servable: rope, smt, vanilla, streaming, fot); "
+                          "adapters add their own.")(f)
     f = click.option("--adapter", "adapters", multiple=True, metavar="[NAME=]DIR",
                      help="lcx LoRA adapter, served under NAME (default: the folder name); repeat for several.")(f)
     f = click.option("--max-model-len", type=click.IntRange(1), default=None,
@@ -869,10 +870,13 @@ def export_cmd(model, options, methods, adapters, max_model_len, target, out, ov
               help="Where the vLLM export is written (default: a folder under ~/.cache/lcx/serve).")
 @click.option("--start-timeout", type=click.FloatRange(min=1), default=600, show_default=True,
               help="Seconds to wait for the engine to answer.")
+@click.option("--memory", "memory_dir", type=click.Path(path_type=Path), default=None,
+              help="A document memory built by `lcx memory build` (fot): loaded once by the server, read by every "
+                   "request, never changed by one (each request's own tokens go to its own memory on top).")
 @click.option("--json", "as_json", is_flag=True, help="Print the ready line as one JSON object.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- VLLM_ARGS...]")
 def serve_cmd(model, options, methods, adapters, max_model_len, host, port, served_name, dtype, kv_cache_gib,
-              export_dir, start_timeout, as_json, vllm_args) -> None:
+              export_dir, start_timeout, memory_dir, as_json, vllm_args) -> None:
     """Serve MODEL through vLLM's OpenAI-compatible server, with lcx methods and adapters.
 
     \b
@@ -881,6 +885,7 @@ def serve_cmd(model, options, methods, adapters, max_model_len, host, port, serv
     Examples:
       lcx serve smollm2-135m --adapter smt=results/smt/adapter --max-model-len 32768
       lcx serve smollm2-135m --method rope -o rope.factor=4 --port 8001
+      lcx serve smollm2-135m --method fot --memory out/mem --max-model-len 32768
       curl localhost:8000/v1/completions -H 'content-type: application/json' \\
           -d '{"model": "smt", "prompt": "...", "max_tokens": 16, "temperature": 0}'
     Arguments after `--` go to `vllm serve` unchanged.
@@ -895,10 +900,10 @@ def serve_cmd(model, options, methods, adapters, max_model_len, host, port, serv
     named = _named_adapters(adapters)
     if export_dir is None:
         key = json.dumps([model, sorted(methods), sorted(options), {k: str(v.resolve()) for k, v in named.items()},
-                          max_model_len, host, port], sort_keys=True)  # one export per server address
+                          max_model_len, host, port, str(memory_dir)], sort_keys=True)  # one export per server address
         export_dir = cache_dir() / "serve" / hashlib.sha256(key.encode()).hexdigest()[:16]
     exp = lv.export_for_vllm(model, methods, parse_options(options), named, export_dir, max_model_len,
-                             overwrite=True, log=lambda s: click.echo(s, err=True))
+                             overwrite=True, log=lambda s: click.echo(s, err=True), memory=memory_dir)
     name = served_name or Path(model).name
     click.echo(f"lcx serve: starting vLLM on {host}:{port} (engine start takes ~30-60 s on CPU)", err=True)
     # vLLM's log goes to stderr: stdout carries only the ready line (JSON with --json) for scripts.

@@ -273,6 +273,46 @@ class FaissStore(MemoryStore):
         return torch.from_numpy(scores), idx
 
 
+class UnionStore:
+    """A shared memory read by many, plus one reader's own entries on top: what a served request sees of a
+    document memory (``lcx serve --memory``).  Reads as one store whose entries are the shared ones then the
+    own ones (the order lcx's multi-document mode appends them in); writes go to the own store only, so the
+    shared memory never changes.  Search is exact over the union: each part's top-k, merged."""
+
+    def __init__(self, shared: MemoryStore, own: MemoryStore) -> None:
+        self.shared, self.own = shared, own
+        self._cat: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        return len(self.shared) + len(self.own)
+
+    def add(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, doc_id: int | torch.Tensor = 0) -> None:
+        self.own.add(keys, values, positions, doc_id)
+
+    def _both(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cat is None or self._cat[0] != len(self.own):
+            keys = torch.cat([self.shared.keys, self.own.keys]) if len(self.own) else self.shared.keys
+            values = torch.cat([self.shared.values, self.own.values]) if len(self.own) else self.shared.values
+            self._cat = (len(self.own), keys, values)
+        return self._cat[1], self._cat[2]
+
+    keys = property(lambda self: self._both()[0], doc="(N, D) keys: shared, then own")
+    values = property(lambda self: self._both()[1], doc="(N, Dv) values: shared, then own")
+
+    def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = [(store, offset) for store, offset in ((self.shared, 0), (self.own, len(self.shared))) if len(store)]
+        if not parts:
+            return self.own.search(queries, k)  # empty: the store's own empty answer
+        if len(parts) == 1:
+            scores, idx = parts[0][0].search(queries, k)
+            return scores, idx + parts[0][1]
+        found = [store.search(queries, k) for store, _ in parts]
+        scores = torch.cat([f[0] for f in found], dim=1)
+        idx = torch.cat([f[1] + offset for f, (_, offset) in zip(found, parts)], dim=1)
+        top = scores.topk(min(k, scores.shape[1]), dim=1)
+        return top.values, idx.gather(1, top.indices)
+
+
 def make_store(config: StoreConfig | None = None, **kwargs: Any) -> MemoryStore:
     config = config or StoreConfig(**kwargs)
     config.validate()

@@ -47,12 +47,15 @@ class FakeEngine:
         return logits[ends]
 
 
-def _hf(model, prompt: list[int], new: int, method: str = "streaming", opts=None) -> tuple[list[int], torch.Tensor]:
-    """lcx's own path (what `lcx generate` runs): greedy tokens and the logits of each step."""
+def _hf(model, prompt: list[int], new: int, method: str = "streaming", opts=None,
+        memory=None) -> tuple[list[int], torch.Tensor]:
+    """lcx's own path (what `lcx generate [--memory PATH]` runs): greedy tokens and the logits of each step."""
     from lcx.generation import make_plan, prefill
 
     model.generation_config.eos_token_id = None  # always `new` tokens
     with lcx.attach(model, [method], **(OPTS if opts is None else opts)) as run:
+        if memory is not None:
+            run.method("fot").load(memory, model)
         plan = make_plan(run, torch.tensor([prompt]), None, new)
         out = run.model.generate(input_ids=plan.input_ids, attention_mask=plan.attention_mask,
                                  past_key_values=prefill(run, plan), max_new_tokens=new, do_sample=False,
@@ -162,6 +165,35 @@ def test_served_fot_equals_lcx_fot_over_any_prefill_split_and_interleaving(opts,
         for i, st in served.requests[k].layers.items():
             held = {len(s) for s in st.data["memory"].values()} if st.data["memory"] else {0}
             assert held == ({max(0, total - opts["local"])} if i in layers else {0}), (k, i, held)
+
+
+def test_served_fot_reads_a_shared_document_memory_and_never_writes_it(tmp_path):
+    """`lcx serve --memory`: every request reads the memory `lcx memory build` wrote, plus its own tokens on
+    top, and answers as `lcx generate --memory` (memory loaded afresh) does; the shared memory is unchanged."""
+    from lcx.adapters.peft_bridge import base_identity
+    from lcx.memory import load_memory, save_memory
+    from lcx.registry import registry
+
+    opts = dict(FOT, memory_layers="1")
+    model = tiny_model("llama")
+    rng = random.Random(3)
+    with lcx.attach(model, ["fot"], **opts) as run:  # what `lcx memory build` does, on two documents
+        fot = run.method("fot")
+        for doc in range(2):
+            fot.ingest(run, torch.tensor([[rng.randrange(3, 120) for _ in range(70)]]), doc)
+        save_memory(fot.stores_for_saving(), tmp_path / "mem", {"model": base_identity(model)})
+    prompts = {3 + i: [rng.randrange(3, 120) for _ in range(rng.choice([10, 40, 80]))] for i in range(3)}
+    want = {k: _hf(tiny_model("llama"), p, 6, "fot", opts, memory=tmp_path / "mem") for k, p in prompts.items()}
+    shared = load_memory(tmp_path / "mem")[0]
+    before = {key: len(store) for key, store in shared.items()}
+    served = FoTServed(registry().get("fot").from_options(**opts), shared)
+    got = _served(FakeEngine(tiny_model("llama"), served), prompts, {k: w[0] for k, w in want.items()}, rng)
+    for k in prompts:
+        torch.testing.assert_close(got[k], want[k][1], atol=1e-4, rtol=1e-4)
+    assert {key: len(store) for key, store in shared.items()} == before and min(before.values()) > 0
+    without = FoTServed(registry().get("fot").from_options(**opts))  # the memory is used: answers differ without it
+    alone = _served(FakeEngine(tiny_model("llama"), without), prompts, {k: w[0] for k, w in want.items()}, rng)
+    assert any((alone[k] - want[k][1]).abs().max() > 1e-3 for k in prompts)
 
 
 def test_a_request_continuing_without_state_is_an_error():

@@ -235,8 +235,27 @@ def test_attention_methods_serve_through_the_transformers_backend_with_prompt_le
     plain = export_for_vllm(str(model_dir), ["rope"], out=tmp_path / "y", overwrite=True)
     assert "--model-impl" not in vllm_command(plain, "127.0.0.1", 8000, "m", "float32", None)
     multi = export_for_vllm(str(model_dir), ["fot"], {"fot": {"mode": "multi"}}, out=tmp_path / "z")
-    with pytest.raises(LcxError, match="fot mode=multi .* is not served yet"):
+    with pytest.raises(LcxError, match="fot mode=multi is not how a server shares a memory .* with --memory PATH"):
         vllm_command(multi, "127.0.0.1", 8000, "m", "float32", None)
     with pytest.raises(LcxError, match="each replace vLLM's attention; serve one"):
         export = export_for_vllm(str(model_dir), ["fot", "streaming"], out=tmp_path / "w")
         vllm_command(export, "127.0.0.1", 8000, "m", "float32", None)
+
+
+def test_a_served_document_memory_is_checked_before_the_server_starts(model_dir, tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("the pass key is 4821. remember it. " * 10)
+    r = CliRunner().invoke(main, ["memory", "build", "-m", str(model_dir), "-o", "local=16", "-o", "memory_layers=1",
+                                  "--out", str(tmp_path / "mem"), str(doc)])
+    assert r.exit_code == 0, r.output
+    exp = export_for_vllm(str(model_dir), ["fot"], {"fot": {"local": 16, "memory_layers": "1"}}, out=tmp_path / "x",
+                          memory=tmp_path / "mem")
+    assert exp.memory == str((tmp_path / "mem").resolve()) and json.loads((tmp_path / "x" / "lcx-export.json").read_text())["memory"]
+    with pytest.raises(LcxError, match="is read by the fot method: add --method fot"):
+        export_for_vllm(str(model_dir), ["streaming"], out=tmp_path / "y", memory=tmp_path / "mem")
+    with pytest.raises(LcxError, match="is not an lcx memory folder"):
+        export_for_vllm(str(model_dir), ["fot"], out=tmp_path / "y", memory=tmp_path)
+    other = make_tiny_model_dir(tmp_path / "other", seed=1)
+    with pytest.raises(LcxError, match=r"was built with another model \(embedding_sha256"):
+        export_for_vllm(str(other), ["fot"], out=tmp_path / "y", memory=tmp_path / "mem")
+    assert not (tmp_path / "y").exists()

@@ -168,4 +168,4 @@ def test_vanilla_applies_to_every_served_name_when_named_and_to_its_adapter_when
     table = served_methods(exp, "base")
     assert {k: [m["name"] for m in v] for k, v in table.items()} == {"base": [], "a1": ["smt"], "a2": ["vanilla"]}
     assert json.loads(vllm_env(exp, 1.0, "base")[vr.MODEL_ENV]) == {"tokenizer": str(tmp_path / "model"), "window": 64,
-                                                                   "attention": None}
+                                                                   "attention": None, "memory": None}

@@ -64,13 +64,16 @@ def lora_server(adapters, tmp_path_factory):
     assert s.close() == 0
 
 
-def hf_tokens(ids: torch.Tensor, methods=(), options=None, adapter=None, max_new_tokens: int = NEW) -> list[int]:
-    """The lcx Hugging Face path: what `lcx generate --greedy` produces."""
+def hf_tokens(ids: torch.Tensor, methods=(), options=None, adapter=None, max_new_tokens: int = NEW,
+              memory=None) -> list[int]:
+    """The lcx Hugging Face path: what `lcx generate --greedy [--memory PATH]` produces."""
     from lcx.generation import generate
     from lcx.session import open_session
 
     s = open_session(MODEL, list(methods), options or {}, adapter)
     try:
+        if memory is not None:
+            s.run.method("fot").load(memory, s.model)
         return generate(s.run, ids[None], max_new_tokens=max_new_tokens, do_sample=False)[0].tolist()
     finally:
         s.close()
@@ -188,26 +191,44 @@ def test_streaming_server_equals_the_hf_path_and_keeps_concurrent_requests_apart
         assert str(key) in text and not any(str(k) in text for k in keys if k != key), (key, text)
 
 
-def test_fot_server_equals_the_hf_path_for_concurrent_requests_each_with_its_own_memory(tmp_path_factory, tok):
-    """`fot` inside vLLM's attention, a kNN memory per request: the 2x-window passkey prompt and 8 concurrent
-    prompts (memory in use: longer than the 512-token local window), shuffled, are each answered with the
-    tokens lcx's fot path gives that prompt alone: no request reads another's memory."""
+def test_fot_server_with_a_document_memory_equals_the_hf_path_for_concurrent_requests(tmp_path_factory, tok):
+    """`fot` inside vLLM's attention, reading a document memory built by `lcx memory build` (loaded once by
+    the server) plus a kNN memory of its own per request: the 2x-window passkey prompt and 8 concurrent
+    prompts (longer than the 512-token local window: their own memory is in use), shuffled, are each answered
+    with the tokens `lcx generate --memory` gives that prompt alone: no request reads another's memory or
+    writes the shared one."""
+    from click.testing import CliRunner
+
+    from lcx.cli import main
+
+    tmp = tmp_path_factory.mktemp("fot")
     opts = {"local": 512, "k": 16}
+    docs = []
+    for name, key in (("a", 61728), ("b", 94051)):  # two documents, each with its own passkey
+        docs.append(tmp / f"{name}.txt")
+        docs[-1].write_text(tok.decode(build_prompt_ids(tok, 1500, 0.5, key)))
+    r = CliRunner().invoke(main, ["memory", "build", "-m", MODEL, *(x for k, v in opts.items() for x in ("-o", f"{k}={v}")),
+                                  "--out", str(tmp / "mem"), *map(str, docs)])
+    assert r.exit_code == 0, r.output
     s = start_server(["--method", "fot", *(x for k, v in opts.items() for x in ("-o", f"fot.{k}={v}")),
-                      "--max-model-len", str(LONG + 64)], tmp_path_factory.mktemp("fot"))
+                      "--memory", str(tmp / "mem"), "--max-model-len", str(LONG + 64)], tmp)
     try:
         ids = build_prompt_ids(tok, LONG, 0.5, 38127)
         got = s.complete(MODEL, ids.tolist(), NEW)
         rng = random.Random(4)
         jobs = [build_prompt_ids(tok, rng.choice([1000, 2500]), rng.uniform(0.1, 0.9), k).tolist()
-                for k in rng.sample(range(10000, 99999), 8)]
+                for k in rng.sample(range(10000, 99999), 6)]
+        jobs += [tok("What is the pass key? The pass key is")["input_ids"]] * 2  # read from the documents
+        rng.shuffle(jobs)
         with ThreadPoolExecutor(len(jobs)) as pool:
             answers = list(pool.map(lambda j: s.complete(MODEL, j, NEW), jobs))
     finally:
         assert s.close() == 0
     assert "lcx: fot answers vLLM's attention" in s.log_path.read_text()
-    assert got == hf_tokens(ids, ["fot"], {"fot": opts})
-    assert answers == [hf_tokens(torch.tensor(j), ["fot"], {"fot": opts}) for j in jobs]
+    mem = tmp / "mem"
+    assert got == hf_tokens(ids, ["fot"], {"fot": opts}, memory=mem)
+    assert answers == [hf_tokens(torch.tensor(j), ["fot"], {"fot": opts}, memory=mem) for j in jobs]
+    assert answers != [hf_tokens(torch.tensor(j), ["fot"], {"fot": opts}) for j in jobs]  # the memory was read
 
 
 def test_plain_vllm_serve_applies_the_sidecar_through_the_plugin(tmp_path, tok):
