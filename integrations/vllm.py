@@ -74,11 +74,15 @@ class Export:
     named: list[str] = field(default_factory=list)
     #: A document memory (``lcx memory build``) the served fot reads, or None.
     memory: str | None = None
+    #: Requests served at once (vLLM's --max-num-seqs) so that the attention method's per-request state
+    #: fits --state-gib; 0 = vLLM's default (no lcx state).
+    max_concurrent: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {"model_dir": str(self.model_dir), "adapters": {k: str(v) for k, v in self.adapters.items()},
                 "methods": self.methods, "named": self.named, "max_model_len": self.max_model_len,
-                "window": self.window, "max_lora_rank": self.max_lora_rank, "memory": self.memory}
+                "window": self.window, "max_lora_rank": self.max_lora_rank, "memory": self.memory,
+                "max_concurrent": self.max_concurrent}
 
 
 # ---------------------------------------------------------------------- export
@@ -121,6 +125,41 @@ def servable_methods(methods: list[str], options: dict[str, Any], adapters: dict
 
 def _servable_names(reg) -> str:
     return ", ".join(sorted(n for n, c in reg.methods.items() if c.serving)) or "(none)"
+
+
+def served_state_budget(insts: list, config: dict[str, Any], window: int, max_model_len: int, state_gib: float,
+                        memory: str | Path | None) -> int:
+    """How many requests the server may run at once so that an attention method's per-request state (held
+    outside vLLM's KV cache) stays within ``state_gib``; 0 without one.  Also refuses a request size whose
+    own memory entries would exceed lcx's memory-entry cap (``LCX_MAX_MEMORY_ENTRIES``)."""
+    from lcx.integrations.vllm_attention import request_state_bytes
+    from lcx.limits import Limits
+
+    spec = next(({"name": m.name, "options": m.to_options()} for m in insts if m.serving == "attention"), None)
+    if spec is None:
+        return 0
+    if state_gib <= 0:
+        raise LcxError(f"--state-gib must be > 0, got {state_gib}")
+    cap = Limits.from_env().max_memory_entries
+    if spec["name"] == "fot":
+        shared = 0
+        if memory is not None:
+            from lcx.io import read_json_file
+            from lcx.memory import MEMORY_META
+
+            docs = read_json_file(Path(memory) / MEMORY_META, "rebuild the memory").get("documents") or []
+            shared = sum(int(d.get("tokens", 0)) for d in docs)
+        if shared + max_model_len > cap:
+            raise LcxError(f"fot: a request's memory could hold {shared + max_model_len:,} entries per layer and KV "
+                           f"head ({shared:,} of the document memory + up to --max-model-len {max_model_len:,} of its "
+                           f"own), over the limit of {cap:,}; lower --max-model-len or raise LCX_MAX_MEMORY_ENTRIES")
+    per_request = request_state_bytes(spec, config, window, max_model_len)
+    n = int(state_gib * 2**30 // per_request)
+    if n < 1:
+        raise LcxError(f"{spec['name']}: one request of up to {max_model_len:,} tokens holds up to "
+                       f"{per_request / 2**30:.2f} GiB of state, over --state-gib {state_gib:g}; raise --state-gib "
+                       f"or lower --max-model-len")
+    return n
 
 
 def check_memory_for_serving(path: Path, model_dir: Path, methods: list[str]) -> None:
@@ -208,7 +247,8 @@ def embedding_fingerprint(model_dir: Path) -> str | None:
 def export_for_vllm(model: str, methods: list[str] | tuple[str, ...] = (), options: dict[str, Any] | None = None,
                     adapters: dict[str, Path] | None = None, out: str | Path = "out/vllm",
                     max_model_len: int | None = None, overwrite: bool = False,
-                    log: Callable[[str], None] = lambda s: None, memory: str | Path | None = None) -> Export:
+                    log: Callable[[str], None] = lambda s: None, memory: str | Path | None = None,
+                    state_gib: float = 2.0) -> Export:
     """Write a folder vLLM serves without lcx code (see the module docstring)."""
     from lcx.models import resolve_model_path
 
@@ -239,6 +279,7 @@ def export_for_vllm(model: str, methods: list[str] | tuple[str, ...] = (), optio
     checked = {name: check_adapter_for_vllm(path, src) for name, path in adapters.items()}
     if memory is not None:
         check_memory_for_serving(Path(memory), src, [m.name for m in insts])
+    max_concurrent = served_state_budget(insts, config, window, max_model_len or derived, state_gib, memory)
 
     if out.exists() and any(out.iterdir()):
         if not overwrite:
@@ -271,7 +312,7 @@ def export_for_vllm(model: str, methods: list[str] | tuple[str, ...] = (), optio
     rank = max((int(c.get("r", 0)) for c in checked.values()), default=0)
     exp = Export(out=out.resolve(), model_dir=(out / "model").resolve(), adapters=final_adapters, methods=described,
                  max_model_len=max_model_len or derived, window=window, named=list(methods),
-                 memory=str(Path(memory).resolve()) if memory is not None else None,
+                 memory=str(Path(memory).resolve()) if memory is not None else None, max_concurrent=max_concurrent,
                  max_lora_rank=next((r for r in VLLM_LORA_RANKS if r >= rank), 0) if rank else 0)
     (tmp / MANIFEST).write_text(json.dumps(exp.to_json(), indent=2))
     if out.exists():
@@ -384,6 +425,8 @@ def vllm_command(exp: Export, host: str, port: int, served_name: str, dtype: str
         cmd += ["--model-impl", "transformers", "--no-enable-prefix-caching",
                 "--max-num-batched-tokens", str(max(exp.max_model_len, 2048)),
                 "--logits-processors", PROMPT_LENGTHS_FQCN]  # tells the attention where prompts end
+    if exp.max_concurrent and "--max-num-seqs" not in extra:
+        cmd += ["--max-num-seqs", str(exp.max_concurrent)]
     if exp.adapters:
         cmd += ["--enable-lora", "--max-lora-rank", str(exp.max_lora_rank),
                 "--max-loras", str(max_loras or len(exp.adapters)),

@@ -292,6 +292,25 @@ def served_from_env() -> ServedAttention | None:
     raise ValueError(f"lcx: method {spec['name']!r} has no served attention")
 
 
+def request_state_bytes(spec: dict[str, Any], config: dict[str, Any], window: int, max_model_len: int) -> int:
+    """An upper bound on the state one served request holds in the worker (float32 keys and values):
+    streaming's sinks + recent window + one update per layer; fot's local window + one update per layer,
+    and in memory layers its own memory, at most every token of a ``max_model_len`` request."""
+    from lcx.registry import registry
+
+    m = registry().get(spec["name"]).from_options(**(spec.get("options") or {}))
+    layers = int(config["num_hidden_layers"])
+    heads = int(config["num_attention_heads"])
+    kv = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    per_token = kv * head_dim * 2 * 4  # one layer's key + value for one token
+    if spec["name"] == "streaming":
+        recent = m.window or window - m.sinks - m.chunk
+        return layers * (m.sinks + recent + m.chunk) * per_token
+    chunk = m.chunk or m.local
+    return (layers * (m.local + chunk) + len(m.layers_of(layers)) * max_model_len) * per_token
+
+
 def __getattr__(name: str) -> Any:
     if name == "PromptLengths":  # built on first use: vLLM is imported only in its own processes
         return _prompt_lengths_class()

@@ -873,10 +873,13 @@ def export_cmd(model, options, methods, adapters, max_model_len, target, out, ov
 @click.option("--memory", "memory_dir", type=click.Path(path_type=Path), default=None,
               help="A document memory built by `lcx memory build` (fot): loaded once by the server, read by every "
                    "request, never changed by one (each request's own tokens go to its own memory on top).")
+@click.option("--state-gib", type=click.FloatRange(min=0.01), default=2.0, show_default=True,
+              help="Memory for the per-request state of streaming/fot (outside vLLM's KV cache): the server runs "
+                   "at most as many requests at once as fit (vLLM --max-num-seqs).")
 @click.option("--json", "as_json", is_flag=True, help="Print the ready line as one JSON object.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- VLLM_ARGS...]")
 def serve_cmd(model, options, methods, adapters, max_model_len, host, port, served_name, dtype, kv_cache_gib,
-              export_dir, start_timeout, memory_dir, as_json, vllm_args) -> None:
+              export_dir, start_timeout, memory_dir, state_gib, as_json, vllm_args) -> None:
     """Serve MODEL through vLLM's OpenAI-compatible server, with lcx methods and adapters.
 
     \b
@@ -900,10 +903,11 @@ def serve_cmd(model, options, methods, adapters, max_model_len, host, port, serv
     named = _named_adapters(adapters)
     if export_dir is None:
         key = json.dumps([model, sorted(methods), sorted(options), {k: str(v.resolve()) for k, v in named.items()},
-                          max_model_len, host, port, str(memory_dir)], sort_keys=True)  # one export per server address
+                          max_model_len, host, port, str(memory_dir), state_gib], sort_keys=True)  # one per address
         export_dir = cache_dir() / "serve" / hashlib.sha256(key.encode()).hexdigest()[:16]
     exp = lv.export_for_vllm(model, methods, parse_options(options), named, export_dir, max_model_len,
-                             overwrite=True, log=lambda s: click.echo(s, err=True), memory=memory_dir)
+                             overwrite=True, log=lambda s: click.echo(s, err=True), memory=memory_dir,
+                             state_gib=state_gib)
     name = served_name or Path(model).name
     click.echo(f"lcx serve: starting vLLM on {host}:{port} (engine start takes ~30-60 s on CPU)", err=True)
     # vLLM's log goes to stderr: stdout carries only the ready line (JSON with --json) for scripts.
@@ -925,6 +929,7 @@ def serve_cmd(model, options, methods, adapters, max_model_len, host, port, serv
             raise
         info = {"ready": True, "url": f"http://{host}:{port}/v1", "model": name, "adapters": sorted(exp.adapters),
                 "methods": [m["name"] for m in exp.methods], "max_model_len": exp.max_model_len,
+                "max_concurrent": exp.max_concurrent or None,
                 "start_seconds": round(took, 1), "pid": proc.pid}
         if as_json:
             click.echo(json.dumps(info), err=False)

@@ -281,7 +281,6 @@ class UnionStore:
 
     def __init__(self, shared: MemoryStore, own: MemoryStore) -> None:
         self.shared, self.own = shared, own
-        self._cat: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.shared) + len(self.own)
@@ -289,15 +288,15 @@ class UnionStore:
     def add(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, doc_id: int | torch.Tensor = 0) -> None:
         self.own.add(keys, values, positions, doc_id)
 
-    def _both(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._cat is None or self._cat[0] != len(self.own):
-            keys = torch.cat([self.shared.keys, self.own.keys]) if len(self.own) else self.shared.keys
-            values = torch.cat([self.shared.values, self.own.values]) if len(self.own) else self.shared.values
-            self._cat = (len(self.own), keys, values)
-        return self._cat[1], self._cat[2]
+    @property
+    def keys(self) -> torch.Tensor:
+        """(N, D) keys, shared then own: a copy (only fot's dense mode reads every key)."""
+        return torch.cat([x for x in (self.shared.keys, self.own.keys) if x is not None and len(x)])
 
-    keys = property(lambda self: self._both()[0], doc="(N, D) keys: shared, then own")
-    values = property(lambda self: self._both()[1], doc="(N, Dv) values: shared, then own")
+    @property
+    def values(self) -> "_UnionRows":
+        """Indexable like a (N, Dv) tensor without copying the shared memory: ``values[idx]`` gathers."""
+        return _UnionRows(self.shared.values, self.own.values)
 
     def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         parts = [(store, offset) for store, offset in ((self.shared, 0), (self.own, len(self.shared))) if len(store)]
@@ -311,6 +310,28 @@ class UnionStore:
         idx = torch.cat([f[1] + offset for f, (_, offset) in zip(found, parts)], dim=1)
         top = scores.topk(min(k, scores.shape[1]), dim=1)
         return top.values, idx.gather(1, top.indices)
+
+
+class _UnionRows:
+    """Rows of two tensors read as their concatenation, gathered by index without building it."""
+
+    def __init__(self, first: torch.Tensor, second: torch.Tensor) -> None:
+        self.first, self.second = first, second
+
+    def __getitem__(self, idx: torch.Tensor) -> torch.Tensor:
+        if self.second is None:  # an empty store has no rows yet
+            return self.first[idx]
+        if self.first is None:
+            return self.second[idx]
+        n = self.first.shape[0]
+        out = self.first.new_empty(*idx.shape, self.first.shape[1])
+        low = idx < n
+        out[low] = self.first[idx[low]]
+        out[~low] = self.second[idx[~low] - n]
+        return out
+
+    def float(self) -> torch.Tensor:
+        return torch.cat([x for x in (self.first, self.second) if x is not None]).float()
 
 
 def make_store(config: StoreConfig | None = None, **kwargs: Any) -> MemoryStore:

@@ -105,3 +105,28 @@ def test_capped_index_evicts_in_place_and_stays_exact_against_torch(kind, extra)
     (ss, si), (ts, ti) = s.search(q, 5), t.search(q, 5)
     assert torch.equal(s.positions[si], t.positions[ti]) if kind != "faiss-hnsw" else recall_at_k(ti, si) >= 0.9
     assert si.max() < 300 and si.min() >= 0
+
+
+def test_a_union_store_reads_as_the_shared_store_with_the_own_entries_appended():
+    """What a served request sees of a document memory: search and values equal one store holding both."""
+    from lcx.memory import UnionStore
+
+    g = torch.Generator().manual_seed(0)
+    shared, own, both = make_store(kind="torch"), make_store(kind="torch"), make_store(kind="torch")
+    a, va = torch.randn(50, 16, generator=g), torch.randn(50, 8, generator=g)
+    b, vb = torch.randn(30, 16, generator=g), torch.randn(30, 8, generator=g)
+    shared.add(a, va, torch.arange(50))
+    both.add(a, va, torch.arange(50))
+    union = UnionStore(shared, own)
+    q = torch.randn(7, 16, generator=g)
+    for keys, values in ((None, None), (b, vb)):
+        if keys is not None:
+            union.add(keys, values, torch.arange(50, 80))
+            both.add(keys, values, torch.arange(50, 80))
+        s1, i1 = union.search(q, 12)
+        s2, i2 = both.search(q, 12)
+        torch.testing.assert_close(s1, s2)
+        assert torch.equal(i1, i2) and torch.equal(union.values[i1], both.values[i2])
+        assert len(union) == len(both) and torch.equal(union.keys, both.keys)
+        torch.testing.assert_close(union.values.float(), both.values.float())
+    assert len(shared) == 50 and len(own) == 30  # writes went to the request's own store

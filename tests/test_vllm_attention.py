@@ -167,14 +167,15 @@ def test_served_fot_equals_lcx_fot_over_any_prefill_split_and_interleaving(opts,
             assert held == ({max(0, total - opts["local"])} if i in layers else {0}), (k, i, held)
 
 
-def test_served_fot_reads_a_shared_document_memory_and_never_writes_it(tmp_path):
+@pytest.mark.parametrize("dense", [False, True])
+def test_served_fot_reads_a_shared_document_memory_and_never_writes_it(tmp_path, dense):
     """`lcx serve --memory`: every request reads the memory `lcx memory build` wrote, plus its own tokens on
     top, and answers as `lcx generate --memory` (memory loaded afresh) does; the shared memory is unchanged."""
     from lcx.adapters.peft_bridge import base_identity
     from lcx.memory import load_memory, save_memory
     from lcx.registry import registry
 
-    opts = dict(FOT, memory_layers="1")
+    opts = dict(FOT, memory_layers="1", dense=dense)
     model = tiny_model("llama")
     rng = random.Random(3)
     with lcx.attach(model, ["fot"], **opts) as run:  # what `lcx memory build` does, on two documents

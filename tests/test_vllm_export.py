@@ -259,3 +259,31 @@ def test_a_served_document_memory_is_checked_before_the_server_starts(model_dir,
     with pytest.raises(LcxError, match=r"was built with another model \(embedding_sha256"):
         export_for_vllm(str(other), ["fot"], out=tmp_path / "y", memory=tmp_path / "mem")
     assert not (tmp_path / "y").exists()
+
+
+def test_the_state_of_served_memory_methods_bounds_the_requests_run_at_once(model_dir, tmp_path, monkeypatch):
+    """streaming/fot keep per-request state outside vLLM's KV cache: --state-gib / the per-request bound is
+    vLLM's --max-num-seqs, so no number of requests grows the server past it; fot's memory-entry cap holds."""
+    from lcx.integrations.vllm import vllm_command
+    from lcx.integrations.vllm_attention import request_state_bytes
+
+    config = json.loads((model_dir / "config.json").read_text())
+    window = config["max_position_embeddings"]
+    per = config["num_key_value_heads"] * (config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]) * 8
+    spec = {"name": "streaming", "options": {"sinks": 4, "chunk": 16}}
+    assert request_state_bytes(spec, config, window, 4096) == config["num_hidden_layers"] * window * per
+    fot = {"name": "fot", "options": {"local": 32, "chunk": 8, "memory_layers": "1"}}
+    assert request_state_bytes(fot, config, window, 4096) == (config["num_hidden_layers"] * 40 + 4096) * per
+    exp = export_for_vllm(str(model_dir), ["fot"], {"fot": fot["options"]}, out=tmp_path / "x", max_model_len=4096,
+                          state_gib=0.01)
+    assert exp.max_concurrent == int(0.01 * 2**30 // ((config["num_hidden_layers"] * 40 + 4096) * per)) > 1
+    cmd = vllm_command(exp, "127.0.0.1", 8000, "m", "float32", None)
+    assert cmd[cmd.index("--max-num-seqs") + 1] == str(exp.max_concurrent)
+    assert "--max-num-seqs" not in vllm_command(export_for_vllm(str(model_dir), ["rope"], out=tmp_path / "r"),
+                                                "127.0.0.1", 8000, "m", "float32", None)
+    with pytest.raises(LcxError, match=r"holds up to .* GiB of state, over --state-gib 1e-05; raise --state-gib"):
+        export_for_vllm(str(model_dir), ["fot"], out=tmp_path / "y", max_model_len=4096, state_gib=0.00001)
+    monkeypatch.setenv("LCX_MAX_MEMORY_ENTRIES", "1000")
+    with pytest.raises(LcxError, match=r"could hold 4,096 entries .* over the limit of 1,000; lower --max-model-len"):
+        export_for_vllm(str(model_dir), ["fot"], out=tmp_path / "y", max_model_len=4096)
+    assert not (tmp_path / "y").exists()
