@@ -9,6 +9,7 @@ tokens (vLLM ``min_tokens``; HF ``min_new_tokens``) so both sides generate exact
 Rounds alternate the two sides; the ratio is per round.  Goal (issue 8): vllm / hf >= 3.
 
     .venv/bin/python bench/serve_throughput.py [--requests 8] [--length 2048] [--new 64,256] [--adapter DIR]
+    .venv/bin/python bench/serve_throughput.py --method fot -o fot.local=512 --length 4096   # a memory method
 """
 
 from __future__ import annotations
@@ -56,20 +57,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--adapter", default=None, help="an lcx LoRA adapter (e.g. results/smt/adapter) on both sides")
-    ap.add_argument("--method", action="append", default=[], help="servable method on both sides (e.g. rope)")
+    ap.add_argument("--method", action="append", default=[], help="servable method on both sides (e.g. rope, fot)")
+    ap.add_argument("--option", "-o", action="append", default=[], metavar="METHOD.KEY=VALUE",
+                    help="method option on both sides, e.g. -o fot.local=512")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--length", type=int, default=2048, help="prompt tokens per request")
     ap.add_argument("--new", default="64,256", help="generated tokens per request; several: one result each")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=OUT / "serve_throughput.json")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default: bench/results/serve_throughput[-METHODS].json")
     args = ap.parse_args()
     from lcx.integrations.vllm import ServerProcess
-    from lcx.session import open_session
+    from lcx.session import open_session, parse_options
 
     news = [int(x) for x in str(args.new).split(",")]
-    session = open_session(args.model, args.method, {}, args.adapter)
+    out = args.out or OUT / ("serve_throughput" + "".join(f"-{m}" for m in args.method) + ".json")
+    session = open_session(args.model, args.method, parse_options(tuple(args.option)), args.adapter)
     tok = session.tokenizer
-    serve_args = [f"--method={m}" for m in args.method] + ["--max-model-len", str(args.length + max(news) + 64)]
+    serve_args = [f"--method={m}" for m in args.method] + [x for o in args.option for x in ("-o", o)]
+    serve_args += ["--max-model-len", str(args.length + max(news) + 64)]
     name = args.model
     if args.adapter:
         serve_args.append(f"--adapter=bench={args.adapter}")
@@ -100,14 +106,15 @@ def main() -> None:
                             "median_ratio": statistics.median(r["ratio"] for r in rounds)})
     session.close()
     result = {
-        "model": args.model, "adapter": args.adapter, "methods": args.method, "requests": args.requests,
+        "model": args.model, "adapter": args.adapter, "methods": args.method, "options": args.option,
+        "requests": args.requests,
         "prompt_tokens": args.length, "results": results, "goal": "vllm/hf >= 3",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "hf_threads": torch.get_num_threads()},
         "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(json.dumps([{k: r[k] for k in ("new_tokens_per_request", "median_ratio")} for r in results]), f"-> {args.out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps([{k: r[k] for k in ("new_tokens_per_request", "median_ratio")} for r in results]), f"-> {out}")
 
 
 if __name__ == "__main__":
