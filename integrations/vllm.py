@@ -117,9 +117,9 @@ def servable_methods(methods: list[str], options: dict[str, Any], adapters: dict
     for n in names:
         if not reg.get(n).serving:
             raise LcxError(
-                f"method {n!r} ({source[n]}) cannot be served through vLLM yet: it needs lcx inside vLLM's "
-                f"attention, which is not implemented; serve the methods {_servable_names(reg)} or use "
-                f"`lcx generate --method {n}`")
+                f"method {n!r} ({source[n]}) cannot be served through vLLM yet"
+                + (f" ({reg.get(n).not_served_because})" if reg.get(n).not_served_because else "")
+                + f"; serve the methods {_servable_names(reg)} or use `lcx generate --method {n}`")
     return resolve_methods(names, merged)
 
 

@@ -187,6 +187,8 @@ class FocusLLM(Method):
     name = "focusllm"
     description = "FocusLLM: one candidate token per memory chunk (decoded in parallel), read by the frozen model"
     requires = frozenset({"rotary"})
+    not_served_because = ("its candidate tokens need forward passes of their own over each memory chunk, which "
+                          "vLLM's attention seam cannot run")
 
     chunk: int = option(2048, "memory chunk size in tokens (at most the model's window)")
     local: int = option(2048, "local tokens: the input's tail the frozen model reads after the candidates")

@@ -44,6 +44,8 @@ class Method:
     #: :meth:`serve_prompt`, applied by lcx's request middleware in front of vLLM), "attention" (lcx
     #: answers vLLM's attention: ``lcx.integrations.vllm_attention``), or "" (not servable yet).
     serving: ClassVar[str] = ""
+    #: Why a method with ``serving == ""`` is not served, for the error that refuses it.
+    not_served_because: ClassVar[str] = ""
 
     def memory_entries(self, run: Any, input_tokens: int) -> int:
         """Entries per memory layer and KV head this method's own memory holds after a request of
