@@ -17,6 +17,7 @@ load; the goal is "after" within 10% of "after warm-up".  Prefix caching is off,
 cost what new ones cost.
 
     .venv/bin/python bench/serve_load.py [--clients 16] [--seconds 180] [--short 384] [--long 2048]
+    .venv/bin/python bench/serve_load.py --method fot -o fot.local=512 --adapters 0   # a memory method
 """
 
 from __future__ import annotations
@@ -74,7 +75,11 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=12, help="max new tokens per request")
     ap.add_argument("--pool", type=int, default=12, help="calibration prompts per model name (half short, half long)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=OUT / "serve_load.json")
+    ap.add_argument("--method", action="append", default=[], help="servable method(s) of the server, e.g. fot")
+    ap.add_argument("--option", "-o", action="append", default=[], metavar="METHOD.KEY=VALUE",
+                    help="method option, e.g. -o fot.local=512")
+    ap.add_argument("--adapters", type=int, default=2, help="random q/k LoRA adapters served beside the base model")
+    ap.add_argument("--out", type=Path, default=None, help="default: bench/results/serve_load[-METHODS].json")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -87,8 +92,10 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(str(resolve_model_path(args.model)))
     rng = random.Random(args.seed)
     tmp = Path(tempfile.mkdtemp(prefix="lcx-load-"))
-    names = [args.model, "a1", "a2"]
+    names = [args.model, *(f"a{i}" for i in range(1, args.adapters + 1))]
+    out = args.out or OUT / ("serve_load" + "".join(f"-{m}" for m in args.method) + ".json")
     serve_args = ["--max-model-len", str(args.long + args.new + 64), "--export-dir", str(tmp / "export")]
+    serve_args += [f"--method={m}" for m in args.method] + [x for o in args.option for x in ("-o", o)]
     for i, name in enumerate(names[1:], 1):  # small random q/k LoRA adapters (scale 0.02): answers mostly kept
         serve_args.append(f"--adapter={name}={random_adapter(load_model(args.model)[0], tmp / name, i, scale=0.02)}")
     serve_args += ["--", "--no-enable-prefix-caching"]
@@ -179,9 +186,9 @@ def main() -> None:
         "other": sum(r["verdict"] == "other" for r in calib)}, "summary": summary,
         "failures": [r for r in results if r["verdict"] != "own" or r["status"] != 200][:20],
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(summary, indent=2), f"-> {args.out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(summary, indent=2), f"-> {out}")
 
 
 if __name__ == "__main__":
