@@ -25,6 +25,16 @@ is keyed by the request's first KV block (unique among running requests with pre
 not scheduled for ``STALE_STEPS`` forward passes is dropped.  A request vLLM preempts and recomputes is
 read as a fresh prompt of prompt + generated tokens (lcx's path never does that).  vLLM still allocates
 its paged cache for every token, unused.
+
+Why this seam and not the others vLLM 0.32 offers (DESIGN.md §3): request ``extra_args`` reach logits
+processors and KV connectors, never the model forward; prompt embeddings replace a token's input, not
+a layer's keys; a KV connector injects a *fixed* prefix of keys and values, while streaming re-rotates
+its sinks at every update and fot searches a memory that grows as the window slides, per query and
+layer.  Only the attention function sees each layer's queries, keys and values as they are computed, so
+the method's state lives there, and the prompt lengths come through the one per-request channel the
+worker has (a logits processor's batch updates).  The cost of the choice: the Transformers backend
+instead of vLLM's native model code, prefix caching off, and attention in torch instead of vLLM's CPU
+kernel (``bench/serve_throughput.py --method fot`` measures what that leaves of vLLM's batching).
 """
 
 from __future__ import annotations
