@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Reproduces results/focusllm/ (issue 7: FocusLLM on SmolLM2-135M, 8K window, 2 CPU cores).
+#   bash results/focusllm/run.sh                    # every step, in order
+#   bash results/focusllm/run.sh passkey_free       # chosen steps
+# Passkey steps journal every sample (--resume): rerunning an interrupted step continues it; `train`
+# resumes from its last checkpoint.  Defaults: chunk 2048, local 2048, fragment 512, all chunks at once.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+LCX=.venv/bin/lcx
+BOOKS=../shared/data/books
+# the six books not used for evaluation (wells and doyle are the perplexity books)
+TRAIN_BOOKS=(alcott_little_men austen_pride_and_prejudice dickens_tale_of_two_cities hardy_mayor_of_casterbridge
+             stevenson_treasure_island twain_tom_sawyer)
+EVAL_BOOKS=(-d $BOOKS/wells_invisible_man.txt -d $BOOKS/doyle_hound_of_the_baskervilles.txt)
+LENGTHS=16K,32K,64K,128K
+
+passkey_free() {  # training-free: the candidates use the base projections
+    $LCX eval passkey -m smollm2-135m --method focusllm --lengths $LENGTHS --out results/focusllm/passkey-free --resume
+}
+ppl_free() {
+    $LCX eval compare ppl -m smollm2-135m --stack focusllm --stack vanilla "${EVAL_BOOKS[@]}" --contexts 4K,8K,16K,32K \
+        --target 256 --out results/focusllm/ppl-free
+}
+train() {  # the candidate adapter (q/k/v/o LoRA rank 8, gated to candidate positions); both loss terms;
+           # 8K-token windows, chunk size from {64..2048} and local size drawn per step; checkpoints every 10 steps
+    local resume=()
+    [ -d results/focusllm/adapter/checkpoints ] && resume=(--resume)
+    $LCX train -m smollm2-135m --method focusllm $(printf -- "-d $BOOKS/%s.txt " "${TRAIN_BOOKS[@]}") \
+        --seq-len 8192 --steps ${FOCUSLLM_STEPS:-200} --lr 1e-3 --warmup 10 --save-every 10 \
+        --out results/focusllm/adapter "${resume[@]}"
+}
+passkey_trained() {
+    $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter --lengths $LENGTHS \
+        --out results/focusllm/passkey-trained --resume
+}
+ppl_trained() {
+    $LCX eval ppl -m smollm2-135m --adapter results/focusllm/adapter "${EVAL_BOOKS[@]}" --contexts 4K,8K,16K,32K \
+        --target 256 --out results/focusllm/ppl-trained
+}
+
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(passkey_free ppl_free train passkey_trained ppl_trained)
+for s in "${steps[@]}"; do echo "== $s"; "$s"; done
