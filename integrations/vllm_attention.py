@@ -244,10 +244,11 @@ class FoTServed(ServedAttention):
         if L + n > self.m.local:  # FoTLayer.update: evict before the update's forward
             overflow = min(L, L + n - self.m.local)
             if d["memory"] is not None:
+                from lcx.plugins.fot.cache import add_to_memory
+
                 pos = torch.arange(d["local_start"], d["local_start"] + overflow)
-                k0 = rotate(d["keys"][:, :overflow], -pos, self.inv_freq(module))  # keys at "position 0"
-                for h, store in d["memory"].items():
-                    store.add(k0[h[1]], d["values"][h[1], :overflow], pos, 0)
+                add_to_memory(d["memory"], 0, d["keys"][:, :overflow], d["values"][:, :overflow], pos,
+                              self.inv_freq(module), 0)
             d["keys"], d["values"] = d["keys"][:, overflow:], d["values"][:, overflow:]
             d["local_start"] += overflow
 
@@ -262,12 +263,7 @@ class FoTServed(ServedAttention):
         if memory is None or not any(len(s) for s in memory.values()):
             return _sdpa(q, d["keys"], d["values"], allowed, scale)
         q_index = torch.arange(pos, pos + n, device=q.device)[None]
-        if self.m.positions == "first":
-            shift = torch.full_like(q_index, -d["local_start"])
-        elif self.m.positions == "fixed":
-            shift = (self.m.fixed_distance or self.m.local) - q_index
-        else:
-            shift = -q_index
+        shift = self.m.query_shift(q_index, torch.tensor([[d["local_start"]]]))
         mask = torch.zeros(n, S).masked_fill(~allowed, float("-inf"))[None, None]
         out = memory_attention(q[None], d["keys"][None], d["values"][None], mask, memory, shift.to(torch.float64),
                                self.inv_freq(module), scale, self.m.k, self.m.dense, self.m.block)
@@ -291,7 +287,7 @@ def served_from_env() -> ServedAttention | None:
         return None
     m = registry().get(spec["name"]).from_options(**(spec.get("options") or {}))
     if spec["name"] == "streaming":
-        return StreamingServed(m.sinks, m.window or int(info["window"]) - m.sinks - m.chunk, m.chunk)
+        return StreamingServed(m.sinks, m.recent_for(int(info["window"])), m.chunk)
     if spec["name"] == "fot":
         shared = None
         if info.get("memory"):
@@ -315,8 +311,7 @@ def request_state_bytes(spec: dict[str, Any], config: dict[str, Any], window: in
     head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
     per_token = kv * head_dim * 2 * 4  # one layer's key + value for one token
     if spec["name"] == "streaming":
-        recent = m.window or window - m.sinks - m.chunk
-        return layers * (m.sinks + recent + m.chunk) * per_token
+        return layers * (m.sinks + m.recent_for(window) + m.chunk) * per_token
     chunk = m.chunk or m.local
     return (layers * (m.local + chunk) + len(m.layers_of(layers)) * max_model_len) * per_token
 

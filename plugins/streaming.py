@@ -91,10 +91,14 @@ class Streaming(Method):
             raise ValueError(f"chunk must be > 0, got {self.chunk}")
 
     def recent(self, run) -> int:
-        w = self.window or run.window - self.sinks - self.chunk
+        return self.recent_for(run.window)
+
+    def recent_for(self, window: int) -> int:
+        """Recent tokens kept per layer, for a model whose trained window is ``window``."""
+        w = self.window or window - self.sinks - self.chunk
         if w <= 0:
             raise LcxError(f"streaming: sinks={self.sinks} + chunk={self.chunk} leave no recent window in the model's "
-                           f"window ({run.window}); use -o streaming.chunk={max(1, run.window // 4)}")
+                           f"window ({window}); use -o streaming.chunk={max(1, window // 4)}")
         return w
 
     @hookimpl

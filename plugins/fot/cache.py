@@ -52,19 +52,26 @@ class FoTLayer(SubsetCacheLayer):
 
     @torch.no_grad()
     def _to_memory(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
-        B, H, n, _ = keys.shape
+        B, n = keys.shape[0], keys.shape[2]
         index = torch.arange(start, start + n)
         for b in range(B):
             pos = index - int(self.pad[b])  # RoPE positions of this row
             real = pos >= 0  # left padding stays out of memory
             if not real.any():
                 continue
-            k0 = rotate(keys[b][:, real], -pos[real], self.inv_freq)  # (H, n', D) at "position 0"
-            for h in range(H):
-                self.memory[(b, h)].add(k0[h], values[b, h][real], pos[real], self.doc_ids[b])
+            add_to_memory(self.memory, b, keys[b][:, real], values[b][:, real], pos[real], self.inv_freq, self.doc_ids[b])
 
     def _reset_state(self) -> None:
         self.local_start = 0
+
+
+def add_to_memory(memory: dict[tuple[int, int], MemoryStore], row: int, keys: torch.Tensor, values: torch.Tensor,
+                  positions: torch.Tensor, inv_freq: torch.Tensor, doc_id: int) -> None:
+    """Keys (H, n, D) of one batch row, rotated at RoPE ``positions``, un-rotated to "position 0" and added
+    with their values to ``memory[(row, h)]`` per KV head."""
+    k0 = rotate(keys, -positions, inv_freq)
+    for h in range(keys.shape[0]):
+        memory[(row, h)].add(k0[h], values[h], positions, doc_id)
 
 
 def fot_cache(n_layers: int, memory_layers: list[int], local: int, batch_size: int, kv_heads: int,

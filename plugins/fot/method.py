@@ -202,17 +202,21 @@ class FoT(Method):
         if not has_memory:
             return run.base_attention(module, query, key, value, mask, **kwargs)
         q_index = torch.arange(total - T, total, device=query.device)[None, :] - layer.pad[:, None]  # (B, T) RoPE pos
-        if self.positions == "first":
-            shift = -(layer.local_start - layer.pad[:, None]).expand_as(q_index)  # memory at the window's start
-        elif self.positions == "fixed":
-            shift = (self.fixed_distance or self.local) - q_index
-        else:
-            shift = -q_index
+        shift = self.query_shift(q_index, layer.local_start - layer.pad[:, None])
         out = memory_attention(
             query, key, value, to_additive(mask, torch.float32), layer.memory, shift.to(torch.float64),
             layer.inv_freq, kwargs.get("scaling") or query.shape[-1] ** -0.5, self.k, self.dense, self.block,
         )
         return out, None
+
+    def query_shift(self, q_index: torch.Tensor, local_start: torch.Tensor) -> torch.Tensor:
+        """(B, T) rotation taking each query (RoPE positions ``q_index``) to where the positions mode puts
+        memory: the local window's start (``local_start``, (B, 1) RoPE position), a fixed distance, or none."""
+        if self.positions == "first":
+            return -local_start.expand_as(q_index)
+        if self.positions == "fixed":
+            return (self.fixed_distance or self.local) - q_index
+        return -q_index
 
     # ------------------------------------------------------------------ multi-document memory
     @torch.no_grad()
