@@ -410,7 +410,9 @@ def _passkey_journal(path: Path, model: str, run, adapter, cfg, resume: bool):
     from lcx.io import Journal
 
     fingerprint = {"model": model, **run.describe(), "adapter": str(adapter) if adapter else None, "config": asdict(cfg)}
-    journal = Journal(path, fingerprint, resume=resume)
+    # options added to a method after a journal was written match it at their defaults
+    defaults = {"methods": [{"options": m.default_options()} for m in run.methods]}
+    journal = Journal(path, fingerprint, resume=resume, defaults=defaults)
     if journal.reused:
         click.echo(f"resuming: {journal.reused} samples already in {path}", err=True)
     return journal

@@ -163,17 +163,36 @@ def save_figure(fig: Any, path: Path, title: str | None = None) -> Path:
     return path
 
 
+_MISSING = object()
+
+
+def _matches(old: Any, new: Any, defaults: Any) -> bool:
+    """``old == new``, except that a dict key ``old`` lacks matches when ``new`` holds its default."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        defaults = defaults if isinstance(defaults, dict) else {}
+        return all(_matches(old[k], new[k], defaults.get(k)) if k in old else
+                   (k in defaults and new[k] == defaults[k]) for k in new) and set(old) <= set(new)
+    if isinstance(old, list) and isinstance(new, list):
+        defaults = defaults if isinstance(defaults, list) and len(defaults) == len(new) else [None] * len(new)
+        return len(old) == len(new) and all(_matches(o, n, d) for o, n, d in zip(old, new, defaults))
+    return old == new
+
+
 class Journal:
     """Append-only JSON-lines record of finished samples, so a long evaluation can be resumed.
 
     The first line holds a ``fingerprint`` (model, methods, options, grid); ``resume=True`` reuses
     the recorded samples only when it matches, and a last line cut short by a crash is ignored.
-    Without ``resume`` the journal starts afresh.
+    Without ``resume`` the journal starts afresh.  ``defaults`` (the fingerprint's shape, e.g. each
+    method's default options) lets a journal written before an option existed match: a key the
+    journal lacks counts as equal when the new value is its default, which by design changes nothing.
     """
 
-    def __init__(self, path: Path, fingerprint: dict[str, Any], resume: bool = False) -> None:
+    def __init__(self, path: Path, fingerprint: dict[str, Any], resume: bool = False,
+                 defaults: dict[str, Any] | None = None) -> None:
         self.path = Path(path)
         self.fingerprint = json.loads(json.dumps(fingerprint, default=str))
+        self.defaults = json.loads(json.dumps(defaults or {}, default=str))
         self.records: dict[str, dict[str, Any]] = {}
         if resume and self.path.exists():
             self._read()
@@ -190,9 +209,10 @@ class Journal:
             head = json.loads(lines[0])["fingerprint"] if lines else None
         except (ValueError, KeyError, TypeError):
             head = None
-        if head != self.fingerprint:
+        if not _matches(head, self.fingerprint, self.defaults):
             diff = sorted(k for k in set(self.fingerprint) | set(head or {})
-                          if (head or {}).get(k) != self.fingerprint.get(k))
+                          if not _matches((head or {}).get(k, _MISSING), self.fingerprint.get(k),
+                                          self.defaults.get(k)))
             raise LcxError(f"cannot resume from {self.path}: it was written for a different run "
                            f"(differs in: {', '.join(diff) or 'header'}); drop --resume to start afresh "
                            f"or choose another --out")

@@ -88,6 +88,12 @@ class Method:
         """Hyperparameters as plain JSON-able values (for sidecars and result files)."""
         return {f.name: getattr(self, f.name) for f in self.options()}
 
+    @classmethod
+    def default_options(cls) -> dict[str, Any]:
+        """The options' defaults (what ``to_options`` gives when the user sets nothing)."""
+        return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+                for f in cls.options() if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+
     # ------------------------------------------------------------------ introspection
     @classmethod
     def stages(cls) -> list[str]:

@@ -56,3 +56,20 @@ def test_resume_with_other_options_is_refused_naming_file_and_difference(tmp_pat
     other = {**FP, "methods": [{"name": "fot", "options": {"k": 16}}]}
     with pytest.raises(LcxError, match=r"j\.jsonl.*differs in: methods.*drop --resume"):
         Journal(path, other, resume=True)
+
+
+def test_an_option_added_since_the_journal_was_written_matches_at_its_default_only(tmp_path):
+    """A method that gained an option (fot's training options) must not strand a long evaluation's
+    journal: the new option at its default changes nothing, so the journal resumes; any other value,
+    or a changed old option, is still refused."""
+    path = tmp_path / "j.jsonl"
+    old = {**FP, "methods": [{"name": "fot", "options": {"k": 32}}]}
+    Journal(path, old).append("a", {"found": True})
+    defaults = {"methods": [{"options": {"k": 32, "d": 1}}]}
+    grown = {**FP, "methods": [{"name": "fot", "options": {"k": 32, "d": 1}}]}
+    assert Journal(path, grown, resume=True, defaults=defaults).get("a") == {"id": "a", "found": True}
+    for bad in ({"k": 32, "d": 2}, {"k": 16, "d": 1}):
+        with pytest.raises(LcxError, match="differs in: methods"):
+            Journal(path, {**FP, "methods": [{"name": "fot", "options": bad}]}, resume=True, defaults=defaults)
+    with pytest.raises(LcxError, match="differs in: methods"):  # without defaults nothing new matches
+        Journal(path, grown, resume=True)
