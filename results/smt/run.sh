@@ -42,8 +42,9 @@ ppl_after() {
     $LCX eval ppl -m smollm2-135m --adapter results/smt/adapter "${EVAL_BOOKS[@]}" --contexts 4K,8K,16K,32K \
         --target 256 --out results/smt/ppl-after
 }
-ppl_beta0() {  # the ablation is about the 4K perplexity (forgetting inside the window)
-    $LCX eval ppl -m smollm2-135m --adapter results/smt/adapter-beta0 "${EVAL_BOOKS[@]}" --contexts 4K,8K \
+ppl_beta0() {  # the ablation is about the 4K perplexity (forgetting inside the window); the same contexts as
+               # ppl_after, so both score the same span (lcx eval ppl puts it after the largest context)
+    $LCX eval ppl -m smollm2-135m --adapter results/smt/adapter-beta0 "${EVAL_BOOKS[@]}" --contexts 4K,8K,16K,32K \
         --target 256 --out results/smt/ppl-after-beta0
 }
 # Passkey grids sized to the CPU: depths 0.1, 0.5, 0.9, one key each, per length.
