@@ -335,6 +335,16 @@ def _int_list(ctx, param, value: str) -> list[int]:
         raise click.BadParameter(f"{e}; give comma-separated positive token counts (e.g. 4096,8K,16K)") from None
 
 
+def _token_count(ctx, param, value: str | None) -> int:
+    """One token count (K suffix allowed); None -> 0, the option's default."""
+    if value is None:
+        return 0
+    counts = _int_list(ctx, param, value)
+    if len(counts) != 1:
+        raise click.BadParameter(f"{value!r}: give one token count, e.g. 32K")
+    return counts[0]
+
+
 def _positive_ints(value: str) -> list[int]:
     out = []
     for item in (x.strip() for x in value.split(",") if x.strip()):
@@ -441,9 +451,13 @@ def _ppl_documents(data: tuple[str, ...], tokenizer, max_docs: int | None) -> li
               help="Context lengths N before the scored tokens; K suffix allowed.")
 @click.option("--target", type=click.IntRange(1), default=256, show_default=True, help="Scored tokens after the context.")
 @click.option("--samples", type=click.IntRange(1), default=1, show_default=True, help="Scored spans per document.")
+@click.option("--room", callback=_token_count, default=None, metavar="N",
+              help="Tokens before the first scored span (default: the largest of --contexts); K suffix allowed. "
+                   "Runs asking for different --contexts score the same text only with the same --room.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("out/ppl"), show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def eval_ppl(model, methods, options, adapter, trust_remote_code, data, max_docs, contexts, target, samples, out, as_json):
+def eval_ppl(model, methods, options, adapter, trust_remote_code, data, max_docs, contexts, target, samples, room, out,
+             as_json):
     """Perplexity and next-token accuracy of the last TARGET tokens given N tokens of context.
 
     Writes OUT/ppl.json and OUT/ppl.png.  The same scored spans serve every N.
@@ -454,7 +468,7 @@ def eval_ppl(model, methods, options, adapter, trust_remote_code, data, max_docs
     s = _open(model, methods, options, adapter, trust_remote_code)
     try:
         docs = _ppl_documents(data, s.tokenizer, max_docs)
-        cfg = ppl.PplConfig(contexts=contexts, target=target, samples=samples)
+        cfg = ppl.PplConfig(contexts=contexts, target=target, samples=samples, room=room)
         label = "+".join(m.name for m in s.run.methods) or "none"
         result = {"model": model, **s.run.describe(), "methods_label": label, "data": list(data),
                   "adapter": str(adapter) if adapter else None,
@@ -486,11 +500,13 @@ def eval_ppl(model, methods, options, adapter, trust_remote_code, data, max_docs
 @click.option("--max-docs", type=click.IntRange(1), default=None, help="ppl: at most this many documents.")
 @click.option("--contexts", callback=_int_list, default="2K,4K,8K,16K", show_default=True, help="ppl: context lengths.")
 @click.option("--target", type=click.IntRange(1), default=256, show_default=True, help="ppl: scored tokens.")
+@click.option("--room", callback=_token_count, default=None, metavar="N",
+              help="ppl: tokens before the first scored span (default: the largest of --contexts).")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("out/compare"), show_default=True)
 @click.option("--resume", is_flag=True, help="passkey: " + RESUME_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
-def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, data, max_docs, contexts, target, out,
-                 resume, as_json):
+def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, data, max_docs, contexts, target, room,
+                 out, resume, as_json):
     """Run one suite over several method stacks; writes OUT/compare-SUITE.{json,md,png}.
 
     \b
@@ -517,7 +533,7 @@ def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, 
         if not data:
             raise LcxError("ppl needs documents: give --data PATH (e.g. ../shared/data/books)")
         docs = _ppl_documents(data, tok, max_docs)
-        cfg = ppl.PplConfig(contexts=contexts, target=target, samples=samples or 1)
+        cfg = ppl.PplConfig(contexts=contexts, target=target, samples=samples or 1, room=room)
         ev = lambda run: ppl.evaluate(lambda ids, n: score_tail(run, ids, n), docs, cfg, progress=not as_json)  # noqa: E731
     command = "lcx " + " ".join(sys.argv[1:])
     partial = lambda done: cmp.write_json({"suite": suite, "model": model, "command": command,  # noqa: E731

@@ -51,3 +51,25 @@ def test_ppl_suite_reports_per_context_and_document():
     assert len(res["samples"]) == 2 * 2 * 2
     with pytest.raises(lcx.LcxError, match="no document has"):
         ppl.evaluate(lambda x, n: {}, docs, ppl.PplConfig(contexts=[1000]), progress=False)
+
+
+def test_runs_with_different_contexts_score_the_same_spans_only_with_the_same_room(tmp_path):
+    """`lcx eval ppl` puts the scored spans after the longest context asked for, so a run over 4K,8K and
+    one over 4K..32K score different text; --room fixes where they go (the SMT beta ablation was
+    misread this way once)."""
+    from click.testing import CliRunner
+
+    from lcx.cli import main
+
+    docs = [("a", list(range(3, 400)))]
+    seen = lambda cfg: {(s["end"], s["context"]) for s in ppl.evaluate(  # noqa: E731
+        lambda x, n: {"nll_sum": float(x[0, -n:].sum()), "correct": 0, "count": n}, docs, cfg, progress=False)["samples"]}
+    short, long_ = ppl.PplConfig(contexts=[32], target=16), ppl.PplConfig(contexts=[32, 128], target=16)
+    assert {e for e, _ in seen(short)} != {e for e, _ in seen(long_)}
+    assert seen(ppl.PplConfig(contexts=[32], target=16, room=128)) <= seen(long_)
+    with pytest.raises(lcx.LcxError, match=r"room=64 leaves no space.*--room >= 128"):
+        ppl.PplConfig(contexts=[32, 128], room=64).validate()
+    doc = tmp_path / "doc.txt"
+    doc.write_text("word " * 500)
+    r = CliRunner().invoke(main, ["eval", "ppl", "-m", "x", "-d", str(doc), "--room", "1K,2K"])
+    assert r.exit_code == 2 and "give one token count" in r.output

@@ -5,7 +5,9 @@ For each document and each context length N, score the ``target`` tokens
 accuracy of those tokens.  Samples are taken at ``samples`` evenly spaced
 offsets in each document where N + target tokens fit; the same offsets serve
 every N (the target spans end at the same place), so curves compare context
-lengths on identical targets.
+lengths on identical targets.  The first span starts after the longest N asked
+for, or after ``room`` tokens when given: two runs asking for different context
+lengths score the same text only when they leave the same room.
 """
 
 from __future__ import annotations
@@ -27,12 +29,21 @@ class PplConfig:
     contexts: list[int]
     target: int = 256
     samples: int = 1
+    room: int = 0  # tokens before the first scored span; 0 = the longest context
 
     def validate(self) -> None:
         if not self.contexts or any(n <= 0 for n in self.contexts):
             raise LcxError(f"contexts must be positive token counts, got {self.contexts}")
         if self.target <= 0 or self.samples <= 0:
             raise LcxError(f"target and samples must be >= 1 (got target={self.target}, samples={self.samples})")
+        if self.room and self.room < max(self.contexts):
+            raise LcxError(f"room={self.room} leaves no space for the context of {max(self.contexts)} tokens before the "
+                           f"scored span; give --room >= {max(self.contexts)} (or drop it: the default is the longest context)")
+
+    @property
+    def longest(self) -> int:
+        """Tokens before the first scored span."""
+        return self.room or max(self.contexts)
 
 
 def sample_ends(n_tokens: int, longest: int, target: int, samples: int) -> list[int]:
@@ -54,7 +65,7 @@ def evaluate(
 ) -> dict[str, Any]:
     """``documents``: (name, token ids); ``score_fn(ids (1, T), n_target)`` -> nll_sum/correct/count."""
     config.validate()
-    longest = max(config.contexts)
+    longest = config.longest
     work = []
     for name, ids in documents:
         ends = sample_ends(len(ids), longest, config.target, config.samples)
