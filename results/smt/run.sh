@@ -36,7 +36,8 @@ ppl_before() {  # untrained: truncation to the 8K window, YaRN x4 (8K -> 32K) wi
                 # model over the whole context (to 16K only: it has exploded there already, see harness/ppl/)
     $LCX eval compare ppl -m smollm2-135m --stack vanilla --stack rope -o rope.type=yarn -o rope.factor=4 \
         "${EVAL_BOOKS[@]}" --contexts 4K,8K,16K,32K --target 256 --out results/smt/ppl-before
-    $LCX eval ppl -m smollm2-135m "${EVAL_BOOKS[@]}" --contexts 4K,8K,16K --target 256 --out results/smt/ppl-before-none
+    $LCX eval ppl -m smollm2-135m "${EVAL_BOOKS[@]}" --contexts 4K,8K,16K --room 32K --target 256 \
+        --out results/smt/ppl-before-none  # --room 32K: the spans the other rows score
 }
 ppl_after() {
     $LCX eval ppl -m smollm2-135m --adapter results/smt/adapter "${EVAL_BOOKS[@]}" --contexts 4K,8K,16K,32K \
@@ -46,6 +47,16 @@ ppl_beta0() {  # the ablation is about the 4K perplexity (forgetting inside the 
                # ppl_after, so both score the same span (lcx eval ppl puts it after the largest context)
     $LCX eval ppl -m smollm2-135m --adapter results/smt/adapter-beta0 "${EVAL_BOOKS[@]}" --contexts 4K,8K,16K,32K \
         --target 256 --out results/smt/ppl-after-beta0
+}
+forgetting() {  # the beta ablation on more text: 4K context only, 8 spans per book (16 x 256 scored tokens),
+                # the bare model, YaRN x4 untrained, and the two adapters on the same spans
+    $LCX eval ppl -m smollm2-135m "${EVAL_BOOKS[@]}" --contexts 4K --samples 8 --out results/smt/forgetting/bare
+    $LCX eval ppl -m smollm2-135m --method rope -o rope.type=yarn -o rope.factor=4 "${EVAL_BOOKS[@]}" --contexts 4K \
+        --samples 8 --out results/smt/forgetting/yarn
+    $LCX eval ppl -m smollm2-135m --adapter results/smt/adapter "${EVAL_BOOKS[@]}" --contexts 4K --samples 8 \
+        --out results/smt/forgetting/beta1
+    $LCX eval ppl -m smollm2-135m --adapter results/smt/adapter-beta0 "${EVAL_BOOKS[@]}" --contexts 4K --samples 8 \
+        --out results/smt/forgetting/beta0
 }
 # Passkey grids sized to the CPU: depths 0.1, 0.5, 0.9, one key each, per length.
 GRID=(--depths 0.1,0.5,0.9 --samples 1)
@@ -62,5 +73,5 @@ passkey_after() {
 }
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(train ppl_before ppl_after passkey_before passkey_yarn passkey_after train_beta0 ppl_beta0)
+[ ${#steps[@]} -eq 0 ] && steps=(train ppl_before ppl_after passkey_before passkey_yarn passkey_after train_beta0 ppl_beta0 forgetting)
 for s in "${steps[@]}"; do echo "== $s"; "$s"; done
