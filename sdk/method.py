@@ -90,9 +90,8 @@ class Method:
 
     @classmethod
     def default_options(cls) -> dict[str, Any]:
-        """The options' defaults (what ``to_options`` gives when the user sets nothing)."""
-        return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-                for f in cls.options() if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+        """The options' defaults: what ``to_options`` gives when the user sets nothing."""
+        return cls.from_options().to_options()
 
     # ------------------------------------------------------------------ introspection
     @classmethod
