@@ -127,8 +127,9 @@ def main() -> None:
             calib = list(ex.map(lambda c: ask(server, c), candidates))
         pool = [c for c, r in zip(candidates, calib) if r["verdict"] == "own"]
         calib_s = time.perf_counter() - t0
+        kept_by_length = {n: sum(c["length"] == n for c in pool) for n in (args.short, args.long)}
         print(f"calibration: {len(pool)}/{len(candidates)} answered with their own passkey in {calib_s:.0f} s "
-              f"(other: {sum(r['verdict'] == 'other' for r in calib)})", flush=True)
+              f"(by prompt length: {kept_by_length}; other: {sum(r['verdict'] == 'other' for r in calib)})", flush=True)
         if len(pool) < args.clients:
             raise SystemExit(f"only {len(pool)} calibrated prompts for {args.clients} clients; raise --pool")
         time.sleep(5)
@@ -182,7 +183,7 @@ def main() -> None:
                         "all_own": summary["answers"]["own"] == len(results),
                         "rss_within_10pct": abs(summary["rss_gib"]["growth"]) <= 0.10}
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "calibration": {
-        "prompts": len(candidates), "kept": len(pool), "seconds": round(calib_s, 1),
+        "prompts": len(candidates), "kept": len(pool), "kept_by_length": kept_by_length, "seconds": round(calib_s, 1),
         "other": sum(r["verdict"] == "other" for r in calib)}, "summary": summary,
         "failures": [r for r in results if r["verdict"] != "own" or r["status"] != 200][:20],
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}

@@ -21,8 +21,11 @@ lcx's own path (``lcx generate``):
 Where a prompt ends comes from a vLLM logits processor (``PromptLengths``, which vLLM hands every
 request's prompt as it joins the batch; its row order is the attention metadata's).  Per-request state
 is keyed by the request's first KV block (unique among running requests with prefix caching off, which
-``lcx serve`` ensures); a request's first step (position 0) starts afresh, and the state of a request
-not scheduled for ``STALE_STEPS`` forward passes is dropped.  A request vLLM preempts and recomputes is
+``lcx serve`` ensures); a request's first step (position 0) starts afresh.  A request's state is freed
+when it leaves vLLM's batch finished: the same logits processor sees it removed with its output at
+``max_tokens`` or ending in a stop token (vLLM also removes running requests it did not schedule this
+step, which must keep their state).  A request that ends otherwise (aborted, a stop string) is freed when
+it has not been scheduled for ``STALE_STEPS`` forward passes.  A request vLLM preempts and recomputes is
 read as a fresh prompt of prompt + generated tokens (lcx's path never does that).  vLLM still allocates
 its paged cache for every token, unused.
 
@@ -95,6 +98,10 @@ class ServedAttention:
         self.step += 1
         for k in [k for k, r in self.requests.items() if self.step - r.last_step > STALE_STEPS]:
             del self.requests[k]
+
+    def release(self, key: Any) -> None:
+        """The request keyed ``key`` has finished (or was aborted): free its state now."""
+        self.requests.pop(key, None)
 
     def inv_freq(self, module: torch.nn.Module) -> torch.Tensor:
         """The layer's RoPE frequencies, from the rotary class of its own modeling file."""
@@ -275,6 +282,34 @@ class FoTServed(ServedAttention):
 SERVED: ServedAttention | None = None
 #: Persistent-batch row -> prompt length, kept by the ``PromptLengths`` logits processor.
 PROMPT_LENGTHS: dict[int, int] = {}
+#: Persistent-batch row -> the state key of the request in that row at the last forward pass.
+ROW_KEYS: dict[int, Any] = {}
+#: Persistent-batch row -> (sampling params, the request's live list of output tokens).
+ROW_OUTPUTS: dict[int, tuple[Any, list[int]]] = {}
+
+
+def finished(params: Any, output: list[int]) -> bool:
+    """Whether a request with these sampling params has finished with this output (length or stop token;
+    stop strings are matched outside the worker and are not seen here)."""
+    n = len(output)
+    if params.max_tokens is not None and n >= params.max_tokens:
+        return True
+    if not n or n < (params.min_tokens or 0):
+        return False
+    stops = set(params.all_stop_token_ids or ())
+    if not params.ignore_eos and params.eos_token_id is not None:
+        stops.add(params.eos_token_id)
+    return output[-1] in stops
+
+
+def release_finished(removed) -> None:
+    """Free the state of finished requests among those that left the persistent batch
+    (``BatchUpdate.removed``: rows as the last forward pass saw them, which is how ``ROW_KEYS`` is indexed)."""
+    for row in removed:
+        key, info = ROW_KEYS.get(row), ROW_OUTPUTS.get(row)
+        if key is not None and info is not None and SERVED is not None and finished(*info):
+            ROW_KEYS.pop(row)
+            SERVED.release(key)
 
 
 def served_from_env() -> ServedAttention | None:
@@ -331,11 +366,15 @@ def _prompt_lengths_class() -> type:
 
         def __init__(self, vllm_config, device, is_pin_memory) -> None:
             PROMPT_LENGTHS.clear()
+            ROW_OUTPUTS.clear()
 
         def is_argmax_invariant(self) -> bool:
             return True
 
         def update_state(self, batch_update) -> None:
+            if batch_update:
+                release_finished(batch_update.removed)
+            process_dict_updates(ROW_OUTPUTS, batch_update, lambda params, prompt, output: (params, output))
             process_dict_updates(PROMPT_LENGTHS, batch_update,
                                  lambda params, prompt, output: len(prompt) if prompt is not None else None)
 
@@ -376,11 +415,14 @@ def install() -> None:
         lens = md.seq_lens.tolist()
         starts = md.query_start_loc[:len(lens) + 1].tolist()
         seqs = []
+        if int(module.layer_idx) == 0:
+            ROW_KEYS.clear()
         for i, total in enumerate(lens):
             n = starts[i + 1] - starts[i]
             if n:
                 seqs.append(Seq(key=int(md.block_table[i, 0]), start=int(total) - n, length=n,
                                 prompt=PROMPT_LENGTHS.get(i)))
+                ROW_KEYS[i] = seqs[-1].key
         return SERVED.attend(module, query, key, value, seqs), None
 
     lcx_attention._lcx = True  # type: ignore[attr-defined]

@@ -201,3 +201,29 @@ def test_a_request_continuing_without_state_is_an_error():
     engine = FakeEngine(tiny_model("llama"), StreamingServed(**OPTS))
     with pytest.raises(RuntimeError, match="no state for a request continuing at position 7"):
         engine.step([(9, [5, 6], 7, 20)])
+
+
+def test_finished_requests_free_their_state_and_unscheduled_ones_keep_it(monkeypatch):
+    """vLLM removes a request from its batch when it finishes and also when it merely is not scheduled
+    this step: only the first may free the request's state (the load test's memory growth)."""
+    from types import SimpleNamespace
+
+    from lcx.integrations import vllm_attention as va
+
+    served = StreamingServed(**OPTS)
+    engine = FakeEngine(tiny_model("llama"), served)
+    engine.step([(1, [5, 6, 7], 0, 3), (2, [8, 9], 0, 2), (3, [4, 4], 0, 2)])
+    assert set(served.requests) == {1, 2, 3}
+    params = lambda **kw: SimpleNamespace(**{"max_tokens": 4, "min_tokens": 0, "ignore_eos": False,  # noqa: E731
+                                             "eos_token_id": 0, "all_stop_token_ids": {0, 7}, **kw})
+    monkeypatch.setattr(va, "SERVED", served)
+    monkeypatch.setattr(va, "ROW_KEYS", {0: 1, 1: 2, 2: 3})
+    monkeypatch.setattr(va, "ROW_OUTPUTS", {0: (params(), [11, 12, 13, 14]),  # max_tokens reached
+                                            1: (params(), [11, 12]),  # running, not scheduled this step
+                                            2: (params(), [11, 7])})  # a stop token
+    va.release_finished([0, 1, 2])
+    assert set(served.requests) == {2}
+    engine.step([(2, [10], 2, 2)])  # the unscheduled request continues from its state
+    assert va.finished(params(ignore_eos=True, all_stop_token_ids=set()), [5, 0]) is False
+    assert va.finished(params(min_tokens=3), [5, 0]) is False and va.finished(params(min_tokens=2), [5, 0])
+    assert va.finished(params(max_tokens=None), [5, 6, 8, 9, 10]) is False
