@@ -520,13 +520,23 @@ def stop(proc: subprocess.Popen, grace: float = 30.0) -> int:
     return proc.returncode
 
 
+def die_with_parent() -> None:
+    """``preexec_fn``: the child gets SIGTERM when the process that started it dies, however it dies (a
+    SIGKILLed ``lcx serve`` or script must not leave a vLLM server running).  Linux only; a no-op elsewhere."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def start(exp: Export, host: str = "127.0.0.1", port: int = 8000, served_name: str = "lcx", dtype: str = "float32",
           max_loras: int | None = None, kv_cache_gib: float = 2.0, extra: tuple[str, ...] = (),
           stdout: Any = None, stderr: Any = None) -> subprocess.Popen:
     """Start `vllm serve` on an export in its own process group (so ``stop`` reaches its workers)."""
     cmd = vllm_command(exp, host, port, served_name, dtype, max_loras, extra)
     return subprocess.Popen(cmd, env=vllm_env(exp, kv_cache_gib, served_name), start_new_session=True, stdout=stdout,
-                            stderr=stderr)
+                            stderr=stderr, preexec_fn=die_with_parent)
 
 
 class ServerProcess:
@@ -544,7 +554,8 @@ class ServerProcess:
         self.log_path = Path(log_path)
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen([sys.executable, "-m", "lcx.cli", "serve", model, "--port", str(port), "--json",
-                                      *args], stdout=subprocess.PIPE, stderr=self._log, text=True)
+                                      *args], stdout=subprocess.PIPE, stderr=self._log, text=True,
+                                     preexec_fn=die_with_parent)
         line = self.proc.stdout.readline()  # the ready line, or EOF when the server failed to start
         if not line:
             self.proc.wait()

@@ -287,3 +287,42 @@ def test_the_state_of_served_memory_methods_bounds_the_requests_run_at_once(mode
     with pytest.raises(LcxError, match=r"could hold 4,096 entries .* over the limit of 1,000; lower --max-model-len"):
         export_for_vllm(str(model_dir), ["fot"], out=tmp_path / "y", max_model_len=4096)
     assert not (tmp_path / "y").exists()
+
+
+def test_a_server_started_by_a_process_dies_with_it(tmp_path):
+    """`lcx serve` and ServerProcess start their child with `die_with_parent`: a SIGKILLed parent
+    (no cleanup runs) must not leave a server behind."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        "from lcx.integrations.vllm import die_with_parent\n"
+        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True,\n"
+        "                     preexec_fn=die_with_parent)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(c.pid))\n"
+        "time.sleep(120)\n")])
+    deadline = time.time() + 60
+    while not (pid_file.exists() and pid_file.read_text()) and time.time() < deadline:
+        time.sleep(0.1)
+    child = int(pid_file.read_text())
+    os.kill(child, 0)  # running
+    parent.kill()
+    parent.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        try:  # reaped by init once it exits; a zombie still answers kill(0)
+            if open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+                return
+        except FileNotFoundError:
+            return
+        time.sleep(0.1)
+    os.kill(child, 9)
+    raise AssertionError("the child outlived its SIGKILLed parent")
