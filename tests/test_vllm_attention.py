@@ -221,7 +221,8 @@ def test_finished_requests_free_their_state_and_unscheduled_ones_keep_it(monkeyp
     monkeypatch.setattr(va, "ROW_OUTPUTS", {0: (params(), [11, 12, 13, 14]),  # max_tokens reached
                                             1: (params(), [11, 12]),  # running, not scheduled this step
                                             2: (params(), [11, 7])})  # a stop token
-    va.release_finished([0, 1, 2])
+    # vLLM lists a row in `removed` only when no new request took it over; else the row is in `added`
+    va.release_finished(SimpleNamespace(removed=[2, 1], added=[(0, params(), [], [])], moved=[]))
     assert set(served.requests) == {2}
     engine.step([(2, [10], 2, 2)])  # the unscheduled request continues from its state
     assert va.finished(params(ignore_eos=True, all_stop_token_ids=set()), [5, 0]) is False
