@@ -172,30 +172,39 @@ def memory_attention(query, key, value, lay: Layout, inv_freq: torch.Tensor | No
             q_rel = rotate(q, -pos, inv_freq)
     else:
         k0, q_rel = kc, q
-    rows_out = []
+    # (row, context) pairs with the same number of sources are computed as one batch
+    dev = query.device
+    groups: dict[int, list[tuple[int, int, list]]] = {}
     for a in range(B):
-        ctx_out = []
         for j in range(k):
             src = lay.sources(a, j)
-            lq = local[a, :, :, j]  # (Hkv, G, L, L)
-            if not src:
-                probs = lq.softmax(-1)
-                o = torch.einsum("hgqk,hkd->hgqd", probs, vc[a, :, j])
-            else:
-                rows = torch.tensor([r for r, _, _ in src], device=query.device)
-                ctxs = torch.tensor([c for _, c, _ in src], device=query.device)
-                mk = k0[rows, :, ctxs].permute(1, 0, 2, 3).reshape(Hkv, len(src) * L, D)  # (Hkv, M, D)
-                mv = vc[rows, :, ctxs].permute(1, 0, 2, 3).reshape(Hkv, len(src) * L, -1)
-                mem = torch.einsum("hgqd,hmd->hgqm", q_rel[a, :, :, j], mk) * scaling
-                probs = torch.cat([lq, mem], dim=-1).softmax(-1)
-                pl, pm = probs[..., :L], probs[..., L:]
-                o = torch.einsum("hgqk,hkd->hgqd", pl, vc[a, :, j]) + torch.einsum("hgqm,hmd->hgqd", pm, mv)
-                if probe is not None:
-                    positive = torch.tensor([p for _, _, p in src], device=query.device).repeat_interleave(L)
+            groups.setdefault(len(src), []).append((a, j, src))
+    outs, order = [], []
+    for n, pairs in groups.items():
+        A = torch.tensor([a for a, _, _ in pairs], device=dev)
+        J = torch.tensor([j for _, j, _ in pairs], device=dev)
+        lq = local[A, :, :, J]  # (P, Hkv, G, L, L)
+        v_own = vc[A, :, J]  # (P, Hkv, L, Dv)
+        if n == 0:
+            o = torch.einsum("phgqk,phkd->phgqd", lq.softmax(-1), v_own)
+        else:
+            R = torch.tensor([[r for r, _, _ in src] for _, _, src in pairs], device=dev)  # (P, n)
+            C = torch.tensor([[c for _, c, _ in src] for _, _, src in pairs], device=dev)
+            P = len(pairs)
+            mk = k0[R, :, C].permute(0, 2, 1, 3, 4).reshape(P, Hkv, n * L, D)  # (P, Hkv, M, D)
+            mv = vc[R, :, C].permute(0, 2, 1, 3, 4).reshape(P, Hkv, n * L, -1)
+            mem = torch.einsum("phgqd,phmd->phgqm", q_rel[A, :, :, J], mk) * scaling
+            probs = torch.cat([lq, mem], dim=-1).softmax(-1)
+            pl, pm = probs[..., :L], probs[..., L:]
+            o = torch.einsum("phgqk,phkd->phgqd", pl, v_own) + torch.einsum("phgqm,phmd->phgqd", pm, mv)
+            if probe is not None:
+                for i, (a, j, src) in enumerate(pairs):
+                    positive = torch.tensor([p for _, _, p in src], device=dev).repeat_interleave(L)
                     probe.append({"row": a, "context": j, "positives": sum(p for _, _, p in src),
                                   "negatives": sum(not p for _, _, p in src),
-                                  "mass_positive": pm[..., positive].sum(-1).detach(),  # (Hkv, G, L)
-                                  "mass_memory": pm.sum(-1).detach()})
-            ctx_out.append(o.reshape(H, L, -1).transpose(0, 1))  # (L, H, Dv)
-        rows_out.append(torch.cat(ctx_out))
-    return torch.stack(rows_out).to(query.dtype)  # (B, T, H, Dv)
+                                  "mass_positive": pm[i][..., positive].sum(-1).detach(),  # (Hkv, G, L)
+                                  "mass_memory": pm[i].sum(-1).detach()})
+        outs.append(o.reshape(len(pairs), H, L, -1).transpose(1, 2))  # (P, L, H, Dv)
+        order += [a * k + j for a, j, _ in pairs]
+    out = torch.cat(outs)[torch.tensor(order, device=dev).argsort()]  # (B * k, L, H, Dv) in (row, context) order
+    return out.reshape(B, T, H, -1).to(query.dtype)  # (B, T, H, Dv)
