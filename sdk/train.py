@@ -352,17 +352,12 @@ def synthetic_task(data: list[str]) -> Callable[[random.Random, int, int], dict[
         return None
     if len(data) != 1:
         raise LcxError(f"a synthetic task trains alone: give --data {tasks[0]} without other data")
-    _, name, variant = (tasks[0] + ":").split(":", 2)  # task:NAME[:VARIANT]
-    variant = variant.rstrip(":")
+    name = tasks[0].split(":", 1)[1]
     if name == "dictionary":
-        from lcx.evals.dictionary import LOSSES, training_batch
+        from lcx.evals.dictionary import training_batch
 
-        loss = variant or "values"
-        if loss not in LOSSES:
-            raise LcxError(f"{tasks[0]}: the dictionary task's loss is one of {', '.join(LOSSES)} "
-                           f"(task:dictionary = task:dictionary:values, the paper's; task:dictionary:queries)")
-        return lambda rng, batch_size, seq_len: training_batch(rng, batch_size, seq_len, loss)
-    raise LcxError(f"unknown synthetic task {name!r}; known: task:dictionary[:values|:queries] (FoT's dictionary lookup)")
+        return lambda rng, batch_size, seq_len: training_batch(rng, batch_size, seq_len)
+    raise LcxError(f"unknown synthetic task {name!r}; known: task:dictionary (FoT's dictionary lookup)")
 
 
 def _loss_terms(run, model, batch) -> dict[str, torch.Tensor]:

@@ -5,12 +5,10 @@ from __future__ import annotations
 import json
 import random
 
-import pytest
 import torch
 from click.testing import CliRunner
 
 from lcx.cli import main
-from lcx.errors import LcxError
 from lcx.evals import dictionary as dct
 from tests.conftest import tiny_model
 
@@ -27,22 +25,6 @@ def test_document_structure():
         assert e[0] == dct.QUERY and e[5] == dct.VALUE and defs[tuple(e[1:5])] == tuple(e[6:10])
         assert labels[q0 + 10 * q:q0 + 10 * q + 6] == [-100] * 6 and labels[q0 + 10 * q + 6:q0 + 10 * (q + 1)] == e[6:10]
     assert all(x == -100 for x in labels[:256])
-
-
-def test_training_losses_cover_values_or_the_whole_query_half():
-    from lcx.train import synthetic_task
-
-    values = synthetic_task(["task:dictionary"])(random.Random(3), 2, 90)  # 4 definitions + pad, 4 queries + pad
-    queries = synthetic_task(["task:dictionary:queries"])(random.Random(3), 2, 90)
-    assert torch.equal(values["input_ids"], queries["input_ids"])  # same documents, only the loss differs
-    ids, lv, lq = values["input_ids"], values["labels"], queries["labels"]
-    assert (lv != -100).sum().item() == 2 * 4 * 4  # 4 queried values of 4 tokens per row
-    scored = lq != -100
-    assert not scored[:, :45].any() and (ids[scored] != dct.PAD).all()  # nothing in the dictionary half, no padding
-    assert scored[:, 45:85].all() and not scored[:, 85:].any()  # every query token: markers, keys and values
-    assert torch.equal(lq[lv != -100], lv[lv != -100])  # the values are scored the same in both
-    with pytest.raises(LcxError, match="task:dictionary:keys: .* one of values, queries"):
-        synthetic_task(["task:dictionary:keys"])
 
 
 def test_scorer_with_oracles():

@@ -67,27 +67,11 @@ def make_document(rng: random.Random, dict_tokens: int, query_tokens: int) -> Do
     return Document(torch.tensor(ids), torch.tensor(labels), n_q)
 
 
-#: What a training document's loss covers: the queried values (the paper's), or every token of the query
-#: half (the keys too: after ``<q> k1`` the next key token is itself a lookup among the definitions, on
-#: one, then two, then three matching tokens, which gives the matching circuit a gradient long before
-#: whole-key lookups are right).  Evaluation always scores the values only.
-LOSSES = ("values", "queries")
-
-
-def training_batch(rng: random.Random, batch_size: int, length: int = 512, loss: str = "values") -> dict[str, torch.Tensor]:
-    """Training documents: first half definitions, second half queries; loss per ``loss`` (see LOSSES)."""
-    if loss not in LOSSES:
-        raise LcxError(f"dictionary loss {loss!r}: choose one of {', '.join(LOSSES)}")
-    dict_tokens = length // 2
-    docs = [make_document(rng, dict_tokens, length - dict_tokens) for _ in range(batch_size)]
+def training_batch(rng: random.Random, batch_size: int, length: int = 512) -> dict[str, torch.Tensor]:
+    """Training documents: first half definitions, second half queries; loss on queried values only."""
+    docs = [make_document(rng, length // 2, length - length // 2) for _ in range(batch_size)]
     ids = torch.stack([d.input_ids for d in docs])
-    if loss == "values":
-        labels = torch.stack([d.labels for d in docs])
-    else:
-        labels = ids.clone()
-        labels[:, :dict_tokens] = -100
-        labels[ids == PAD] = -100
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.stack([d.labels for d in docs])}
 
 
 def score(doc: Document, logits_fn: Callable[[torch.Tensor, int], torch.Tensor], query_tokens: int) -> dict[str, int]:
