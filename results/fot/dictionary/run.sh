@@ -8,6 +8,7 @@
 # (w = 1), so the queries reach the definitions only through memory attention.
 #   s1: local 40 (4 definitions per document), d = 1, 1,500 steps, lr 3e-3
 #   s2: from s1, local 40, d = 32 (up to 31 other documents' definitions as negatives), 400 steps, lr 1e-3
+#   s3: from s2, local 128, d = 8, 100 steps, lr 1e-3 (a probe of the next stage, not in the default steps)
 # Still missing for the issue: the 512-token / local-256 stage (a model trained at local 40 scores loss 8
 # at local 256: its positions never went past 40), scaling to 64K, and the no-memory baseline.
 set -euo pipefail
@@ -30,6 +31,12 @@ s1() {
 s2() {
     $LCX train -m $RUNS/s1 "${FOT[@]}" -o fot.d=32 "${TRAIN[@]}" --steps 400 --lr 1e-3 --out $RUNS/s2 --overwrite
     cp $RUNS/s2/metrics.jsonl $OUT/pilot/s2.metrics.jsonl
+}
+s3() {  # probe of the next stage: local 40 -> 128 (12 definitions), d = 8; not evaluated yet
+    $LCX train -m $RUNS/s2 --method fot -o fot.local=128 -o fot.w=1 -o fot.memory_layers=all -o fot.d=8 \
+        --full all -d task:dictionary --seq-len 256 --batch-size 64 --warmup 50 --save-every 100 --steps 100 --lr 1e-3 \
+        --out $RUNS/s3 --overwrite
+    cp $RUNS/s3/metrics.jsonl $OUT/pilot/s3.metrics.jsonl
 }
 evaluate() {  # 40 query tokens (4 queries) after 40 ... 16K dictionary tokens, kNN memory k = 32, local 40
     for s in s1 s2; do
