@@ -101,7 +101,7 @@ class ServedAttention:
             del self.requests[k]
 
     def release(self, key: Any) -> None:
-        """The request keyed ``key`` has finished (or was aborted): free its state now."""
+        """The request keyed ``key`` has finished: free its state now."""
         self.requests.pop(key, None)
 
     def inv_freq(self, module: torch.nn.Module) -> torch.Tensor:
@@ -440,11 +440,10 @@ def install() -> None:
             return base(module, query, key, value, attention_mask, **kwargs)
         if int(module.layer_idx) == 0:
             SERVED.begin_step()
+            ROW_KEYS.clear()
         lens = md.seq_lens.tolist()
         starts = md.query_start_loc[:len(lens) + 1].tolist()
         seqs = []
-        if int(module.layer_idx) == 0:
-            ROW_KEYS.clear()
         for i, total in enumerate(lens):
             n = starts[i + 1] - starts[i]
             if n:
