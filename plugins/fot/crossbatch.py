@@ -181,6 +181,7 @@ def memory_attention(query, key, value, lay: Layout, inv_freq: torch.Tensor | No
             groups.setdefault(len(src), []).append((a, j, src))
     outs, order = [], []
     for n, pairs in groups.items():
+        P = len(pairs)
         A = torch.tensor([a for a, _, _ in pairs], device=dev)
         J = torch.tensor([j for _, j, _ in pairs], device=dev)
         lq = local[A, :, :, J]  # (P, Hkv, G, L, L)
@@ -190,7 +191,6 @@ def memory_attention(query, key, value, lay: Layout, inv_freq: torch.Tensor | No
         else:
             R = torch.tensor([[r for r, _, _ in src] for _, _, src in pairs], device=dev)  # (P, n)
             C = torch.tensor([[c for _, c, _ in src] for _, _, src in pairs], device=dev)
-            P = len(pairs)
             mk = k0[R, :, C].permute(0, 2, 1, 3, 4).reshape(P, Hkv, n * L, D)  # (P, Hkv, M, D)
             mv = vc[R, :, C].permute(0, 2, 1, 3, 4).reshape(P, Hkv, n * L, -1)
             mem = torch.einsum("phgqd,phmd->phgqm", q_rel[A, :, :, J], mk) * scaling
@@ -204,7 +204,7 @@ def memory_attention(query, key, value, lay: Layout, inv_freq: torch.Tensor | No
                                   "negatives": sum(not p for _, _, p in src),
                                   "mass_positive": pm[i][..., positive].sum(-1).detach(),  # (Hkv, G, L)
                                   "mass_memory": pm[i].sum(-1).detach()})
-        outs.append(o.reshape(len(pairs), H, L, -1).transpose(1, 2))  # (P, L, H, Dv)
+        outs.append(o.reshape(P, H, L, -1).transpose(1, 2))  # (P, L, H, Dv)
         order += [a * k + j for a, j, _ in pairs]
     out = torch.cat(outs)[torch.tensor(order, device=dev).argsort()]  # (B * k, L, H, Dv) in (row, context) order
     return out.reshape(B, T, H, -1).to(query.dtype)  # (B, T, H, Dv)
