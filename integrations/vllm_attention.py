@@ -438,7 +438,8 @@ def install() -> None:
             md = md.get(getattr(module, "attn").layer_name)
         if md is None:  # vLLM's warm-up and profiling passes
             return base(module, query, key, value, attention_mask, **kwargs)
-        if int(module.layer_idx) == 0:
+        first_layer = int(module.layer_idx) == 0
+        if first_layer:
             SERVED.begin_step()
             ROW_KEYS.clear()
         lens = md.seq_lens.tolist()
@@ -449,7 +450,8 @@ def install() -> None:
             if n:
                 seqs.append(Seq(key=int(md.block_table[i, 0]), start=int(total) - n, length=n,
                                 prompt=PROMPT_LENGTHS.get(i)))
-                ROW_KEYS[i] = seqs[-1].key
+                if first_layer:  # rows are the same in every layer of a step
+                    ROW_KEYS[i] = seqs[-1].key
         return SERVED.attend(module, query, key, value, seqs), None
 
     lcx_attention._lcx = True  # type: ignore[attr-defined]
