@@ -21,8 +21,10 @@ training-only) serve as the plain model plus their adapter, "config" methods (``
 config.json, "prompt" methods (``vanilla``: truncation to the window) rewrite each prompt's tokens in
 lcx's request middleware (``lcx.integrations.vllm_requests``) before vLLM reads it, "attention" methods
 (``streaming``, ``fot`` with a per-request memory) run inside vLLM's attention
-(``lcx.integrations.vllm_attention``: the Transformers backend, prefix caching off); ``focusllm`` and a
-shared document memory (``fot`` mode=multi) are refused with a clear error until they land.
+(``lcx.integrations.vllm_attention``: the Transformers backend, prefix caching off).  A document memory
+built by ``lcx memory build`` is loaded once by the server and read by every request (``lcx serve
+--memory``); ``fot`` mode=multi (requests writing into one memory) and ``focusllm`` are refused with a
+clear error.
 """
 
 from __future__ import annotations

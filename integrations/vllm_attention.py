@@ -176,9 +176,51 @@ def _causal_tail(n: int, total: int, device: torch.device) -> torch.Tensor:
 
 
 def _sdpa(q, keys, values, allowed, scale):
-    groups = q.shape[0] // keys.shape[0]
-    keys, values = keys.repeat_interleave(groups, 0), values.repeat_interleave(groups, 0)
-    return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=allowed, scale=scale)[0]
+    """q (H, n, D) against keys/values (Hkv, S, D) under ``allowed`` (n, S) (None: every key).  GQA without
+    copying the keys per query head: the G query heads of a KV head become G * n query rows of it."""
+    (H, n, D), Hkv = q.shape, keys.shape[0]
+    G = H // Hkv
+    if allowed is not None and bool(allowed.all()):
+        allowed = None
+    mask = None if allowed is None else allowed.repeat(G, 1)  # row g * n + i is query i of head g
+    out = F.scaled_dot_product_attention(q.reshape(Hkv, G * n, D)[None], keys[None], values[None],
+                                         attn_mask=mask, scale=scale)[0]
+    return out.reshape(H, n, out.shape[-1])
+
+
+class _Window:
+    """One layer's local keys or values (Hkv, S, D), appended at the end and dropped from the front in
+    amortised O(1): ``torch.cat`` per generated token would copy the whole window at every step (a
+    1,024-token window: 1.5 MiB per layer and request).  The buffer holds at most a quarter more rows
+    than the live window (``WINDOW_SLACK``), compacted to its front when it runs out."""
+
+    def __init__(self, like: torch.Tensor) -> None:
+        self.buf = like.new_empty(like.shape[0], 0, like.shape[2])
+        self.start = self.end = 0
+
+    def view(self) -> torch.Tensor:
+        return self.buf[:, self.start:self.end]
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def append(self, x: torch.Tensor) -> None:
+        n = x.shape[1]
+        if self.end + n > self.buf.shape[1]:
+            live, size = self.view(), len(self)
+            cap = size + n + max(16, int(size * WINDOW_SLACK))
+            buf = self.buf if cap <= self.buf.shape[1] else x.new_empty(x.shape[0], cap, x.shape[2])
+            buf[:, :size] = live.clone() if buf is self.buf else live
+            self.buf, self.start, self.end = buf, 0, size
+        self.buf[:, self.end:self.end + n] = x
+        self.end += n
+
+    def drop_front(self, n: int) -> None:
+        self.start += n
+
+
+#: Spare rows of a ``_Window`` beyond its live keys, as a share of them.
+WINDOW_SLACK = 0.25
 
 
 class StreamingServed(ServedAttention):
@@ -239,7 +281,7 @@ class FoTServed(ServedAttention):
         super().begin(st, module, start, end, like)
         d = st.data
         if not d:
-            d.update(keys=like[:, :0], values=like[:, :0], local_start=0, memory=None)
+            d.update(keys=_Window(like), values=_Window(like), local_start=0, memory=None)
             if self.memory_layers is None:
                 self.memory_layers = set(self.m.layers_of(int(module.config.num_hidden_layers)))
             if int(module.layer_idx) in self.memory_layers:
@@ -248,32 +290,35 @@ class FoTServed(ServedAttention):
                 layer, own = int(module.layer_idx), lambda: make_store(self.m.store_config())
                 d["memory"] = {(0, h): UnionStore(self.shared[(layer, h)], own()) if (layer, h) in self.shared
                                else own() for h in range(like.shape[0])}
-        L, n = d["keys"].shape[1], end - start
+        L, n = len(d["keys"]), end - start
         if L + n > self.m.local:  # FoTLayer.update: evict before the update's forward
             overflow = min(L, L + n - self.m.local)
             if d["memory"] is not None:
                 from lcx.plugins.fot.cache import add_to_memory
 
                 pos = torch.arange(d["local_start"], d["local_start"] + overflow)
-                add_to_memory(d["memory"], 0, d["keys"][:, :overflow], d["values"][:, :overflow], pos,
-                              self.inv_freq(module), 0)
-            d["keys"], d["values"] = d["keys"][:, overflow:], d["values"][:, overflow:]
+                add_to_memory(d["memory"], 0, d["keys"].view()[:, :overflow], d["values"].view()[:, :overflow],
+                              pos, self.inv_freq(module), 0)
+            d["keys"].drop_front(overflow)
+            d["values"].drop_front(overflow)
             d["local_start"] += overflow
 
     def read(self, st, module, q, k, v, pos, scale):
         from lcx.plugins.fot.attention import memory_attention
 
         d = st.data
-        d["keys"], d["values"] = torch.cat([d["keys"], k], dim=1), torch.cat([d["values"], v], dim=1)
-        n, S = q.shape[1], d["keys"].shape[1]
+        d["keys"].append(k)
+        d["values"].append(v)
+        keys, values = d["keys"].view(), d["values"].view()
+        n, S = q.shape[1], keys.shape[1]
         allowed = _causal_tail(n, S, q.device)
         memory = d["memory"]
         if memory is None or not any(len(s) for s in memory.values()):
-            return _sdpa(q, d["keys"], d["values"], allowed, scale)
+            return _sdpa(q, keys, values, allowed, scale)
         q_index = torch.arange(pos, pos + n, device=q.device)[None]
         shift = self.m.query_shift(q_index, torch.tensor([[d["local_start"]]]))
         mask = torch.zeros(n, S).masked_fill(~allowed, float("-inf"))[None, None]
-        out = memory_attention(q[None], d["keys"][None], d["values"][None], mask, memory, shift.to(torch.float64),
+        out = memory_attention(q[None], keys[None], values[None], mask, memory, shift.to(torch.float64),
                                self.inv_freq(module), scale, self.m.k, self.m.dense, self.m.block)
         return out[0].transpose(0, 1)
 
@@ -376,7 +421,8 @@ def request_state_bytes(spec: dict[str, Any], config: dict[str, Any], window: in
     if spec["name"] == "streaming":
         return layers * (m.sinks + m.recent_for(window) + m.chunk) * per_token
     chunk = m.chunk or m.local
-    return (layers * (m.local + chunk) + len(m.layers_of(layers)) * max_model_len) * per_token
+    window = int((m.local + chunk) * (1 + WINDOW_SLACK)) + 16  # a _Window's buffer
+    return (layers * window + len(m.layers_of(layers)) * max_model_len) * per_token
 
 
 def __getattr__(name: str) -> Any:

@@ -228,3 +228,23 @@ def test_finished_requests_free_their_state_and_unscheduled_ones_keep_it(monkeyp
     assert va.finished(params(ignore_eos=True, all_stop_token_ids=set()), [5, 0]) is False
     assert va.finished(params(min_tokens=3), [5, 0]) is False and va.finished(params(min_tokens=2), [5, 0])
     assert va.finished(params(max_tokens=None), [5, 6, 8, 9, 10]) is False
+
+
+def test_a_window_buffer_holds_what_cat_and_slicing_would_and_stays_small():
+    """`_Window` (fot's served local context) against the torch.cat + slice it replaces, over random appends and
+    front drops that force both in-place compaction and growth; its buffer never exceeds the bound that
+    `request_state_bytes` assumes."""
+    from lcx.integrations.vllm_attention import WINDOW_SLACK, _Window
+
+    rng = random.Random(0)
+    ref, win = torch.zeros(3, 0, 4), _Window(torch.zeros(3, 0, 4))
+    for step in range(300):
+        n = rng.choice([1, 1, 1, 7, 30])
+        x = torch.randn(3, n, 4)
+        win.append(x)
+        ref = torch.cat([ref, x], dim=1)
+        drop = max(0, ref.shape[1] - 50)
+        win.drop_front(drop)
+        ref = ref[:, drop:]
+        assert torch.equal(win.view(), ref), step
+        assert win.buf.shape[1] <= int((50 + 30) * (1 + WINDOW_SLACK)) + 16
