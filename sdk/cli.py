@@ -742,8 +742,9 @@ def analyze_distraction(model, methods, options, adapter, trust_remote_code, dat
     label = label or (f"{model} + {Path(adapter).name}" if adapter else model)
     path = out / "distraction.json"
     runs = json.loads(path.read_text())["runs"] if path.exists() else {}
-    runs[label] = result
-    js = write_json({"command": "lcx " + " ".join(sys.argv[1:]), "runs": runs}, path)
+    command = "lcx " + " ".join(sys.argv[1:])
+    runs[label] = {"command": command, **result}  # each run keeps the command that measured it
+    js = write_json({"command": command, "runs": runs}, path)
     png = distraction.plot(runs, out / "distraction.png", "FoT distraction: attention on the relevant context")
     if as_json:
         _echo_json({"json": str(js), "plot": str(png), "label": label, "positive_share": result["positive_share"]})

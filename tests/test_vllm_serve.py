@@ -3,8 +3,8 @@ several LoRA adapters at once, concurrent requests kept apart, bad requests answ
 
 Servers: the bare model with two q/k LoRA adapters (the shape an smt adapter has) and prompts up to 2x
 the model's window, started once for the module; the model with YaRN x4 (`rope`), the model behind
-`vanilla`'s truncating middleware, `streaming` and `fot` inside vLLM's attention, and plain `vllm serve`
-with the plugin, one test each.
+`vanilla`'s truncating middleware, `streaming` and `fot` (with a document memory and a LoRA adapter)
+inside vLLM's attention, and plain `vllm serve` with the plugin, one test each.
 """
 
 from __future__ import annotations
@@ -196,13 +196,20 @@ def test_fot_server_with_a_document_memory_equals_the_hf_path_for_concurrent_req
     the server) plus a kNN memory of its own per request: the 2x-window passkey prompt and 8 concurrent
     prompts (longer than the 512-token local window: their own memory is in use), shuffled, are each answered
     with the tokens `lcx generate --memory` gives that prompt alone: no request reads another's memory or
-    writes the shared one."""
+    writes the shared one.  The same server serves a LoRA adapter (vLLM's LoRA under lcx's memory attention,
+    what a crossbatch-trained fot adapter needs): its answers equal `lcx generate --adapter --memory`, and
+    differ from the bare model's."""
+    from lcx.adapters.peft_bridge import random_adapter
+    from lcx.models import load_model
     from click.testing import CliRunner
 
     from lcx.cli import main
 
     tmp = tmp_path_factory.mktemp("fot")
     opts = {"local": 512, "k": 16}
+    # q/k LoRA at scale 0.2 (the smt-shaped adapters above, at 0.05, happen not to change these answers)
+    lora = random_adapter(load_model(MODEL)[0], tmp / "lora", 1, scale=0.2)
+    counting = tok("One, two, three, four, five, six,")["input_ids"]
     docs = []
     for name, key in (("a", 61728), ("b", 94051)):  # two documents, each with its own passkey
         docs.append(tmp / f"{name}.txt")
@@ -211,10 +218,13 @@ def test_fot_server_with_a_document_memory_equals_the_hf_path_for_concurrent_req
                                   "--out", str(tmp / "mem"), *map(str, docs)])
     assert r.exit_code == 0, r.output
     s = start_server(["--method", "fot", *(x for k, v in opts.items() for x in ("-o", f"fot.{k}={v}")),
-                      "--memory", str(tmp / "mem"), "--max-model-len", str(LONG + 64)], tmp)
+                      "--memory", str(tmp / "mem"), "--adapter", f"lora={lora}", "--max-model-len", str(LONG + 64)],
+                     tmp)
     try:
         ids = build_prompt_ids(tok, LONG, 0.5, 38127)
         got = s.complete(MODEL, ids.tolist(), NEW)
+        got_lora = s.complete("lora", ids.tolist(), NEW)
+        short = {name: s.complete(name, counting, 16) for name in (MODEL, "lora")}
         rng = random.Random(4)
         jobs = [build_prompt_ids(tok, rng.choice([1000, 2500]), rng.uniform(0.1, 0.9), k).tolist()
                 for k in rng.sample(range(10000, 99999), 6)]
@@ -227,6 +237,11 @@ def test_fot_server_with_a_document_memory_equals_the_hf_path_for_concurrent_req
     assert "lcx: fot answers vLLM's attention" in s.log_path.read_text()
     mem = tmp / "mem"
     assert got == hf_tokens(ids, ["fot"], {"fot": opts}, memory=mem)
+    assert got_lora == hf_tokens(ids, ["fot"], {"fot": opts}, adapter=lora, memory=mem)
+    assert short == {MODEL: hf_tokens(torch.tensor(counting), ["fot"], {"fot": opts}, memory=mem, max_new_tokens=16),
+                     "lora": hf_tokens(torch.tensor(counting), ["fot"], {"fot": opts}, adapter=lora, memory=mem,
+                                       max_new_tokens=16)}
+    assert short["lora"] != short[MODEL]  # the adapter is applied
     assert answers == [hf_tokens(torch.tensor(j), ["fot"], {"fot": opts}, memory=mem) for j in jobs]
     assert answers != [hf_tokens(torch.tensor(j), ["fot"], {"fot": opts}) for j in jobs]  # the memory was read
 
