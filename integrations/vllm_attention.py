@@ -191,8 +191,8 @@ def _sdpa(q, keys, values, allowed, scale):
 class _Window:
     """One layer's local keys or values (Hkv, S, D), appended at the end and dropped from the front in
     amortised O(1): ``torch.cat`` per generated token would copy the whole window at every step (a
-    1,024-token window: 1.5 MiB per layer and request).  The buffer holds at most a quarter more rows
-    than the live window (``WINDOW_SLACK``), compacted to its front when it runs out."""
+    1,024-token window: 1.5 MiB per layer and request).  When it runs out, the live rows move to the front
+    of a buffer of live + appended + max(16, live x ``WINDOW_SLACK``) rows (the old one if that fits)."""
 
     def __init__(self, like: torch.Tensor) -> None:
         self.buf = like.new_empty(like.shape[0], 0, like.shape[2])
