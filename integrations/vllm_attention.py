@@ -168,8 +168,11 @@ class ServedAttention:
         raise NotImplementedError
 
 
-def _causal_tail(n: int, total: int, device: torch.device) -> torch.Tensor:
-    """(n, total) bool: the last n of ``total`` keys are the queries themselves, causally."""
+def _causal_tail(n: int, total: int, device: torch.device) -> torch.Tensor | None:
+    """(n, total) bool: the last n of ``total`` keys are the queries themselves, causally; None when
+    every key is allowed (one query: a generated token)."""
+    if n == 1:
+        return None
     allowed = torch.ones(n, total, dtype=torch.bool, device=device)
     allowed[:, total - n:] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
     return allowed
@@ -180,8 +183,6 @@ def _sdpa(q, keys, values, allowed, scale):
     copying the keys per query head: the G query heads of a KV head become G * n query rows of it."""
     (H, n, D), Hkv = q.shape, keys.shape[0]
     G = H // Hkv
-    if allowed is not None and bool(allowed.all()):
-        allowed = None
     mask = None if allowed is None else allowed.repeat(G, 1)  # row g * n + i is query i of head g
     out = F.scaled_dot_product_attention(q.reshape(Hkv, G * n, D)[None], keys[None], values[None],
                                          attn_mask=mask, scale=scale)[0]
@@ -192,14 +193,23 @@ class _Window:
     """One layer's local keys or values (Hkv, S, D), appended at the end and dropped from the front in
     amortised O(1): ``torch.cat`` per generated token would copy the whole window at every step (a
     1,024-token window: 1.5 MiB per layer and request).  When it runs out, the live rows move to the front
-    of a buffer of live + appended + max(16, live x ``WINDOW_SLACK``) rows (the old one if that fits)."""
+    of a buffer of ``front`` + live + appended + max(16, live x ``WINDOW_SLACK``) rows (the old one if that
+    fits).  ``front`` rows always stay free before the live ones, for ``with_front``."""
 
-    def __init__(self, like: torch.Tensor) -> None:
-        self.buf = like.new_empty(like.shape[0], 0, like.shape[2])
-        self.start = self.end = 0
+    def __init__(self, like: torch.Tensor, front: int = 0) -> None:
+        self.front = front
+        self.buf = like.new_empty(like.shape[0], front, like.shape[2])
+        self.start = self.end = front
 
     def view(self) -> torch.Tensor:
         return self.buf[:, self.start:self.end]
+
+    def with_front(self, x: torch.Tensor) -> torch.Tensor:
+        """``torch.cat([x, self.view()], 1)`` for x of at most ``front`` rows, without copying the live rows:
+        x is written into the free rows right before them."""
+        r = x.shape[1]
+        self.buf[:, self.start - r:self.start] = x
+        return self.buf[:, self.start - r:self.end]
 
     def __len__(self) -> int:
         return self.end - self.start
@@ -208,10 +218,10 @@ class _Window:
         n = x.shape[1]
         if self.end + n > self.buf.shape[1]:
             live, size = self.view(), len(self)
-            cap = size + n + max(16, int(size * WINDOW_SLACK))
+            cap = self.front + size + n + max(16, int(size * WINDOW_SLACK))
             buf = self.buf if cap <= self.buf.shape[1] else x.new_empty(x.shape[0], cap, x.shape[2])
-            buf[:, :size] = live.clone() if buf is self.buf else live
-            self.buf, self.start, self.end = buf, 0, size
+            buf[:, self.front:self.front + size] = live.clone() if buf is self.buf else live
+            self.buf, self.start, self.end = buf, self.front, self.front + size
         self.buf[:, self.end:self.end + n] = x
         self.end += n
 
@@ -224,7 +234,9 @@ WINDOW_SLACK = 0.25
 
 
 class StreamingServed(ServedAttention):
-    """lcx's streaming: sinks + recent window, sinks re-rotated (``SinkWindowLayer``)."""
+    """lcx's streaming: sinks + recent window, sinks re-rotated (``SinkWindowLayer``).  A layer's recent
+    keys and the current update's ("pending") share one ``_Window``, with room before them for the
+    re-rotated sinks: a read copies the sinks and the new keys, never the window."""
 
     name = "streaming"
 
@@ -235,32 +247,36 @@ class StreamingServed(ServedAttention):
     def begin(self, st, module, start, end, like):
         super().begin(st, module, start, end, like)
         if not st.data:
-            empty = like[:, :0]
-            st.data.update(sink_k=empty, sink_v=empty, keys=empty, values=empty, pend_k=empty, pend_v=empty)
+            st.data.update(sink_k=like[:, :0], sink_v=like[:, :0], keys=_Window(like, self.sinks),
+                           values=_Window(like, self.sinks), pending=0)
 
     def complete(self, st, module):
         """The update is over: fill the sinks first (only before any eviction), keep the last window."""
         d = st.data
-        if not d or not d["pend_k"].shape[1]:
+        if not d or not d["pending"]:
             return
-        rest_k, rest_v = torch.cat([d["keys"], d["pend_k"]], dim=1), torch.cat([d["values"], d["pend_v"]], dim=1)
+        keys, values = d["keys"], d["values"]
         ns = d["sink_k"].shape[1]
         if ns < self.sinks:
-            take = min(self.sinks - ns, rest_k.shape[1])
-            d["sink_k"] = torch.cat([d["sink_k"], rest_k[:, :take]], 1)
-            d["sink_v"] = torch.cat([d["sink_v"], rest_v[:, :take]], 1)
-            rest_k, rest_v = rest_k[:, take:], rest_v[:, take:]
-        d["keys"], d["values"] = rest_k[:, -self.window:], rest_v[:, -self.window:]
-        d["pend_k"], d["pend_v"] = d["pend_k"][:, :0], d["pend_v"][:, :0]
+            take = min(self.sinks - ns, len(keys))
+            d["sink_k"] = torch.cat([d["sink_k"], keys.view()[:, :take]], 1)
+            d["sink_v"] = torch.cat([d["sink_v"], values.view()[:, :take]], 1)
+            keys.drop_front(take)
+            values.drop_front(take)
+        over = max(0, len(keys) - self.window)
+        keys.drop_front(over)
+        values.drop_front(over)
+        d["pending"] = 0
 
     def read(self, st, module, q, k, v, pos, scale):
         d = st.data
-        d["pend_k"], d["pend_v"] = torch.cat([d["pend_k"], k], dim=1), torch.cat([d["pend_v"], v], dim=1)
-        ns, nr = d["sink_k"].shape[1], d["keys"].shape[1]
+        d["keys"].append(k)
+        d["values"].append(v)
+        d["pending"] += k.shape[1]
+        ns, nr = d["sink_k"].shape[1], len(d["keys"]) - d["pending"]
         shift = (st.start - nr) - ns  # the sinks sit right before the recent block
         sink_k = rotate(d["sink_k"], shift, self.inv_freq(module)) if shift and ns else d["sink_k"]
-        keys = torch.cat([sink_k, d["keys"], d["pend_k"]], dim=1)
-        values = torch.cat([d["sink_v"], d["values"], d["pend_v"]], dim=1)
+        keys, values = d["keys"].with_front(sink_k), d["values"].with_front(d["sink_v"])
         return _sdpa(q, keys, values, _causal_tail(q.shape[1], keys.shape[1], q.device), scale)
 
 
@@ -317,7 +333,10 @@ class FoTServed(ServedAttention):
             return _sdpa(q, keys, values, allowed, scale)
         q_index = torch.arange(pos, pos + n, device=q.device)[None]
         shift = self.m.query_shift(q_index, torch.tensor([[d["local_start"]]]))
-        mask = torch.zeros(n, S).masked_fill(~allowed, float("-inf"))[None, None]
+        mask = torch.zeros(n, S)
+        if allowed is not None:
+            mask.masked_fill_(~allowed, float("-inf"))
+        mask = mask[None, None]
         out = memory_attention(q[None], keys[None], values[None], mask, memory, shift.to(torch.float64),
                                self.inv_freq(module), scale, self.m.k, self.m.dense, self.m.block)
         return out[0].transpose(0, 1)
@@ -419,7 +438,8 @@ def request_state_bytes(spec: dict[str, Any], config: dict[str, Any], window: in
     head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
     per_token = kv * head_dim * 2 * 4  # one layer's key + value for one token
     if spec["name"] == "streaming":
-        return layers * (m.sinks + m.recent_for(window) + m.chunk) * per_token
+        recent = m.recent_for(window) + m.chunk  # the recent window and one update, in a _Window
+        return layers * (2 * m.sinks + int(recent * (1 + WINDOW_SLACK)) + 16) * per_token
     chunk = m.chunk or m.local
     window = int((m.local + chunk) * (1 + WINDOW_SLACK)) + 16  # a _Window's buffer
     return (layers * window + len(m.layers_of(layers)) * max_model_len) * per_token

@@ -231,20 +231,26 @@ def test_finished_requests_free_their_state_and_unscheduled_ones_keep_it(monkeyp
 
 
 def test_a_window_buffer_holds_what_cat_and_slicing_would_and_stays_small():
-    """`_Window` (fot's served local context) against the torch.cat + slice it replaces, over random appends and
-    front drops that force both in-place compaction and growth; its buffer never exceeds the bound that
-    `request_state_bytes` assumes."""
+    """`_Window` (the served local context of fot and streaming) against the torch.cat + slice it replaces, over
+    random appends and front drops that force both in-place compaction and growth, with and without rows kept
+    free before the window (streaming's sinks, written there by `with_front`); its buffer never exceeds the
+    bound that `request_state_bytes` assumes."""
     from lcx.integrations.vllm_attention import WINDOW_SLACK, _Window
 
-    rng = random.Random(0)
-    ref, win = torch.zeros(3, 0, 4), _Window(torch.zeros(3, 0, 4))
-    for step in range(300):
-        n = rng.choice([1, 1, 1, 7, 30])
-        x = torch.randn(3, n, 4)
-        win.append(x)
-        ref = torch.cat([ref, x], dim=1)
-        drop = max(0, ref.shape[1] - 50)
-        win.drop_front(drop)
-        ref = ref[:, drop:]
-        assert torch.equal(win.view(), ref), step
-        assert win.buf.shape[1] <= int((50 + 30) * (1 + WINDOW_SLACK)) + 16
+    for front in (0, 4):
+        rng = random.Random(front)
+        ref, win = torch.zeros(3, 0, 4), _Window(torch.zeros(3, 0, 4), front)
+        for step in range(300):
+            n = rng.choice([1, 1, 1, 7, 30])
+            x = torch.randn(3, n, 4)
+            win.append(x)
+            ref = torch.cat([ref, x], dim=1)
+            if front:
+                sinks = torch.randn(3, rng.randint(0, front), 4)
+                assert torch.equal(win.with_front(sinks), torch.cat([sinks, ref], dim=1)), step
+                assert torch.equal(win.view(), ref), step  # the live rows are untouched
+            drop = max(0, ref.shape[1] - 50)
+            win.drop_front(drop)
+            ref = ref[:, drop:]
+            assert torch.equal(win.view(), ref), step
+            assert win.buf.shape[1] <= front + int((50 + 30) * (1 + WINDOW_SLACK)) + 16

@@ -271,7 +271,10 @@ def test_the_state_of_served_memory_methods_bounds_the_requests_run_at_once(mode
     window = config["max_position_embeddings"]
     per = config["num_key_value_heads"] * (config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]) * 8
     spec = {"name": "streaming", "options": {"sinks": 4, "chunk": 16}}
-    assert request_state_bytes(spec, config, window, 4096) == config["num_hidden_layers"] * window * per
+    # sinks 4 (+ 4 rows kept free before the window for them) + recent (window - 4 - 16) and one update of 16
+    # in a window buffer with its spare rows
+    recent = 2 * 4 + int((window - 4) * (1 + WINDOW_SLACK)) + 16
+    assert request_state_bytes(spec, config, window, 4096) == config["num_hidden_layers"] * recent * per
     fot = {"name": "fot", "options": {"local": 32, "chunk": 8, "memory_layers": "1"}}
     local = int(40 * (1 + WINDOW_SLACK)) + 16  # local 32 + chunk 8 in a window buffer with its spare rows
     assert request_state_bytes(fot, config, window, 4096) == (config["num_hidden_layers"] * local + 4096) * per
