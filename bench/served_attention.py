@@ -1,0 +1,105 @@
+"""lcx's served attention (what vLLM's worker calls per layer for streaming and fot) on its own: the time of
+one decode step of R concurrent requests, at SmolLM2-135M's attention shapes, without vLLM or the rest of
+the model.  This is the part of a served decode step that lcx owns; `bench/serve_throughput.py` measures
+the whole server.
+
+Each request is prefilled with a ``--prompt``-token prompt in ``--chunk``-token pieces (random q/k/v: the
+cost does not depend on the values), then ``--steps`` decode steps of one token per request are timed.
+The random inputs' own cost is measured apart and subtracted.
+
+    .venv/bin/python bench/served_attention.py [--method fot,streaming] [--requests 8] [--prompt 2048]
+        [--threads 1] [--out bench/results/served_attention.json]
+
+fot runs in its passkey configuration (local 1024, chunk 256, 12 memory layers: results/README.md);
+streaming with 4 sinks and the recent window SmolLM2's 8K window leaves (7,676 tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+OUT = Path(__file__).parent / "results"
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, WINDOW = 30, 9, 3, 64, 8192  # SmolLM2-135M
+FOT = dict(local=1024, chunk=256, memory_layers="6,7,8,14,15,17,18,19,20,21,22,23")
+
+
+def served(method: str):
+    from lcx.integrations.vllm_attention import FoTServed, StreamingServed
+    from lcx.registry import registry
+
+    if method == "fot":
+        return FoTServed(registry().get("fot").from_options(**FOT)), FOT["chunk"]
+    m = registry().get("streaming").from_options(sinks=4)
+    return StreamingServed(m.sinks, m.recent_for(WINDOW), m.chunk), m.chunk
+
+
+def run(method: str, requests: int, prompt: int, steps: int) -> dict:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    from lcx.integrations.vllm_attention import Seq
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                      head_dim=HEAD_DIM, num_hidden_layers=LAYERS, intermediate_size=1536, vocab_size=100,
+                      max_position_embeddings=WINDOW, rope_theta=100000)
+    mods = [LlamaAttention(cfg, i) for i in range(LAYERS)]
+    srv, chunk = served(method)
+
+    def step(seqs: list) -> None:
+        srv.begin_step()
+        n = sum(s.length for s in seqs)
+        for mod in mods:
+            q, k, v = torch.randn(1, HEADS, n, HEAD_DIM), torch.randn(1, KV_HEADS, n, HEAD_DIM), torch.randn(1, KV_HEADS, n, HEAD_DIM)
+            srv.attend(mod, q, k, v, seqs)
+
+    t = time.perf_counter()
+    for start in range(0, prompt, chunk):
+        step([Seq(key=r, start=start, length=min(chunk, prompt - start), prompt=prompt) for r in range(requests)])
+    prefill = time.perf_counter() - t
+    t = time.perf_counter()
+    for i in range(steps):
+        step([Seq(key=r, start=prompt + i, length=1, prompt=prompt) for r in range(requests)])
+    decode = (time.perf_counter() - t) / steps
+    t = time.perf_counter()
+    for _ in range(steps):
+        for _ in mods:
+            torch.randn(1, HEADS, requests, HEAD_DIM), torch.randn(1, KV_HEADS, requests, HEAD_DIM), torch.randn(1, KV_HEADS, requests, HEAD_DIM)
+    inputs = (time.perf_counter() - t) / steps
+    return {"method": method, "requests": requests, "prompt": prompt, "steps": steps,
+            "prefill_s": round(prefill, 2), "decode_step_ms": round(1000 * (decode - inputs), 1),
+            "decode_ms_per_request_layer": round(1000 * (decode - inputs) / (requests * LAYERS), 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--method", default="fot,streaming", help="comma-separated: fot, streaming")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=2048, help="prompt tokens per request")
+    ap.add_argument("--steps", type=int, default=20, help="decode steps timed")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--out", type=Path, default=OUT / "served_attention.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = []
+    for method in args.method.split(","):
+        rows.append(run(method.strip(), args.requests, args.prompt, args.steps))
+        r = rows[-1]
+        print(f"{r['method']}: {r['requests']} requests x {r['prompt']} prompt tokens: prefill {r['prefill_s']} s, "
+              f"decode step {r['decode_step_ms']} ms ({r['decode_ms_per_request_layer']} ms per request and layer)",
+              flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"config": {**vars(args), "out": str(args.out), "torch": torch.__version__,
+                                               "machine": platform.processor() or platform.machine()},
+                                    "results": rows}, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
