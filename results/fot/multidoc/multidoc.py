@@ -6,8 +6,13 @@ go into one fot multi-document memory (each encoded on its own, as `lcx memory b
 the prompt holds only the question.  Reference: both documents in context, no memory.
 
     .venv/bin/python results/fot/multidoc/multidoc.py   # ~2 min on 2 cores; writes multidoc.json here
+
+With ``--adapter DIR`` (e.g. results/fot/crossbatch/adapter, a crossbatch-trained fot LoRA) the same
+questions are asked of the model with that adapter, in every variant; the results go to
+multidoc-<adapter folder's parent>.json.
 """
 
+import argparse
 import json
 from pathlib import Path
 
@@ -32,7 +37,14 @@ VARIANTS = {
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--adapter", type=Path, help="an lcx adapter folder to load onto the model")
+    args = ap.parse_args()
     model, tok = load_model("smollm2-135m")
+    if args.adapter:
+        from lcx.adapters.peft_bridge import load_adapter
+
+        model = load_adapter(model, args.adapter)[0]
     enc = lambda s: tok(s, return_tensors="pt")["input_ids"]  # noqa: E731
     docs = [DOC.format(c=c, k=k) for c, k in KEYS.items()]
     rows = []
@@ -54,8 +66,9 @@ def main() -> None:
         correct = {c: str(KEYS[c]) in answers[c].replace(" ", "") for c in KEYS}
         rows.append({"variant": name, "options": opts, "answers": answers, "correct": correct})
         print(f"{name:48s} red -> {answers['red']!r:14s} blue -> {answers['blue']!r:14s} {correct}")
-    out = Path(__file__).with_name("multidoc.json")
-    out.write_text(json.dumps({"model": "smollm2-135m", "keys": KEYS, "torch": torch.__version__, "rows": rows}, indent=2))
+    out = Path(__file__).with_name(f"multidoc-{args.adapter.resolve().parent.name}.json" if args.adapter else "multidoc.json")
+    out.write_text(json.dumps({"model": "smollm2-135m", "adapter": str(args.adapter) if args.adapter else None, "keys": KEYS,
+                               "torch": torch.__version__, "rows": rows}, indent=2))
     print(f"wrote {out}")
 
 
