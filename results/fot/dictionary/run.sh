@@ -1,51 +1,78 @@
 #!/usr/bin/env bash
-# FoT's dictionary lookup (appendix F, issue 5), scaled to 2 CPU cores — PILOT, not yet the reproduction.
-#   bash results/fot/dictionary/run.sh            # every step, in order (~50 min on one busy core)
-#   bash results/fot/dictionary/run.sh evaluate   # chosen steps
+# FoT's dictionary lookup (appendix F, issue 5), scaled to this CPU machine.
+#   bash results/fot/dictionary/run.sh              # every step, in order (~40 min of fot training, ~30 min of evaluation)
+#   bash results/fot/dictionary/run.sh eval_s3      # chosen steps
 # A 4-layer llama (hidden 128, 4 heads, ~0.8M parameters, the task's 68-token vocabulary) trained from
 # scratch by `lcx train` with fot crossbatch memory attention in every layer, the paper's loss (queried
-# values only).  Documents are half definitions, half queries; rows hold 2 contexts of `local` tokens
-# (w = 1), so the queries reach the definitions only through memory attention.
-#   s1: local 40 (4 definitions per document), d = 1, 1,500 steps, lr 3e-3
-#   s2: from s1, local 40, d = 32 (up to 31 other documents' definitions as negatives), 400 steps, lr 1e-3
-#   s3: from s2, local 128, d = 8, 100 steps, lr 1e-3 (a probe of the next stage, not in the default steps)
-# Still missing for the issue: the 512-token / local-256 stage (a model trained at local 40 scores loss 8
-# at local 256: its positions never went past 40), scaling to 64K, and the no-memory baseline.
+# values only).  Documents: first half definitions (<k> 4 key tokens <v> 4 value tokens), second half
+# queries; a row holds 2 contexts of `local` tokens (w = 1), so the queries reach the definitions only
+# through memory attention.
+#   warmup: 80-token documents, local 40, d = 1, 900 steps, lr 3e-3 (a model trained from scratch directly
+#           at local 256 stays at the uniform loss ln 64 = 4.16 for 300 steps: warmup/direct256.metrics.jsonl)
+#   s1:     512-token documents, local 256, d = 1, 150 steps, lr 1e-3
+#   s2:     from s1, d = 16 (up to 15 other documents' definitions as negatives), 150 steps, lr 1e-3
+#   s3:     from s2, d = 32, batch 32, 80 steps, lr 1e-3
+# Baseline without memory: the same model, curriculum and step counts with plain attention (`--method
+# vanilla`, the whole 80- / 512-token document in one window).
+# Evaluation: `lcx eval dictionary`, kNN memory (k = 32, exact search), 256 query tokens (25 queries) after
+# 512 ... 64K dictionary tokens; the baseline reads the last 512 tokens (its window).
+# Training times are each stage's summed step times (the `seconds` of metrics.jsonl), also in the README.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 LCX=.venv/bin/lcx
 OUT=results/fot/dictionary
 RUNS=${DICT_RUNS:-out/dictionary}   # model folders (not committed)
-FOT=(--method fot -o fot.local=40 -o fot.w=1 -o fot.memory_layers=all)
-TRAIN=(--full all -d task:dictionary --seq-len 80 --batch-size 64 --warmup 50 --save-every 100)
+SIZES=${DICT_SIZES:-512,1K,4K,16K,64K}
+SAMPLES=${DICT_SAMPLES:-4}          # documents per size (25 queries each); a 64K document takes ~2.5 min
+FOT=(--method fot -o fot.w=1 -o fot.memory_layers=all)
+TASK=(--full all -d task:dictionary --save-every 50)
 
 init() {
     $LCX models init $RUNS/init --family llama -s vocab_size=68 -s hidden_size=128 -s num_hidden_layers=4 \
         -s num_attention_heads=4 -s num_key_value_heads=4 -s intermediate_size=512 -s max_position_embeddings=512 \
         --overwrite
 }
+log() { mkdir -p $OUT/logs && cp $RUNS/$1/metrics.jsonl $OUT/logs/$1.metrics.jsonl; }
+warmup() {
+    $LCX train -m $RUNS/init "${FOT[@]}" -o fot.local=40 "${TASK[@]}" --seq-len 80 --batch-size 64 --warmup 50 \
+        --steps 900 --lr 3e-3 --out $RUNS/warmup --overwrite
+    log warmup
+}
 s1() {
-    $LCX train -m $RUNS/init "${FOT[@]}" "${TRAIN[@]}" --steps 1500 --lr 3e-3 --out $RUNS/s1 --overwrite
-    cp $RUNS/s1/metrics.jsonl $OUT/pilot/s1.metrics.jsonl
+    $LCX train -m $RUNS/warmup "${FOT[@]}" -o fot.local=256 -o fot.d=1 "${TASK[@]}" --seq-len 512 --batch-size 16 \
+        --warmup 20 --steps 150 --lr 1e-3 --out $RUNS/s1 --overwrite
+    log s1
 }
 s2() {
-    $LCX train -m $RUNS/s1 "${FOT[@]}" -o fot.d=32 "${TRAIN[@]}" --steps 400 --lr 1e-3 --out $RUNS/s2 --overwrite
-    cp $RUNS/s2/metrics.jsonl $OUT/pilot/s2.metrics.jsonl
+    $LCX train -m $RUNS/s1 "${FOT[@]}" -o fot.local=256 -o fot.d=16 "${TASK[@]}" --seq-len 512 --batch-size 16 \
+        --warmup 10 --steps 150 --lr 1e-3 --out $RUNS/s2 --overwrite
+    log s2
 }
-s3() {  # probe of the next stage: local 40 -> 128 (12 definitions), d = 8; not evaluated yet
-    $LCX train -m $RUNS/s2 --method fot -o fot.local=128 -o fot.w=1 -o fot.memory_layers=all -o fot.d=8 \
-        --full all -d task:dictionary --seq-len 256 --batch-size 64 --warmup 50 --save-every 100 --steps 100 --lr 1e-3 \
-        --out $RUNS/s3 --overwrite
-    cp $RUNS/s3/metrics.jsonl $OUT/pilot/s3.metrics.jsonl
+s3() {
+    $LCX train -m $RUNS/s2 "${FOT[@]}" -o fot.local=256 -o fot.d=32 "${TASK[@]}" --seq-len 512 --batch-size 32 \
+        --warmup 5 --steps 80 --lr 1e-3 --out $RUNS/s3 --overwrite
+    log s3
 }
-evaluate() {  # 40 query tokens (4 queries) after 40 ... 16K dictionary tokens, kNN memory k = 32, local 40
-    for s in s1 s2; do
-        $LCX eval dictionary -m $RUNS/$s "${FOT[@]}" -o fot.k=32 --dict-tokens 40,400,4000,16000 --query-tokens 40 \
-            --samples 10 --label "fot $s" --out $OUT/pilot
-    done
+baseline() {  # plain attention, same curriculum
+    $LCX train -m $RUNS/init --method vanilla "${TASK[@]}" --seq-len 80 --batch-size 64 --warmup 50 --steps 900 \
+        --lr 3e-3 --out $RUNS/baseline-warmup --overwrite
+    log baseline-warmup
+    $LCX train -m $RUNS/baseline-warmup --method vanilla "${TASK[@]}" --seq-len 512 --batch-size 16 --warmup 30 \
+        --steps 300 --lr 5e-4 --out $RUNS/baseline --overwrite
+    log baseline
+}
+evaluate_fot() {  # evaluate_fot STAGE "D" [SIZES]
+    $LCX eval dictionary -m $RUNS/$1 "${FOT[@]}" -o fot.local=256 -o fot.k=32 --dict-tokens ${3:-$SIZES} \
+        --samples $SAMPLES --label "fot $1 (d = $2)" --out $OUT
+}
+eval_s1() { evaluate_fot s1 1 512,1K,4K,16K; }  # 64K left out for time: 0.15 at 16K already
+eval_s2() { evaluate_fot s2 16; }
+eval_s3() { evaluate_fot s3 32; }
+eval_baseline() {
+    $LCX eval dictionary -m $RUNS/baseline --method vanilla -o vanilla.head_fraction=0 --dict-tokens $SIZES \
+        --samples $SAMPLES --label "no memory (plain attention, window 512)" --out $OUT
 }
 
-mkdir -p $OUT/pilot
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(init s1 s2 evaluate)
+[ ${#steps[@]} -eq 0 ] && steps=(init warmup s1 s2 s3 baseline eval_s1 eval_s2 eval_s3 eval_baseline)
 for s in "${steps[@]}"; do echo "== $s"; "$s"; done
