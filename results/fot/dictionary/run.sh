@@ -8,7 +8,7 @@
 # queries; a row holds 2 contexts of `local` tokens (w = 1), so the queries reach the definitions only
 # through memory attention.
 #   warmup: 80-token documents, local 40, d = 1, 900 steps, lr 3e-3 (a model trained from scratch directly
-#           at local 256 stays at the uniform loss ln 64 = 4.16 for 300 steps: warmup/direct256.metrics.jsonl)
+#           at local 256 stays at the uniform loss ln 64 = 4.16 for 300 steps: logs/direct256.metrics.jsonl)
 #   s1:     512-token documents, local 256, d = 1, 150 steps, lr 1e-3
 #   s2:     from s1, d = 16 (up to 15 other documents' definitions as negatives), 150 steps, lr 1e-3
 #   s3:     from s2, d = 32, batch 32, 80 steps, lr 1e-3
@@ -65,7 +65,7 @@ evaluate_fot() {  # evaluate_fot STAGE "D" [SIZES]
     $LCX eval dictionary -m $RUNS/$1 "${FOT[@]}" -o fot.local=256 -o fot.k=32 --dict-tokens ${3:-$SIZES} \
         --samples $SAMPLES --label "fot $1 (d = $2)" --out $OUT
 }
-eval_s1() { evaluate_fot s1 1 512,1K,4K,16K; }  # 64K left out for time: 0.15 at 16K already
+eval_s1() { evaluate_fot s1 1 512,1K,4K,16K; }  # 64K left out for time: 0.27 at 16K already
 eval_s2() { evaluate_fot s2 16; }
 eval_s3() { evaluate_fot s3 32; }
 eval_baseline() {
