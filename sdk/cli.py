@@ -809,8 +809,9 @@ def train_cmd(model, methods, options, data, out, seq_len, steps, batch_size, gr
         return
     if as_json:
         lines = (path / "metrics.jsonl").read_text().splitlines()
-        _echo_json({"adapter": str(path), "steps": len(lines), "last": json.loads(lines[-1]) if lines else None})
-    elif cfg.full == ["all"]:
+        kind = "model" if cfg.full_model else "adapter"  # a model folder loads with -m, an adapter with --adapter
+        _echo_json({kind: str(path), "steps": len(lines), "last": json.loads(lines[-1]) if lines else None})
+    elif cfg.full_model:
         click.echo(f"model written to {path} (load it with -m {path})")
     else:
         click.echo(f"adapter written to {path} (load it with --adapter {path})")

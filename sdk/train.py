@@ -67,6 +67,11 @@ class TrainConfig:
     concat: bool = field(default=True, metadata={"help": "concatenate short documents into windows"})
     text_field: str = field(default="text", metadata={"help": "JSONL field holding the text"})
 
+    @property
+    def full_model(self) -> bool:
+        """Every weight trains (``--full all``): the output is a model folder, not an adapter."""
+        return self.full == ["all"]
+
     def validate(self) -> None:
         for k in ("seq_len", "steps", "batch_size", "grad_accum", "lora_rank"):
             if getattr(self, k) <= 0:
@@ -210,8 +215,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, progr
     task = synthetic_task(cfg.data)
     model, tok = load_model(cfg.model, require_tokenizer=task is None)
     model.train()
-    full_model = cfg.full == ["all"]
-    if full_model:  # from scratch / full fine-tuning: no adapter, every weight trains
+    if cfg.full_model:  # from scratch / full fine-tuning: no adapter, every weight trains
         peft_model = model.requires_grad_(True)
     else:
         roles = tuple(cfg.lora_roles) if cfg.lora_roles else _method_roles(cfg.methods, registry())
@@ -328,7 +332,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, progr
     accel.wait_for_everyone()
     if accel.is_main_process:
         extra = {"training": dataclasses.asdict(cfg), "steps_done": step}
-        if full_model:
+        if cfg.full_model:
             save_full_model(accel.unwrap_model(ddp_model), out, methods=run.describe()["methods"], extra=extra)
         else:
             save_adapter(accel.unwrap_model(ddp_model), out, methods=run.describe()["methods"], extra=extra)

@@ -243,6 +243,12 @@ def test_from_scratch_full_training_on_the_dictionary_task(tmp_path):
                                   "-o", "memory_layers=1", "--dict-tokens", "64,256", "--query-tokens", "32",
                                   "--samples", "2", "--out", str(tmp_path / "ev"), "--json"])
     assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["train", "-m", str(base), "--method", "fot", "-o", "local=32", "-o", "w=1",
+                                  "-o", "memory_layers=1", "-d", "task:dictionary", "--full", "all", "--seq-len", "64",
+                                  "--batch-size", "2", "--steps", "1", "--out", str(tmp_path / "cli"), "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.output)  # a model folder (load it with -m), not an adapter
+    assert report["model"] == str(tmp_path / "cli") and "adapter" not in report and report["steps"] == 1
     with pytest.raises(LcxError, match="unknown synthetic task 'dict'"):
         train(cfg(tmp_path / "bad", data=["task:dict"]), progress=False)
 
