@@ -761,7 +761,8 @@ def analyze_distraction(model, methods, options, adapter, trust_remote_code, dat
 @click.option("--option", "-o", "options", multiple=True, metavar="KEY=VALUE", help="Method option (see `lcx methods -v`).")
 @click.option("--data", "-d", multiple=True, required=True, metavar="PATH",
               help="Text file, folder (one document per file) or .jsonl; repeatable.  Or a synthetic task: "
-                   "task:dictionary (FoT's dictionary lookup, fresh seeded documents every step).")
+                   "task:dictionary (FoT's dictionary lookup, fresh seeded documents every step: one document "
+                   "per --seq-len row; task:dictionary:512 for 512-token documents back to back).")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Output folder for the adapter.")
 @click.option("--seq-len", type=click.IntRange(2), default=1024, show_default=True, help="Tokens per training window.")
 @click.option("--steps", type=click.IntRange(1), default=100, show_default=True)

@@ -356,12 +356,17 @@ def synthetic_task(data: list[str]) -> Callable[[random.Random, int, int], dict[
         return None
     if len(data) != 1:
         raise LcxError(f"a synthetic task trains alone: give --data {tasks[0]} without other data")
-    name = tasks[0].split(":", 1)[1]
+    name, _, arg = tasks[0].split(":", 1)[1].partition(":")
     if name == "dictionary":
         from lcx.evals.dictionary import training_batch
 
-        return lambda rng, batch_size, seq_len: training_batch(rng, batch_size, seq_len)
-    raise LcxError(f"unknown synthetic task {name!r}; known: task:dictionary (FoT's dictionary lookup)")
+        if arg and not (arg.isdigit() and int(arg) >= 20):
+            raise LcxError(f"task:dictionary:{arg}: the document length must be a number of tokens >= 20 "
+                           f"(e.g. task:dictionary:512)")
+        doc = int(arg) if arg else None
+        return lambda rng, batch_size, seq_len: training_batch(rng, batch_size, seq_len, doc)
+    raise LcxError(f"unknown synthetic task {name!r}; known: task:dictionary (FoT's dictionary lookup; "
+                   f"task:dictionary:N for N-token documents back to back in each row)")
 
 
 def _loss_terms(run, model, batch) -> dict[str, torch.Tensor]:

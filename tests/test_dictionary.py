@@ -27,6 +27,30 @@ def test_document_structure():
     assert all(x == -100 for x in labels[:256])
 
 
+def test_training_rows_of_back_to_back_documents():
+    """task:dictionary:512 at --seq-len 1024: two whole 512-token documents per row, each queried only about
+    its own definitions; a row length that cuts a document and a malformed task name are refused."""
+    import pytest
+
+    from lcx.errors import LcxError
+    from lcx.train import synthetic_task
+
+    batch = synthetic_task(["task:dictionary:512"])(random.Random(0), 3, 1024)
+    assert batch["input_ids"].shape == (3, 1024) and (batch["labels"] != -100).sum(1).tolist() == [200] * 3
+    for row in batch["input_ids"].tolist():
+        for start in (0, 512):
+            ids = row[start:start + 512]
+            defs = {tuple(ids[i + 1:i + 5]): tuple(ids[i + 6:i + 10]) for i in range(0, 250, 10)}
+            assert ids[0] == dct.KEY and ids[256] == dct.QUERY
+            assert all(defs[tuple(ids[q + 1:q + 5])] == tuple(ids[q + 6:q + 10]) for q in range(256, 506, 10))
+    one = synthetic_task(["task:dictionary"])(random.Random(0), 2, 1024)  # one document per row, as before
+    assert (one["labels"] != -100).sum(1).tolist() == [204, 204]
+    with pytest.raises(LcxError, match="--seq-len 1000 is not a multiple of the dictionary documents' 512"):
+        synthetic_task(["task:dictionary:512"])(random.Random(0), 1, 1000)
+    with pytest.raises(LcxError, match="task:dictionary:big: the document length must be a number"):
+        synthetic_task(["task:dictionary:big"])
+
+
 def test_scorer_with_oracles():
     doc = dct.make_document(random.Random(1), 200, 100)
     T = doc.input_ids.numel()

@@ -67,11 +67,23 @@ def make_document(rng: random.Random, dict_tokens: int, query_tokens: int) -> Do
     return Document(torch.tensor(ids), torch.tensor(labels), n_q)
 
 
-def training_batch(rng: random.Random, batch_size: int, length: int = 512) -> dict[str, torch.Tensor]:
-    """Training documents: first half definitions, second half queries; loss on queried values only."""
-    docs = [make_document(rng, length // 2, length - length // 2) for _ in range(batch_size)]
-    ids = torch.stack([d.input_ids for d in docs])
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.stack([d.labels for d in docs])}
+def training_batch(rng: random.Random, batch_size: int, length: int = 512,
+                   doc_tokens: int | None = None) -> dict[str, torch.Tensor]:
+    """Training rows of ``length`` tokens; loss on queried values only.  Each row is one document (first
+    half definitions, second half queries), or with ``doc_tokens`` ``length // doc_tokens`` such documents
+    of ``doc_tokens`` tokens back to back, as the paper concatenates documents: then a row's later
+    contexts of definitions are read with earlier, unrelated documents in memory, as every definition
+    window after the first is at evaluation."""
+    doc = doc_tokens or length
+    if length % doc:
+        raise LcxError(f"--seq-len {length} is not a multiple of the dictionary documents' {doc} tokens; "
+                       f"use a multiple (e.g. {max(doc, length // doc * doc)})")
+    rows = []
+    for _ in range(batch_size):
+        docs = [make_document(rng, doc // 2, doc - doc // 2) for _ in range(length // doc)]
+        rows.append((torch.cat([d.input_ids for d in docs]), torch.cat([d.labels for d in docs])))
+    ids = torch.stack([r[0] for r in rows])
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.stack([r[1] for r in rows])}
 
 
 def score(doc: Document, logits_fn: Callable[[torch.Tensor, int], torch.Tensor], query_tokens: int) -> dict[str, int]:
