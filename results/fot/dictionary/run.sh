@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # FoT's dictionary lookup (appendix F, issue 5), scaled to this CPU machine.
-#   bash results/fot/dictionary/run.sh              # every step, in order (~40 min of fot training, ~30 min of evaluation)
+#   bash results/fot/dictionary/run.sh              # every step, in order (~43 min of fot training, ~35 min of evaluation)
 #   bash results/fot/dictionary/run.sh eval_s3      # chosen steps
 # A 4-layer llama (hidden 128, 4 heads, ~0.8M parameters, the task's 68-token vocabulary) trained from
 # scratch by `lcx train` with fot crossbatch memory attention in every layer, the paper's loss (queried
@@ -12,6 +12,8 @@
 #   s1:     512-token documents, local 256, d = 1, 150 steps, lr 1e-3
 #   s2:     from s1, d = 16 (up to 15 other documents' definitions as negatives), 150 steps, lr 1e-3
 #   s3:     from s2, d = 32, batch 32, 80 steps, lr 1e-3
+#   s4:     from s3, rows of two 512-token documents (task:dictionary:512, --seq-len 1024, w = 3), each context
+#           seeing the one before it and 31 contexts of other rows; 30 steps, lr 1e-3, 2 threads (6.1 min)
 # Baseline without memory: the same model, curriculum and step counts with plain attention (`--method
 # vanilla`, the whole 80- / 512-token document in one window).
 # Evaluation: `lcx eval dictionary`, kNN memory (k = 32, exact search), 256 query tokens (25 queries) after
@@ -53,6 +55,15 @@ s3() {
         --warmup 5 --steps 80 --lr 1e-3 --out $RUNS/s3 --overwrite
     log s3
 }
+s4() {  # from s3: rows of two 512-token documents back to back (4 contexts, w = 3); each context sees only the
+        # one before it (a document's queries see its definitions; the second document's definitions are read
+        # with the first document's queries in memory, as every definition window after the first is at
+        # evaluation) and 31 contexts of earlier rows; 2 torch threads
+    OMP_NUM_THREADS=2 $LCX train -m $RUNS/s3 --method fot -o fot.w=3 -o fot.segments=0:0,1:31,2:31,3:31 \
+        -o fot.memory_layers=all -o fot.local=256 -o fot.d=16 --full all -d task:dictionary:512 --save-every 10 \
+        --seq-len 1024 --batch-size 16 --warmup 3 --steps 30 --lr 1e-3 --out $RUNS/s4 --overwrite
+    log s4
+}
 baseline() {  # plain attention, same curriculum
     $LCX train -m $RUNS/init --method vanilla "${TASK[@]}" --seq-len 80 --batch-size 64 --warmup 50 --steps 900 \
         --lr 3e-3 --out $RUNS/baseline-warmup --overwrite
@@ -68,11 +79,12 @@ evaluate_fot() {  # evaluate_fot STAGE "D" [SIZES]
 eval_s1() { evaluate_fot s1 1 512,1K,4K,16K; }  # 64K left out for time: 0.27 at 16K already
 eval_s2() { evaluate_fot s2 16; }
 eval_s3() { evaluate_fot s3 32; }
+eval_s4() { OMP_NUM_THREADS=2 evaluate_fot s4 "16, 2-document rows"; }
 eval_baseline() {
     $LCX eval dictionary -m $RUNS/baseline --method vanilla -o vanilla.head_fraction=0 --dict-tokens $SIZES \
         --samples $SAMPLES --label "no memory (plain attention, window 512)" --out $OUT
 }
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(init warmup s1 s2 s3 baseline eval_s1 eval_s2 eval_s3 eval_baseline)
+[ ${#steps[@]} -eq 0 ] && steps=(init warmup s1 s2 s3 s4 baseline eval_s1 eval_s2 eval_s3 eval_s4 eval_baseline)
 for s in "${steps[@]}"; do echo "== $s"; "$s"; done
