@@ -620,7 +620,9 @@ def eval_dictionary(model, methods, options, adapter, trust_remote_code, dict_to
     runs = json.loads(path.read_text()).get("runs", {}) if path.exists() else {}
     runs[label] = result
     js = write_json({**result, "label": label, "command": "lcx " + " ".join(sys.argv[1:]), "runs": runs}, path)
-    png = dictionary.plot(runs, out / "dictionary.png", f"dictionary lookup: {Path(model).name}")
+    models = {Path(r["model"]).name for r in runs.values()}  # the runs may come from several models
+    png = dictionary.plot(runs, out / "dictionary.png",
+                          "dictionary lookup" + (f": {models.pop()}" if len(models) == 1 else ""))
     if as_json:
         _echo_json({"json": str(js), "plot": str(png), **{k: v["accuracy"] for k, v in per_size.items()}})
     else:
