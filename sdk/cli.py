@@ -588,7 +588,7 @@ def eval_dictionary(model, methods, options, adapter, trust_remote_code, dict_to
 
     from lcx.evals import dictionary
     from lcx.generation import tail_logits
-    from lcx.io import write_json
+    from lcx.io import accumulated_runs, write_json
     from lcx.session import open_session, parse_options
 
     s = _with_limits(open_session(model, methods, parse_options(options), adapter, trust_remote_code,
@@ -617,12 +617,12 @@ def eval_dictionary(model, methods, options, adapter, trust_remote_code, dict_to
     result = {"model": model, **desc, "adapter": str(adapter) if adapter else None, "query_tokens": query_tokens,
               "results": per_size}
     path = out / "dictionary.json"
-    runs = json.loads(path.read_text()).get("runs", {}) if path.exists() else {}
-    runs[label] = result
-    js = write_json({**result, "label": label, "command": "lcx " + " ".join(sys.argv[1:]), "runs": runs}, path)
-    models = {Path(r["model"]).name for r in runs.values()}  # the runs may come from several models
-    png = dictionary.plot(runs, out / "dictionary.png",
-                          "dictionary lookup" + (f": {models.pop()}" if len(models) == 1 else ""))
+    with accumulated_runs(path) as runs:
+        runs[label] = result
+        js = write_json({**result, "label": label, "command": "lcx " + " ".join(sys.argv[1:]), "runs": runs}, path)
+        models = {Path(r["model"]).name for r in runs.values()}  # the runs may come from several models
+        png = dictionary.plot(runs, out / "dictionary.png",
+                              "dictionary lookup" + (f": {models.pop()}" if len(models) == 1 else ""))
     if as_json:
         _echo_json({"json": str(js), "plot": str(png), **{k: v["accuracy"] for k, v in per_size.items()}})
     else:
@@ -727,7 +727,7 @@ def analyze_distraction(model, methods, options, adapter, trust_remote_code, dat
       lcx analyze distraction -m smollm2-135m -d ../shared/data/books -o local=256 --label base
       lcx analyze distraction -m smollm2-135m --adapter out/fot-xb -d ../shared/data/books --label crossbatch
     """
-    from lcx.io import write_json
+    from lcx.io import accumulated_runs, write_json
     from lcx.plugins.fot import distraction
 
     if methods and tuple(methods) != ("fot",):
@@ -743,11 +743,11 @@ def analyze_distraction(model, methods, options, adapter, trust_remote_code, dat
         s.close()
     label = label or (f"{model} + {Path(adapter).name}" if adapter else model)
     path = out / "distraction.json"
-    runs = json.loads(path.read_text())["runs"] if path.exists() else {}
     command = "lcx " + " ".join(sys.argv[1:])
-    runs[label] = {"command": command, **result}  # each run keeps the command that measured it
-    js = write_json({"command": command, "runs": runs}, path)
-    png = distraction.plot(runs, out / "distraction.png", "FoT distraction: attention on the relevant context")
+    with accumulated_runs(path) as runs:
+        runs[label] = {"command": command, **result}  # each run keeps the command that measured it
+        js = write_json({"command": command, "runs": runs}, path)
+        png = distraction.plot(runs, out / "distraction.png", "FoT distraction: attention on the relevant context")
     if as_json:
         _echo_json({"json": str(js), "plot": str(png), "label": label, "positive_share": result["positive_share"]})
     else:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 #: ``commit_files`` writes a new set of files here first ...
 STAGING = ".lcx-staging"
@@ -83,6 +84,37 @@ def write_text(text: str, path: Path) -> Path:
 
 def write_json(obj: Any, path: Path) -> Path:
     return write_text(json.dumps(obj, indent=2, default=str), path)
+
+
+@contextlib.contextmanager
+def file_lock(path: Path, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
+    """Hold an exclusive lock on the file ``path`` (created if missing) across processes (POSIX ``flock``);
+    ``on_wait`` is called once if another process holds it.  A no-op where ``fcntl`` is missing."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                on_wait()
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def accumulated_runs(path: Path) -> Iterator[dict[str, Any]]:
+    """The ``runs`` (by label) of a results JSON that keeps every run so far, under a lock held until the
+    block that adds to them has written the file: runs into one ``--out`` at once never drop each other's."""
+    with file_lock(path.with_name(f".{path.name}.lock")):
+        yield json.loads(path.read_text()).get("runs", {}) if path.exists() else {}
 
 
 def _fsync_tree(folder: Path) -> None:

