@@ -21,6 +21,7 @@ import sys
 import lcx.plugins.fot.method as fot_method
 from lcx.evals import dictionary
 from lcx.generation import tail_logits
+from lcx.io import token_counts
 from lcx.memory import make_store
 from lcx.session import open_session, parse_options
 
@@ -36,7 +37,7 @@ def main() -> None:
     ap.add_argument("--definitions-without-memory", action="store_true")
     ap.add_argument("--out")
     a = ap.parse_args()
-    n = int(a.dict_tokens[:-1]) * 1024 if a.dict_tokens.upper().endswith("K") else int(a.dict_tokens)
+    (n,) = token_counts(a.dict_tokens)  # one size, parsed as `lcx eval dictionary --dict-tokens` parses them
 
     reading_definitions = [False]
     memory_attention = fot_method.memory_attention
