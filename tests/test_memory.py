@@ -36,6 +36,21 @@ def test_approximate_backends_have_high_recall(kind, extra):
     assert recall_at_k(ei, ai) >= 0.95  # nprobe == nlist makes IVF exhaustive; HNSW at ef 128 is near-exact
 
 
+def test_ivf_probing_every_list_is_exact_inner_product_search_also_for_keys_added_after_training():
+    """faiss-ivf searches extended keys by L2 (lcx.memory.FaissStore): probing every list must give exact
+    inner-product results and scores, including for keys added after training with larger norms."""
+    keys, values, q = _data(1200)
+    keys[600:] *= 1.8  # later keys: norms beyond the training ones (within the R margin of 2)
+    t, s = make_store(kind="torch"), make_store(kind="faiss-ivf", nlist=16, nprobe=16, ivf_train=600)
+    for x in (t, s):
+        x.add(keys[:600], values[:600], torch.arange(600))
+        x.add(keys[600:], values[600:], torch.arange(600, 1200))
+    assert s.index is not None and s.index.is_trained
+    (ts, ti), (ss, si) = t.search(q, 10), s.search(q, 10)
+    assert torch.equal(ti, si)
+    torch.testing.assert_close(ts, ss)
+
+
 def test_ivf_before_training_falls_back_to_exact():
     keys, values, q = _data(50)
     s, t = make_store(kind="faiss-ivf", nlist=64), make_store(kind="torch")
