@@ -101,6 +101,9 @@ class Streaming(Method):
                            f"window ({window}); use -o streaming.chunk={max(1, window // 4)}")
         return w
 
+    def reusable_prefix(self) -> bool:
+        return True  # sinks and window live in the cache
+
     @hookimpl
     def lcx_plan(self, run, input_ids, attention_mask, max_new_tokens):
         return Plan.chunked(input_ids, attention_mask, self.chunk)

@@ -389,17 +389,17 @@ def eval_passkey(model, methods, options, adapter, trust_remote_code, lengths, d
 
     Writes OUT/passkey.json (config, per-sample outputs, summary) and a heatmap OUT/passkey.png;
     every finished sample is also appended to OUT/passkey.samples.jsonl, so an interrupted grid
-    continues with --resume.
+    continues with --resume.  The keys of a cell share the filler before their needle: methods whose
+    memory allows it (fot, streaming) feed it once and start the cell's other keys from a copy, with
+    the same answers (a sample's "seconds" then covers only what it fed).
     """
     from lcx.evals import passkey
-    from lcx.generation import generate
 
     s = _open(model, methods, options, adapter, trust_remote_code)
     try:
         cfg = passkey.PasskeyConfig(lengths=lengths, depths=depths, samples=samples, seed=seed)
         journal = _passkey_journal(out / "passkey.samples.jsonl", model, s.run, adapter, cfg, resume)
-        result = passkey.evaluate(lambda ids, n: generate(s.run, ids, max_new_tokens=n), s.tokenizer, cfg,
-                                  progress=not as_json, journal=journal)
+        result = passkey.evaluate(_passkey_generator(s.run), s.tokenizer, cfg, progress=not as_json, journal=journal)
         label = "+".join(m.name for m in s.run.methods) or "no method"
         result = {"model": model, **s.run.describe(), "methods_label": label,
                   "adapter": str(adapter) if adapter else None, **result}
@@ -412,6 +412,18 @@ def eval_passkey(model, methods, options, adapter, trust_remote_code, lengths, d
         acc = result["summary"]["accuracy_by_length"]
         click.echo(f"passkey accuracy ({label}): " + ", ".join(f"{n}: {a:.0%}" for n, a in acc.items()))
         click.echo(f"wrote {js} and {png}")
+
+
+def _passkey_generator(run):
+    """Greedy generation for a passkey grid: the filler before a cell's needle, the same for each of its keys,
+    is fed once and its memory reused (methods that keep all per-prompt state in their cache; same tokens)."""
+    from lcx.generation import PrefixReuse, generate
+
+    def gen(ids, n, shared):
+        return generate(run, ids, max_new_tokens=n, reuse=gen.reuse, shared=shared)
+
+    gen.reuse = PrefixReuse()
+    return gen
 
 
 def _passkey_journal(path: Path, model: str, run, adapter, cfg, resume: bool):
@@ -516,7 +528,7 @@ def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, 
     """
     from lcx.evals import compare as cmp
     from lcx.evals import passkey, ppl
-    from lcx.generation import generate, score_tail
+    from lcx.generation import score_tail
     from lcx.models import load_model
     from lcx.session import parse_options
 
@@ -527,8 +539,7 @@ def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, 
         def ev(run):
             stem = re.sub(r"[^A-Za-z0-9_.+-]", "_", "+".join(m.name for m in run.methods) or "none")
             journal = _passkey_journal(out / f"compare-passkey.{stem}.samples.jsonl", model, run, None, cfg, resume)
-            return passkey.evaluate(lambda ids, n: generate(run, ids, max_new_tokens=n), tok, cfg,
-                                    progress=not as_json, journal=journal)
+            return passkey.evaluate(_passkey_generator(run), tok, cfg, progress=not as_json, journal=journal)
     else:
         if not data:
             raise LcxError("ppl needs documents: give --data PATH (e.g. ../shared/data/books)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable
 
 import torch
@@ -26,16 +27,63 @@ def new_memory(run: Run, plan: Plan) -> Any:
     return cache
 
 
+class PrefixReuse:
+    """Prompts that start alike feed their common leading windows once (a passkey grid: every key of a
+    cell shares the filler before its needle).
+
+    Generation with ``reuse=`` and ``shared=P`` (tokens the caller expects later prompts to share)
+    keeps a copy of the memory after the last window that ends at or before P; a later prompt whose
+    first tokens equal that snapshot's, on the same run, starts from a copy of it.  The copy is the
+    whole per-prompt state of methods whose ``reusable_prefix()`` is true, so outputs are the same as
+    feeding every window (tested); for other methods, or batches, it does nothing.  One snapshot is
+    kept: its memory can be as large as the prompt's."""
+
+    def __init__(self) -> None:
+        self.run: Run | None = None
+        self.ids: torch.Tensor | None = None  # (1, E) tokens of the snapshot's windows
+        self.windows: list[tuple[int, int]] = []
+        self.cache: Any = None
+        self.reused = 0  # windows not fed again, over all prompts (for reporting and tests)
+
+    @staticmethod
+    def applies(run: Run, plan: Plan) -> bool:
+        return plan.input_ids.shape[0] == 1 and bool(run.methods) and all(m.reusable_prefix() for m in run.methods)
+
+    def restore(self, run: Run, plan: Plan, windows: list[tuple[int, int]]) -> tuple[int, Any]:
+        """(windows already fed, the cache holding them) for this plan: from the snapshot, or (0, new)."""
+        n = len(self.windows)
+        if (self.cache is None or self.run is not run or not self.applies(run, plan) or windows[:n] != self.windows
+                or not torch.equal(plan.input_ids[:, : self.ids.shape[1]], self.ids)
+                or not bool(plan.attention_mask[:, : self.ids.shape[1]].all())):
+            return 0, new_memory(run, plan)
+        run.state["plan"] = plan
+        run.state["memory"] = cache = copy.deepcopy(self.cache)
+        self.reused += n
+        return n, cache
+
+    def offer(self, run: Run, plan: Plan, windows: list[tuple[int, int]], done: int, shared: int, cache: Any) -> None:
+        """After ``done`` windows: snapshot if they are all the windows inside the first ``shared`` tokens."""
+        if done != sum(1 for _, e in windows if e <= shared) or not self.applies(run, plan):
+            return  # not the last window inside the shared tokens (a restored prompt starts past it)
+        self.run, self.windows, self.ids = run, list(windows[:done]), plan.input_ids[:, : windows[done - 1][1]].clone()
+        self.cache = None  # free the old snapshot before copying the new one
+        self.cache = copy.deepcopy(cache)
+
+
 @torch.no_grad()
 def prefill(run: Run, plan: Plan, include_last: bool = False,
-            on_window: Callable[[int, int], None] | None = None) -> Any:
+            on_window: Callable[[int, int], None] | None = None,
+            reuse: PrefixReuse | None = None, shared: int = 0) -> Any:
     """Create the run's memory and feed the plan's windows into it: all but the last (which
     generation feeds), or all of them with ``include_last`` (building a memory).
-    ``on_window(start, end)`` runs after each window (progress, timing)."""
+    ``on_window(start, end)`` runs after each window (progress, timing).  With ``reuse``, the windows
+    inside the first ``shared`` tokens come from, or go to, its snapshot (:class:`PrefixReuse`)."""
     model = run.model
-    cache = new_memory(run, plan)
+    windows = plan.windows if include_last else plan.windows[:-1]
+    done, cache = reuse.restore(run, plan, windows) if reuse is not None else (0, new_memory(run, plan))
     pos = position_ids_from_mask(plan.attention_mask)
-    for s, e in plan.windows if include_last else plan.windows[:-1]:
+    for i in range(done, len(windows)):
+        s, e = windows[i]
         model(
             input_ids=plan.input_ids[:, s:e],
             attention_mask=plan.attention_mask[:, :e],
@@ -44,6 +92,8 @@ def prefill(run: Run, plan: Plan, include_last: bool = False,
             use_cache=True,
             logits_to_keep=1,
         )
+        if reuse is not None and shared:
+            reuse.offer(run, plan, windows, i + 1, shared, cache)
         if on_window is not None:
             on_window(s, e)
     return cache
@@ -70,11 +120,14 @@ def generate(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     max_new_tokens: int = 32,
+    reuse: PrefixReuse | None = None,
+    shared: int = 0,
     **generate_kwargs: Any,
 ) -> torch.Tensor:
-    """Generate ``max_new_tokens`` after a (possibly very long) prompt; returns only the new tokens (B, N)."""
+    """Generate ``max_new_tokens`` after a (possibly very long) prompt; returns only the new tokens (B, N).
+    ``reuse``/``shared``: feed leading windows other prompts share once (:class:`PrefixReuse`)."""
     plan = make_plan(run, input_ids, attention_mask, max_new_tokens)
-    cache = prefill(run, plan)
+    cache = prefill(run, plan, reuse=reuse, shared=shared)
     kwargs = dict(do_sample=False, pad_token_id=_pad_id(run.model))
     kwargs.update(generate_kwargs)
     out = run.model.generate(

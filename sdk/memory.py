@@ -24,6 +24,7 @@ tensor file checked on load.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -88,6 +89,11 @@ class _Rows:
 
     def drop_front(self, n: int) -> None:
         self.start += n
+
+    def __deepcopy__(self, memo: dict) -> "_Rows":
+        """The live rows only (a copy does not keep the spare capacity)."""
+        live = self.view()
+        return _Rows(None if live is None else live.clone())
 
 
 class MemoryStore(ABC):
@@ -204,7 +210,7 @@ class FaissStore(MemoryStore):
     that their queries do not probe (results/fot/passkey-64k/recall: 65% of the needle's top-32 entries
     found at nprobe 8, 76% at nprobe 64).  Keys become ``[k, sqrt(R^2 - |k|^2)]`` and queries ``[q, 0]``,
     so ``|q' - k'|^2 = |q|^2 + R^2 - 2 q.k``: the nearest key is the largest inner product, and the lists
-    are plain L2 k-means cells (94% at nprobe 8, 97% at 32).  R is twice the largest norm seen at
+    are plain L2 k-means cells (95% at nprobe 8, 97% at 32).  R is twice the largest norm seen at
     training, so later keys up to that norm keep the identity; scores are recomputed exactly."""
 
     IVF_NORM_MARGIN = 2.0
@@ -214,6 +220,23 @@ class FaissStore(MemoryStore):
         self.index: Any = None
         self._id_base = 0  # IVF keeps ids on removal: index id = entry index + _id_base
         self._r2 = 0.0  # faiss-ivf: R^2 of the extending coordinate (set when the lists are trained)
+
+    def __deepcopy__(self, memo: dict) -> "FaissStore":
+        """A copy with its own index (FAISS objects do not deep-copy; clone_index copies lists and graph)."""
+        import faiss
+
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            if name not in ("index", "_quantizer", "_gpu_res"):
+                setattr(new, name, copy.deepcopy(value, memo))
+        new.index = None
+        if self.index is not None:
+            if self.config.kind == "faiss-gpu":
+                new._rebuild()
+            else:
+                new.index = faiss.clone_index(self.index)  # the clone owns its quantizer
+        return new
 
     def _make_index(self, d: int) -> Any:
         import faiss

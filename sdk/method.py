@@ -47,6 +47,12 @@ class Method:
     #: Why a method with ``serving == ""`` is not served, for the error that refuses it.
     not_served_because: ClassVar[str] = ""
 
+    def reusable_prefix(self) -> bool:
+        """Whether a prompt's leading windows may be fed once and their memory (the run's cache, copied)
+        reused by later prompts that start with the same tokens (``lcx.generation.PrefixReuse``): true
+        only when everything the method keeps per prompt lives in that cache."""
+        return False
+
     def memory_entries(self, run: Any, input_tokens: int) -> int:
         """Entries per memory layer and KV head this method's own memory holds after a request of
         ``input_tokens`` (checked against ``lcx.limits``); 0 for methods whose memory is the model's cache."""

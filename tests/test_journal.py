@@ -14,7 +14,7 @@ FP = {"model": "m", "methods": [{"name": "fot", "options": {"k": 8}}]}
 
 
 def counting_generate(tok, calls):
-    def gen(ids, n):  # answers with the key it finds in the prompt, so "found" depends on the sample
+    def gen(ids, n, shared):  # answers with the key it finds in the prompt, so "found" depends on the sample
         calls.append(ids.shape[1])
         text = tok.decode(ids[0])
         key = text.split("The pass key is ")[1][:5]

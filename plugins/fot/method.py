@@ -218,6 +218,9 @@ class FoT(Method):
             return (self.fixed_distance or self.local) - q_index
         return -q_index
 
+    def reusable_prefix(self) -> bool:
+        return self.mode == "single"  # multi-document mode keeps what each prompt adds, by design
+
     # ------------------------------------------------------------------ multi-document memory
     @torch.no_grad()
     def ingest(self, run, input_ids: torch.Tensor, doc_id: int) -> int:

@@ -32,6 +32,11 @@ QUESTION = "What is the pass key? The pass key is"
 
 def build_prompt_ids(tokenizer: Any, length: int, depth: float, key: int) -> torch.Tensor:
     """Token ids (1-D) of a passkey prompt of about ``length`` tokens with the needle at ``depth``."""
+    return prompt_and_needle(tokenizer, length, depth, key)[0]
+
+
+def prompt_and_needle(tokenizer: Any, length: int, depth: float, key: int) -> tuple[torch.Tensor, int]:
+    """The prompt's ids and where its needle starts: the tokens before it are the same for every key."""
     if not 0.0 <= depth <= 1.0:
         raise LcxError(f"depth must be in [0, 1], got {depth}")
     enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
@@ -44,7 +49,7 @@ def build_prompt_ids(tokenizer: Any, length: int, depth: float, key: int) -> tor
     fill = (filler * reps)[: (n_fill // len(filler)) * len(filler)]  # whole sentences only
     cut = int(round(depth * (len(fill) // len(filler)))) * len(filler)
     ids = head + fill[:cut] + needle + fill[cut:] + question
-    return torch.tensor(ids, dtype=torch.long)
+    return torch.tensor(ids, dtype=torch.long), len(head) + cut
 
 
 @dataclass
@@ -66,13 +71,15 @@ class PasskeyConfig:
 
 
 def evaluate(
-    generate_fn: Callable[[torch.Tensor, int], torch.Tensor],
+    generate_fn: Callable[[torch.Tensor, int, int], torch.Tensor],
     tokenizer: Any,
     config: PasskeyConfig,
     progress: bool = True,
     journal: Journal | None = None,
 ) -> dict[str, Any]:
-    """Run the grid; ``generate_fn(ids (1, T), max_new_tokens) -> new ids (1, N)``.
+    """Run the grid; ``generate_fn(ids (1, T), max_new_tokens, shared) -> new ids (1, N)``, where the first
+    ``shared`` tokens (instruction and filler up to the needle) are the same for every key of a cell, so
+    a generator may feed them once (``lcx.generation.PrefixReuse``).
 
     With a ``journal`` every finished sample is recorded as it completes, and samples the journal
     already holds (a resumed run: same seed, so the same keys) are taken from it, not recomputed."""
@@ -90,9 +97,10 @@ def evaluate(
                 samples.append({k: v for k, v in done.items() if k != "id"})
                 bar.update(1)
                 continue
-            ids = build_prompt_ids(tokenizer, n, d, key)[None]
+            ids, shared = prompt_and_needle(tokenizer, n, d, key)
+            ids = ids[None]
             t0 = time.perf_counter()
-            new = generate_fn(ids, config.max_new_tokens)
+            new = generate_fn(ids, config.max_new_tokens, shared)
             dt = time.perf_counter() - t0
             text = tokenizer.decode(new[0], skip_special_tokens=True)
             found = str(key) in re.sub(r"\s+", "", text)
