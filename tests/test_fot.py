@@ -226,3 +226,30 @@ def test_multi_doc_memory_holds_each_document_as_if_indexed_alone_in_any_order()
             for both in (ab, ba):
                 k2, v2, p2 = part(both, doc_id)[key]
                 assert torch.equal(k, k2) and torch.equal(v, v2) and torch.equal(p, p2)
+
+
+@pytest.mark.slow
+def test_smollm2_multi_doc_memory_answers_about_a_and_about_b():
+    """The issue's multi-document check on the real model, training-free (results/fot/multidoc, task kinds):
+    one memory of document A (a pass key) and document B (a city's name) answers a question about each,
+    in either indexing order, and the same memory without the documents does not."""
+    from lcx.evals.passkey import FILLER, INSTRUCTION
+    from lcx.generation import generate
+    from lcx.models import load_model
+
+    model, tok = load_model("smollm2-135m")
+    enc = lambda s: tok(s, return_tensors="pt")["input_ids"]  # noqa: E731
+    fill = lambda n: (" " + FILLER) * n  # noqa: E731
+    docs = [INSTRUCTION + "\n" + fill(10) + " " + fact + fill(10) for fact in (
+        "The pass key is 58203. Remember it. 58203 is the pass key.",
+        "The secret city is called Quenmoor. Remember it. Quenmoor is the name of the secret city.")]
+    prompt = INSTRUCTION + "\n" + fill(5) + "\n"
+    questions = {"58203": prompt + "What is the pass key? The pass key is",
+                 "Quenmoor": prompt + "What is the secret city called? The secret city is called"}
+    for order in (docs, docs[::-1], []):
+        with lcx.attach(model, ["fot"], local=1024, chunk=256, memory_layers="all", mode="multi") as run:
+            for i, d in enumerate(order):
+                run.method("fot").ingest(run, enc(d), i)
+            answers = {want: tok.decode(generate(run, enc(q), max_new_tokens=6)[0]) for want, q in questions.items()}
+        for want, text in answers.items():
+            assert (want in text.replace(" ", "")) == bool(order), (len(order), answers)

@@ -45,6 +45,7 @@ distraction() {  # FoT Figure 3 measure before crossbatch training (the base mod
 }
 multidoc() {  # answers about A and about B from one multi-document memory
     .venv/bin/python results/fot/multidoc/multidoc.py
+    .venv/bin/python results/fot/multidoc/multidoc.py --task kinds
 }
 passkey128() {
     $LCX eval compare passkey -m smollm2-135m --stack fot --stack vanilla --lengths 128K "${FOT[@]}" "${IVF_LONG[@]}" \
