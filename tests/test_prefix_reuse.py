@@ -64,7 +64,7 @@ def test_a_prompt_that_differs_inside_the_snapshot_or_a_method_that_keeps_state_
 
 def test_passkey_grid_answers_the_same_with_reuse(tmp_path):
     """`lcx eval passkey`'s generator (prefix reuse on) against plain generation, on a char tokenizer."""
-    from lcx.cli import _passkey_generator
+    from lcx.cli.evaluation import _passkey_generator
     from lcx.evals import passkey
     from tests.helpers import char_tokenizer
 

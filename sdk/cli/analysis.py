@@ -1,0 +1,141 @@
+"""`lcx analyze attention|retrieval|distraction`: where long-context attention goes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from lcx.cli.base import (
+    CONTEXT, LcxGroup, _echo_json, _float_list, _int_list, _open, _positive_ints, main, method_options,
+    model_option,
+)
+from lcx.cli.evaluation import _ppl_documents
+from lcx.errors import LcxError
+
+
+@main.group("analyze", cls=LcxGroup, context_settings=CONTEXT)
+def analyze_grp() -> None:
+    """Analyses of what a model attends to."""
+
+
+@analyze_grp.command("attention", context_settings=CONTEXT)
+@model_option
+@click.option("--data", "-d", multiple=True, required=True, metavar="PATH", help="Documents (files, folders, .jsonl).")
+@click.option("--length", type=click.IntRange(2), default=4096, show_default=True, help="Tokens per document analysed.")
+@click.option("--max-docs", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--chunk", type=click.IntRange(1), default=256, show_default=True, help="Queries per recomputation block.")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("out/attention"), show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def analyze_attention(model, data, length, max_docs, chunk, out, as_json):
+    """Attention mass by distance, per 1024-token bin and by rank (SMT's Pareto analysis); JSON + plot."""
+    from lcx import analyze
+    from lcx.models import load_model
+
+    hf_model, tok = load_model(model)
+    docs = [(n, ids) for n, ids in _ppl_documents(data, tok, None) if len(ids) >= length][:max_docs]
+    if not docs:
+        raise LcxError(f"no document in {list(data)} has {length} tokens; lower --length")
+    result = {"model": model, **analyze.analyze(hf_model, docs, length, chunk=chunk, progress=not as_json)}
+    js = analyze.write_json(result, out / "attention.json")
+    png = analyze.plot(result, out / "attention.png", f"{model}: attention over {length} tokens")
+    if as_json:
+        _echo_json({"json": str(js), "plot": str(png), "mass_per_bin": result["mass_per_bin"]})
+    else:
+        first = next(iter(result["mass_per_bin"].values()))
+        click.echo(f"mass in the first 1024-token bin: {first:.1%}; top fraction with 80% of the mass: "
+                   f"{result['smallest_top_fraction_with_80pct_mass']:.0%}")
+        click.echo(f"wrote {js} and {png}")
+
+
+@analyze_grp.command("retrieval", context_settings=CONTEXT)
+@model_option
+@click.option("--length", callback=lambda c, p, v: _int_list(c, p, v)[0], default="4K", show_default=True,
+              help="Prompt length in tokens; keep it within the model's window (K suffix allowed).")
+@click.option("--depths", callback=_float_list, default="0.2,0.5,0.8", show_default=True, help="Needle depths.")
+@click.option("--keys", "n_keys", type=click.IntRange(1), default=1, show_default=True, help="Random keys per depth.")
+@click.option("--threshold", type=click.FloatRange(0, 1), default=0.15, show_default=True,
+              help="A layer is suggested when its best head puts at least this share of attention on the needle.")
+@click.option("--seed", type=int, default=12345, show_default=True, help="Keys differ from the eval's (seed 0).")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("out/retrieval"), show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def analyze_retrieval(model, length, depths, n_keys, threshold, seed, out, as_json):
+    """Which layers copy from far context: attention mass on a passkey while the model repeats it.
+
+    The suggested layers are the memory layers a training-free memory method needs, e.g.
+    lcx eval passkey --method fot -o memory_layers=<suggested> ...  Writes OUT/retrieval.{json,png}.
+    """
+    import random
+
+    from lcx import analyze
+    from lcx.models import load_model
+
+    hf_model, tok = load_model(model)
+    rng = random.Random(seed)
+    keys = [rng.randint(10000, 99999) for _ in range(n_keys)]
+    result = {"model": model, "command": "lcx " + " ".join(sys.argv[1:]),
+              **analyze.retrieval_layers(hf_model, tok, length, depths, keys, threshold, progress=not as_json)}
+    js = analyze.write_json(result, out / "retrieval.json")
+    png = analyze.plot_retrieval(result, out / "retrieval.png", f"{model}: retrieval by layer and head")
+    if as_json:
+        _echo_json({"json": str(js), "plot": str(png), "suggested_memory_layers": result["suggested_memory_layers"],
+                    "best_head_mass_by_layer": result["best_head_mass_by_layer"]})
+    else:
+        click.echo(f"suggested memory layers: {result['suggested_memory_layers'] or '(none over the threshold)'}")
+        click.echo(f"wrote {js} and {png}")
+
+
+@analyze_grp.command("distraction", context_settings=CONTEXT)
+@model_option
+@method_options
+@click.option("--data", "-d", multiple=True, required=True, metavar="PATH",
+              help="Documents, one per batch row (files, folders, .jsonl); at least max(--ds) of them.")
+@click.option("--ds", callback=lambda c, p, v: _positive_ints(v), default="1,2,4,8", show_default=True,
+              help="Numbers of documents visible to the memory layer.")
+@click.option("--batches", type=click.IntRange(1), default=3, show_default=True,
+              help="Batches per d, each from another place in every document.")
+@click.option("--max-docs", type=click.IntRange(1), default=None, help="Use at most this many documents.")
+@click.option("--label", default=None, help="Name of this model in the plot (default: model, + adapter).")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("out/distraction"), show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def analyze_distraction(model, methods, options, adapter, trust_remote_code, data, ds, batches, max_docs, label, out,
+                        as_json):
+    """FoT's distraction measure: share of a memory layer's attention on its own document's previous
+    context when d documents' previous contexts are visible (chance: 1/d).
+
+    Runs fot's crossbatch attention (memory layers, local, positions from -o fot options).  Results
+    accumulate in OUT/distraction.json by --label, so a model before and after crossbatch training
+    land in one plot:
+
+    \b
+      lcx analyze distraction -m smollm2-135m -d ../shared/data/books -o local=256 --label base
+      lcx analyze distraction -m smollm2-135m --adapter out/fot-xb -d ../shared/data/books --label crossbatch
+    """
+    from lcx.io import accumulated_runs, write_json
+    from lcx.plugins.fot import distraction
+
+    if methods and tuple(methods) != ("fot",):
+        raise LcxError(f"analyze distraction measures fot's memory layers; drop --method {' '.join(methods)}")
+    s = _open(model, methods or (() if adapter else ("fot",)), options, adapter, trust_remote_code)
+    try:
+        if "fot" not in [m.name for m in s.run.methods]:
+            raise LcxError(f"adapter {str(adapter)!r} was not trained with fot; add --method fot")
+        docs = _ppl_documents(data, s.tokenizer, max_docs)
+        result = distraction.measure(s.run, docs, ds, batches, progress=not as_json)
+        result.update(model=model, adapter=str(adapter) if adapter else None, **s.run.describe())
+    finally:
+        s.close()
+    label = label or (f"{model} + {Path(adapter).name}" if adapter else model)
+    path = out / "distraction.json"
+    command = "lcx " + " ".join(sys.argv[1:])
+    with accumulated_runs(path) as runs:
+        runs[label] = {"command": command, **result}  # each run keeps the command that measured it
+        js = write_json({"command": command, "runs": runs}, path)
+        png = distraction.plot(runs, out / "distraction.png", "FoT distraction: attention on the relevant context")
+    if as_json:
+        _echo_json({"json": str(js), "plot": str(png), "label": label, "positive_share": result["positive_share"]})
+    else:
+        for d, v in result["positive_share"].items():
+            click.echo(f"d={d:>3}: positive share {v:.3f} (chance {1 / int(d):.3f})")
+        click.echo(f"wrote {js} and {png}")

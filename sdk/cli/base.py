@@ -1,0 +1,150 @@
+"""The `lcx` command line: the root group, shared options and option parsers.
+
+Every command accepts a known model name (``smollm2-135m``, see ``lcx models
+list``) or a local Hugging Face model folder.  Errors a user can fix print one
+line starting with ``error:`` and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from lcx.errors import LcxError
+
+CONTEXT = dict(help_option_names=["-h", "--help"], max_content_width=100)
+
+
+class LcxGroup(click.Group):
+    """Turns LcxError into a one-line message and exit status 2."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except LcxError as e:
+            click.echo(f"error: {e}", err=True)
+            ctx.exit(e.exit_code)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            ctx.exit(130)
+
+
+@click.group(cls=LcxGroup, context_settings=CONTEXT)
+@click.version_option(package_name="lcx")
+def main() -> None:
+    """lcx: long-context methods as plugins for any decoder-only Hugging Face model.
+
+    \b
+    Quick start:
+      lcx models pull smollm2-135m
+      lcx methods
+      lcx generate --model smollm2-135m --method streaming --input book.txt --prompt "Who is the narrator?"
+      lcx eval passkey --model smollm2-135m --method vanilla --lengths 4096 --samples 5
+    """
+
+
+# ---------------------------------------------------------------------- shared options
+def model_option(f):
+    return click.option("--model", "-m", required=True, metavar="NAME|DIR",
+                        help="Known model name (`lcx models list`) or a local Hugging Face model folder.")(f)
+
+
+def method_options(f):
+    f = click.option("--option", "-o", "options", multiple=True, metavar="KEY=VALUE",
+                     help="Method option, e.g. -o window=1024 or -o streaming.sinks=4 (see `lcx methods -v`).")(f)
+    f = click.option("--method", "methods", multiple=True, metavar="NAME",
+                     help="Method to attach; repeat to combine (e.g. --method rope --method streaming).")(f)
+    f = click.option("--adapter", type=click.Path(path_type=Path), default=None,
+                     help="lcx adapter folder (from `lcx train`); its methods apply unless --method is given.")(f)
+    f = click.option("--trust-remote-code", is_flag=True, default=False,
+                     help="Allow model folders to run their own Python code (off by default).")(f)
+    return limit_options(f)
+
+
+def limit_options(f):
+    f = click.option("--max-input-tokens", type=click.IntRange(1), default=None, expose_value=False,
+                     callback=_limit("max_input_tokens"), metavar="N",
+                     help="Refuse prompts over N tokens per request (default 262144, or LCX_MAX_INPUT_TOKENS). "
+                          "Requests whose key/value estimate exceeds the free RAM are refused too.")(f)
+    f = click.option("--max-memory-entries", type=click.IntRange(1), default=None, expose_value=False,
+                     callback=_limit("max_memory_entries"), metavar="N",
+                     help="Refuse requests leaving a method's memory over N entries per layer and KV head "
+                          "(default 4194304, or LCX_MAX_MEMORY_ENTRIES); -o fot.max_entries evicts instead.")(f)
+    return f
+
+
+def _limit(name: str):
+    """Click callback: a limit flag is kept on the command's context; ``_with_limits`` applies it."""
+    def callback(ctx, param, value):
+        if value is not None:
+            ctx.meta.setdefault("lcx.limits", {})[name] = value
+    return callback
+
+
+def _with_limits(session):
+    """The session's run refuses requests over the limits (flags over LCX_* variables over defaults)."""
+    from lcx.limits import Limits
+
+    ctx = click.get_current_context(silent=True)
+    session.run.limits = Limits.from_env(**(ctx.meta.get("lcx.limits", {}) if ctx else {}))
+    return session
+
+
+def _open(model: str, methods: tuple[str, ...], options: tuple[str, ...], adapter: Path | None, trust: bool):
+    from lcx.session import open_session, parse_options
+
+    return _with_limits(open_session(model, methods, parse_options(options), adapter, trust_remote_code=trust))
+
+
+def _echo_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=2, default=str))
+
+
+# ---------------------------------------------------------------------- option parsers
+
+def _int_list(ctx, param, value: str) -> list[int]:
+    from lcx.io import token_counts
+
+    try:
+        return token_counts(value)
+    except ValueError as e:
+        raise click.BadParameter(f"{e}; give comma-separated positive token counts (e.g. 4096,8K,16K)") from None
+
+
+def _token_count(ctx, param, value: str | None) -> int:
+    """One token count (K suffix allowed); None -> 0, the option's default."""
+    if value is None:
+        return 0
+    counts = _int_list(ctx, param, value)
+    if len(counts) != 1:
+        raise click.BadParameter(f"{value!r}: give one token count, e.g. 32K")
+    return counts[0]
+
+
+def _positive_ints(value: str) -> list[int]:
+    out = []
+    for item in (x.strip() for x in value.split(",") if x.strip()):
+        if not item.isdigit() or int(item) < 1:
+            raise click.BadParameter(f"{item!r} is not a positive integer; give e.g. 1,2,4,8")
+        out.append(int(item))
+    if not out:
+        raise click.BadParameter(f"{value!r}: give comma-separated positive integers, e.g. 1,2,4,8")
+    return out
+
+
+def _float_list(ctx, param, value: str) -> list[float]:
+    try:
+        out = [float(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of numbers (e.g. 0.1,0.5,0.9)")
+    if not out or any(not 0 <= d <= 1 for d in out):
+        raise click.BadParameter(f"{value!r}: depths must be between 0 and 1")
+    return out
+
+
+RESUME_HELP = ("Reuse the samples an interrupted run with the same model, methods, options and grid "
+               "recorded in OUT (its .samples.jsonl); without it the grid starts afresh.")
+

