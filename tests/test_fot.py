@@ -65,10 +65,11 @@ def test_first_positions_are_the_local_window_start_explicitly():
     torch.testing.assert_close(fot, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_memory_attention_equals_an_explicit_softmax_per_query_head():
-    """GQA, query blocks, batch rows, and KV heads whose stores hold the same number of entries or not: each
-    query head's output is one softmax over its local keys (under the mask) and its KV head's top-k memory
-    keys."""
+@pytest.mark.parametrize("dense", [False, True], ids=["knn", "dense"])
+def test_memory_attention_equals_an_explicit_softmax_per_query_head(dense):
+    """GQA, query blocks, batch rows, and KV heads whose stores hold the same number of entries or not (fewer
+    than k, none at all: the heads are computed together, padded): each query head's output is one softmax
+    over its local keys (under the mask) and its KV head's top-k memory keys (dense: all of them)."""
     from lcx.memory import make_store
     from lcx.plugins.fot.attention import memory_attention
 
@@ -79,24 +80,29 @@ def test_memory_attention_equals_an_explicit_softmax_per_query_head():
     allowed = torch.ones(T, S, dtype=torch.bool)
     allowed[:, S - T:] = torch.ones(T, T, dtype=torch.bool).tril()
     mask = torch.zeros(T, S).masked_fill(~allowed, float("-inf"))[None, None]
-    for sizes in ([6, 6], [4, 9]):
+    for sizes in ([6, 6], [4, 9], [2, 9], [0, 5]):
         memory = {}
         for b in range(B):
             for h in range(Hkv):
                 memory[(b, h)] = make_store()
                 n = sizes[h]
-                memory[(b, h)].add(torch.randn(n, D, generator=g), torch.randn(n, D, generator=g), torch.arange(n))
-        out = memory_attention(q, kl, vl, mask, memory, torch.zeros(B, T), None, scale, k, False, block=2)
+                if n:
+                    memory[(b, h)].add(torch.randn(n, D, generator=g), torch.randn(n, D, generator=g), torch.arange(n))
+        out = memory_attention(q, kl, vl, mask, memory, torch.zeros(B, T), None, scale, k, dense, block=2)
         for b in range(B):
             for h in range(Hkv):
                 st = memory[(b, h)]
                 for j in range(h * G, (h + 1) * G):
                     for t in range(T):
                         x = q[b, j, t]
-                        mem = (st.keys @ x * scale).topk(k)
-                        p = torch.cat([kl[b, h] @ x * scale + mask[0, 0, t], mem.values]).softmax(0)
-                        want = p[:S] @ vl[b, h] + p[S:] @ st.values[mem.indices]
-                        torch.testing.assert_close(out[b, t, j], want, atol=1e-5, rtol=1e-5)
+                        local = kl[b, h] @ x * scale + mask[0, 0, t]
+                        if not len(st):
+                            p, mv = local.softmax(0), torch.zeros(0, D)
+                        else:
+                            mem = (st.keys @ x * scale).topk(len(st) if dense else min(k, len(st)))
+                            p, mv = torch.cat([local, mem.values]).softmax(0), st.values[mem.indices]
+                        want = p[:S] @ vl[b, h] + p[S:] @ mv
+                        torch.testing.assert_close(out[b, t, j], want, atol=1e-5, rtol=1e-5, msg=str((sizes, b, j, t)))
 
 
 def test_positions_modes_differ_and_are_deterministic():

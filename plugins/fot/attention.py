@@ -33,38 +33,62 @@ def memory_attention(
     dense: bool,
     block: int,
 ) -> torch.Tensor:
+    """(B, T, H, Dv): each query head's softmax over its local keys (under ``mask``) joined with its KV head's
+    top-``k`` memory keys (``dense``: every memory key).  All KV heads of a row are computed together (the G
+    query heads of KV head h are rows g * c + i of a (Hkv, G * c, D) block); only the search runs per store."""
     B, H, T, D = query.shape
-    Hkv = key.shape[1]
+    Hkv, S = key.shape[1], key.shape[2]
     G = H // Hkv  # query heads per KV head
     q_rel = rotate(query, q_shift[:, None, :], inv_freq) if inv_freq is not None else query
     out = torch.empty(B, T, H, value.shape[-1], dtype=query.dtype, device=query.device)
     for b in range(B):
-        m = mask[b if mask.shape[0] > 1 else 0, 0]  # (T, S)
-        for h in range(Hkv):
-            heads = slice(h * G, (h + 1) * G)
-            store = memory[(b, h)]
-            kl, vl = key[b, h].float(), value[b, h].float()  # (S, D), (S, Dv)
-            for s in range(0, T, block):
-                e = min(s + block, T)
-                q = query[b, heads, s:e].float()  # (G, c, D)
-                local = (q @ kl.T) * scaling + m[s:e]  # (G, c, S)
-                qm = q_rel[b, heads, s:e].float().reshape(-1, D)  # (G*c, D)
-                if len(store) == 0:
-                    probs = local.softmax(-1)
-                    out[b, s:e, heads] = (probs @ vl).transpose(0, 1).to(out.dtype)
-                    continue
-                if dense:
-                    mk, mv = store.keys, store.values.float()  # (M, D), (M, Dv)
-                    mem = (qm @ mk.T) * scaling  # (G*c, M)
-                    joint = torch.cat([local.reshape(-1, local.shape[-1]), mem], dim=-1).softmax(-1)
-                    pl, pm = joint[:, : local.shape[-1]], joint[:, local.shape[-1]:]
-                    o = pl @ vl + pm @ mv  # (G*c, Dv)
-                else:
-                    scores, idx = store.search(qm, k)  # (G*c, k'): every backend returns exact inner products
-                    mem = scores.to(local.device) * scaling
-                    mv = store.values[idx].float()  # (G*c, k', Dv)
-                    joint = torch.cat([local.reshape(-1, local.shape[-1]), mem], dim=-1).softmax(-1)
-                    pl, pm = joint[:, : local.shape[-1]], joint[:, local.shape[-1]:]
-                    o = pl @ vl + torch.bmm(pm[:, None, :], mv)[:, 0]
-                out[b, s:e, heads] = o.view(G, e - s, -1).transpose(0, 1).to(out.dtype)
+        m = mask[b if mask.shape[0] > 1 else 0, 0].expand(T, S)
+        stores = [memory[(b, h)] for h in range(Hkv)]
+        kl, vl = key[b].float(), value[b].float()  # (Hkv, S, D), (Hkv, S, Dv)
+        for s in range(0, T, block):
+            e = min(s + block, T)
+            c = e - s
+            q = query[b, :, s:e].float().reshape(Hkv, G * c, D)  # row g * c + i: query i of head h * G + g
+            local = torch.baddbmm(m[s:e].repeat(G, 1), q, kl.transpose(1, 2), alpha=scaling)  # (Hkv, G*c, S)
+            if not any(len(st) for st in stores):
+                o = torch.bmm(local.softmax(-1), vl)  # (Hkv, G*c, Dv)
+            else:
+                qm = q_rel[b, :, s:e].float().reshape(Hkv, G * c, D)
+                mem, mv = _memory_scores(qm, stores, k, dense)  # (Hkv, G*c, W), values (Hkv, [G*c,] W, Dv)
+                joint = torch.cat([local, mem * scaling], dim=-1).softmax(-1)
+                pl, pm = joint[..., :S], joint[..., S:]
+                mem_out = torch.bmm(pm, mv) if dense else (pm[..., None, :] @ mv)[..., 0, :]
+                o = torch.bmm(pl, vl) + mem_out
+            out[b, s:e] = o.view(H, c, -1).transpose(0, 1).to(out.dtype)
     return out
+
+
+def _memory_scores(qm: torch.Tensor, stores: list[MemoryStore], k: int,
+                   dense: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unscaled inner products of the queries qm (Hkv, Q, D) with their KV head's memory keys and the keys'
+    values: the top ``k`` per query (values (Hkv, Q, W, Dv)), or every key when ``dense`` (values (Hkv, W, Dv)).
+    Heads whose stores hold fewer entries are padded to the widest with -inf scores and zero values."""
+    scores, values = [], []
+    for h, store in enumerate(stores):
+        if not len(store):
+            scores.append(qm.new_zeros(qm.shape[1], 0))
+            values.append(None)
+        elif dense:
+            scores.append(qm[h] @ store.keys.T)  # (Q, M)
+            values.append(store.values.float())  # (M, Dv)
+        else:
+            sc, idx = store.search(qm[h], k)  # (Q, k'): every backend returns exact inner products
+            scores.append(sc.to(qm.device))
+            values.append(store.values[idx].float())  # (Q, k', Dv)
+    W = max(x.shape[1] for x in scores)
+    like = next(v for v in values if v is not None)
+    if all(x.shape[1] == W for x in scores):
+        return torch.stack(scores), torch.stack(values)
+    mem = qm.new_full((len(stores), qm.shape[1], W), float("-inf"))
+    mv = like.new_zeros(len(stores), *like.shape[:-2], W, like.shape[-1])  # kNN: (Hkv, Q, W, Dv); dense: (Hkv, W, Dv)
+    for h, (sc, v) in enumerate(zip(scores, values)):
+        n = sc.shape[1]
+        mem[h, :, :n] = sc
+        if v is not None:
+            mv[h, ..., :n, :] = v
+    return mem, mv
