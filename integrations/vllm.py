@@ -20,11 +20,13 @@ Which methods can be served is declared by each method (``Method.serving``): "ba
 training-only) serve as the plain model plus their adapter, "config" methods (``rope``) rewrite
 config.json, "prompt" methods (``vanilla``: truncation to the window) rewrite each prompt's tokens in
 lcx's request middleware (``lcx.integrations.vllm_requests``) before vLLM reads it, "attention" methods
-(``streaming``, ``fot`` with a per-request memory) run inside vLLM's attention
-(``lcx.integrations.vllm_attention``: the Transformers backend, prefix caching off).  A document memory
-built by ``lcx memory build`` is loaded once by the server and read by every request (``lcx serve
---memory``); ``fot`` mode=multi (requests writing into one memory) and ``focusllm`` are refused with a
-clear error.
+(``streaming``, ``fot`` with a per-request memory, ``focusllm`` with its prompt's candidates) run inside
+vLLM's attention (``lcx.integrations.vllm_attention``: the Transformers backend, prefix caching off);
+focusllm's candidates are computed by the request middleware, on lcx's own path, before vLLM reads the
+rewritten prompt.  A document memory built by ``lcx memory build`` is loaded once by the server and read
+by every request (``lcx serve --memory``); ``fot`` mode=multi (requests writing into one memory),
+focusllm with ``refresh`` other than 0 (candidates refreshed while generating) or with an adapter are
+refused with a clear error.
 """
 
 from __future__ import annotations
@@ -261,6 +263,7 @@ def export_for_vllm(model: str, methods: list[str] | tuple[str, ...] = (), optio
             raise LcxError(f"adapter name {name!r} is not usable as a served model name; use NAME=DIR with a plain name")
     src = resolve_model_path(model)
     insts = servable_methods(list(methods), options or {}, adapters)
+    _attention_spec([{"name": m.name, "options": m.to_options()} for m in insts], adapters)
     config = json.loads((src / "config.json").read_text())
     window = int(config.get("max_position_embeddings") or 0)
     for m in insts:
@@ -438,12 +441,27 @@ def vllm_command(exp: Export, host: str, port: int, served_name: str, dtype: str
 
 def attention_method(exp: Export) -> dict[str, Any] | None:
     """The method (name and options) the served model runs inside vLLM's attention, if any."""
+    return _attention_spec(exp.methods, exp.adapters)
+
+
+def _attention_spec(methods: list[dict[str, Any]], adapters: dict[str, Path]) -> dict[str, Any] | None:
+    """``attention_method`` of an export of ``methods`` (name and options each) with ``adapters``; refuses
+    what the served attention cannot run."""
     from lcx.registry import registry
 
     reg = registry()
-    found = [m for m in exp.methods if reg.get(m["name"]).serving == "attention"]
+    found = [m for m in methods if reg.get(m["name"]).serving == "attention"]
     if len(found) > 1:
         raise LcxError(f"methods {', '.join(m['name'] for m in found)} each replace vLLM's attention; serve one")
+    if found and found[0]["name"] == "focusllm":
+        if int(found[0]["options"].get("refresh", 1)) != 0:
+            raise LcxError("served focusllm keeps the prompt's candidates (vLLM runs no chunk forwards while it "
+                           "generates): serve it with -o focusllm.refresh=0, and compare it with `lcx generate "
+                           "--method focusllm -o focusllm.refresh=0`")
+        if adapters:
+            raise LcxError(f"focusllm's adapter holds its candidate projections, which vLLM's LoRA would apply to "
+                           f"every token; serving focusllm with --adapter ({', '.join(adapters)}) is not "
+                           f"supported yet: serve the training-free method (no --adapter)")
     if found and found[0]["name"] == "fot" and found[0]["options"].get("mode") == "multi":
         raise LcxError("fot mode=multi is not how a server shares a memory (requests would write into each "
                        "other's): drop -o fot.mode=multi, and serve a document memory built by `lcx memory "
@@ -471,8 +489,17 @@ def served_methods(exp: Export, served_name: str) -> dict[str, list[dict[str, An
 def vllm_env(exp: Export, kv_cache_gib: float, served_name: str = "lcx") -> dict[str, str]:
     env = dict(os.environ)
     env[SERVED_ENV] = json.dumps(served_methods(exp, served_name))
-    env[MODEL_ENV] = json.dumps({"tokenizer": str(exp.model_dir), "window": exp.window,
-                                 "attention": attention_method(exp), "memory": exp.memory})
+    from lcx.registry import registry
+
+    attention = attention_method(exp)
+    spool = None
+    if attention is not None and registry().get(attention["name"]).serve_state:
+        # per-request tensors the request middleware writes and the worker reads (and deletes)
+        spool = exp.out / "request-state"
+        shutil.rmtree(spool, ignore_errors=True)  # a previous server's leftovers
+        spool.mkdir(parents=True)
+    env[MODEL_ENV] = json.dumps({"tokenizer": str(exp.model_dir), "window": exp.window, "attention": attention,
+                                 "memory": exp.memory, "spool": str(spool) if spool else None})
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{kv_cache_gib:g}")
     if (os.cpu_count() or 1) <= 4:
         # vLLM keeps one CPU for its API server by default; on a 2-core machine that halves the compute

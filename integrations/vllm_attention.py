@@ -1,4 +1,4 @@
-"""Memory methods inside vLLM's attention: ``streaming`` and ``fot`` served with lcx's own answers.
+"""Memory methods inside vLLM's attention: ``streaming``, ``fot`` and ``focusllm`` served with lcx's own answers.
 
 vLLM's Transformers backend (``--model-impl transformers``) runs the model's Hugging Face modeling code
 and calls the attention function registered as ``"vllm"`` with every scheduled token of every request
@@ -16,7 +16,11 @@ lcx's own path (``lcx generate``):
 - ``fot`` (``FoTLayer`` + ``memory_attention``): at an update's start every layer evicts what no longer
   fits its ``local`` window, memory layers into the request's own kNN memory (keys un-rotated to
   position 0); a query attends to its local keys and, in memory layers, to its top-``k`` memory keys
-  under one softmax, with the query re-rotated per the positions mode.
+  under one softmax, with the query re-rotated per the positions mode;
+- ``focusllm`` (``CandidateLayer``, ``refresh=0``): lcx's request middleware computed the prompt's
+  candidates and rewrote the prompt to [placeholders ; local tokens] (``lcx.integrations.vllm_requests``);
+  the request's tensors arrive by id (``Seq.state``, from ``vllm_xargs``) and every layer keeps the
+  candidates' keys/values in the placeholders' stead; attention is plain causal over the request's keys.
 
 Where a prompt ends comes from a vLLM logits processor (``PromptLengths``, which vLLM hands every
 request's prompt as it joins the batch; its row order is the attention metadata's).  Per-request state
@@ -38,21 +42,28 @@ the method's state lives there, and the prompt lengths come through the one per-
 worker has (a logits processor's batch updates).  The cost of the choice: the Transformers backend
 instead of vLLM's native model code, prefix caching off, and attention in torch instead of vLLM's CPU
 kernel (``bench/serve_throughput.py --method fot`` measures what that leaves of vLLM's batching).
+focusllm's candidates *are* a fixed prefix, and a KV connector could inject them; it goes through the same
+attention function so that one served path (and one logits processor for per-request data) serves all
+three methods, and its candidates reach the worker as a file named by an id in the request's
+``vllm_xargs`` (the request's ``extra_args``, which a logits processor's batch updates carry).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from lcx.adapters.rotary import rotate
+from lcx.integrations.vllm_requests import STATE_ARG  # the request extra_args key that carries that id
 
 #: A request's state is dropped when it has not been scheduled for this many forward passes.
 STALE_STEPS = 512
@@ -60,13 +71,15 @@ STALE_STEPS = 512
 
 @dataclass
 class Seq:
-    """One request's tokens in a forward pass: its key, the first token's position, how many tokens, and
-    its prompt's length (None: unknown, then a one-token step is read as a generated token)."""
+    """One request's tokens in a forward pass: its key, the first token's position, how many tokens, its
+    prompt's length (None: unknown, then a one-token step is read as a generated token), and the id of the
+    tensors lcx's request middleware computed for it (``STATE_ARG``; None: none)."""
 
     key: Any
     start: int
     length: int
     prompt: int | None = None
+    state: str | None = None
 
 
 @dataclass
@@ -76,12 +89,14 @@ class _Layer:
     start: int = 0  # absolute position of the current update's first token
     end: int = 0  # where it ends (exclusive)
     data: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)  # the request's own (``_Request.info``), shared by its layers
 
 
 @dataclass
 class _Request:
     layers: dict[int, _Layer] = field(default_factory=dict)
     last_step: int = 0
+    info: dict[str, Any] = field(default_factory=dict)  # per request, not per layer (``start_request``)
 
 
 class ServedAttention:
@@ -98,11 +113,21 @@ class ServedAttention:
     def begin_step(self) -> None:
         self.step += 1
         for k in [k for k, r in self.requests.items() if self.step - r.last_step > STALE_STEPS]:
-            del self.requests[k]
+            self.release(k)
 
     def release(self, key: Any) -> None:
         """The request keyed ``key`` has finished: free its state now."""
-        self.requests.pop(key, None)
+        req = self.requests.pop(key, None)
+        if req is not None:
+            self.end_request(req)
+
+    def start_request(self, req: _Request, s: Seq) -> None:
+        """A request starts (position 0; again after a preemption): set up ``req.info``.  ``req`` may still
+        hold a finished request's info: vLLM reuses a finished request's first block (the state's key)
+        before lcx has seen it leave the batch."""
+
+    def end_request(self, req: _Request) -> None:
+        """A request's state is dropped (finished, or not scheduled for ``STALE_STEPS`` passes)."""
 
     def inv_freq(self, module: torch.nn.Module) -> torch.Tensor:
         """The layer's RoPE frequencies, from the rotary class of its own modeling file."""
@@ -130,8 +155,12 @@ class ServedAttention:
                 req = self.requests[s.key] = _Request()
             if s.start == 0:  # a new request (first block reused, or recomputed after preemption): start afresh
                 req.layers.pop(layer_idx, None)
+                if req.last_step != self.step:  # the first layer of this pass to see it
+                    self.start_request(req, s)
             req.last_step = self.step
-            st = req.layers.setdefault(layer_idx, _Layer())
+            st = req.layers.get(layer_idx)
+            if st is None:
+                st = req.layers[layer_idx] = _Layer(info=req.info)
             sl = slice(at, at + s.length)
             out[sl] = self._sequence(st, module, query[0, :, sl], key[0, :, sl], value[0, :, sl], s,
                                      scale).transpose(0, 1)
@@ -342,15 +371,75 @@ class FoTServed(ServedAttention):
         return out[0].transpose(0, 1)
 
 
+class FocusServed(ServedAttention):
+    """lcx's focusllm with the prompt's candidates (``refresh=0``).  lcx's request middleware computed them on
+    lcx's own path (``FocusLLM.serve_request``), wrote them to ``spool`` and rewrote the prompt to [one
+    placeholder per candidate ; local tokens]; here each layer keeps the candidates' keys/values in the
+    placeholders' stead (as ``CandidateLayer`` does) and every token attends causally to all of the request's
+    keys (at most the model's window: nothing leaves)."""
+
+    name = "focusllm"
+
+    def __init__(self, spool: str | os.PathLike) -> None:
+        super().__init__(1 << 40)  # no chunk grid: a prompt piece is one update
+        self.spool = Path(spool)
+
+    def start_request(self, req, s):
+        from safetensors.torch import load_file
+
+        if req.info.get("state") == s.state and "candidates" in req.info:
+            return  # the same request recomputed from its start (after a preemption)
+        self.end_request(req)  # a new request in a finished one's first block, not yet released: free that one's
+        req.info.clear()
+        if s.state is None:  # a prompt of at most `local` tokens: read as it is
+            return
+        if not STATE_ID.fullmatch(s.state):
+            raise RuntimeError(f"lcx focusllm: malformed request state id {s.state[:80]!r}")
+        path = self.spool / f"{s.state}.safetensors"
+        if not path.exists():
+            raise RuntimeError(f"lcx focusllm: the candidates of this request ({path}) are gone")
+        req.info.update(candidates=load_file(str(path)), path=path, state=s.state)
+
+    def end_request(self, req):
+        path = req.info.get("path")
+        if path is not None:
+            path.unlink(missing_ok=True)
+
+    def begin(self, st, module, start, end, like):
+        super().begin(st, module, start, end, like)
+        if not st.data:
+            st.data.update(keys=_Window(like), values=_Window(like))
+
+    def read(self, st, module, q, k, v, pos, scale):
+        cand = st.info.get("candidates")
+        if cand is not None:
+            layer = int(module.layer_idx)
+            ck, cv = cand[f"{layer}.k"], cand[f"{layer}.v"]  # (Hkv, n, D) at slots 0..n-1
+            if pos < ck.shape[1]:  # placeholders: the candidates take their place
+                m = min(ck.shape[1], pos + k.shape[1]) - pos
+                k = torch.cat([ck[:, pos:pos + m].to(k.dtype), k[:, m:]], dim=1)
+                v = torch.cat([cv[:, pos:pos + m].to(v.dtype), v[:, m:]], dim=1)
+        d = st.data
+        d["keys"].append(k)
+        d["values"].append(v)
+        keys, values = d["keys"].view(), d["values"].view()
+        return _sdpa(q, keys, values, _causal_tail(q.shape[1], keys.shape[1], q.device), scale)
+
+
 # ---------------------------------------------------------------------- vLLM glue
 #: The served memory method (set by ``install`` from ``LCX_SERVED_MODEL``), or None.
 SERVED: ServedAttention | None = None
 #: Persistent-batch row -> prompt length, kept by the ``PromptLengths`` logits processor.
 PROMPT_LENGTHS: dict[int, int] = {}
-#: Persistent-batch row -> the state key of the request in that row at the last forward pass.
+#: Persistent-batch row -> the state key of the request in that row, as of the last forward pass that
+#: scheduled it (a finished request may sit unscheduled in its row for a pass or more before vLLM removes it).
 ROW_KEYS: dict[int, Any] = {}
 #: Persistent-batch row -> (sampling params, the request's live list of output tokens).
 ROW_OUTPUTS: dict[int, tuple[Any, list[int]]] = {}
+#: Persistent-batch row -> the id of the tensors lcx's request middleware computed for the request, if any.
+ROW_STATES: dict[int, str] = {}
+#: What such an id looks like (a random uuid4 hex): nothing else is turned into a file name.
+STATE_ID = re.compile(r"[0-9a-f]{32}")
 
 
 def finished(params: Any, output: list[int]) -> bool:
@@ -369,16 +458,24 @@ def finished(params: Any, output: list[int]) -> bool:
 
 def release_finished(batch_update) -> None:
     """Free the state of finished requests among those that left the persistent batch.  They left a row
-    that is either in ``batch_update.removed`` or, when vLLM put a new request straight into it, among
-    the rows of ``batch_update.added`` (vLLM pops such rows out of ``removed``).  Rows are as the last
-    forward pass saw them, which is how ``ROW_KEYS`` and ``ROW_OUTPUTS`` are indexed."""
+    that is in ``batch_update.removed``, or, when vLLM put a new request straight into it, among the rows
+    of ``batch_update.added``, or, when vLLM condensed the batch by moving a request into it, among the
+    targets of ``batch_update.moved`` (vLLM pops such rows out of ``removed``).  Rows are as the last
+    forward pass saw them, which is how ``ROW_KEYS`` and ``ROW_OUTPUTS`` are indexed; ``ROW_KEYS`` then
+    follows the update (rows taken over or emptied are forgotten, moved rows move)."""
+    from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
     released = False
-    for row in [*batch_update.removed, *(added[0] for added in batch_update.added)]:
+    from vllm.v1.sample.logits_processor.interface import MoveDirectionality
+
+    overwritten = [b for _, b, how in batch_update.moved if how == MoveDirectionality.UNIDIRECTIONAL]
+    for row in [*batch_update.removed, *(added[0] for added in batch_update.added), *overwritten]:
         key, info = ROW_KEYS.get(row), ROW_OUTPUTS.get(row)
         if key is not None and info is not None and SERVED is not None and finished(*info):
             ROW_KEYS.pop(row)
             SERVED.release(key)
             released = True
+    process_dict_updates(ROW_KEYS, batch_update, lambda params, prompt, output: None)
     if released:
         trim_heap()
 
@@ -415,6 +512,8 @@ def served_from_env() -> ServedAttention | None:
     m = registry().get(spec["name"]).from_options(**(spec.get("options") or {}))
     if spec["name"] == "streaming":
         return StreamingServed(m.sinks, m.recent_for(int(info["window"])), m.chunk)
+    if spec["name"] == "focusllm":
+        return FocusServed(info["spool"])
     if spec["name"] == "fot":
         shared = None
         if info.get("memory"):
@@ -440,6 +539,8 @@ def request_state_bytes(spec: dict[str, Any], config: dict[str, Any], window: in
     if spec["name"] == "streaming":
         recent = m.recent_for(window) + m.chunk  # the recent window and one update, in a _Window
         return layers * (2 * m.sinks + int(recent * (1 + WINDOW_SLACK)) + 16) * per_token
+    if spec["name"] == "focusllm":  # every token vLLM reads (the rewritten prompt: within the window)
+        return layers * (int(min(window, max_model_len) * (1 + WINDOW_SLACK)) + 16) * per_token
     chunk = m.chunk or m.local
     window = int((m.local + chunk) * (1 + WINDOW_SLACK)) + 16  # a _Window's buffer
     return (layers * window + len(m.layers_of(layers)) * max_model_len) * per_token
@@ -461,6 +562,7 @@ def _prompt_lengths_class() -> type:
         def __init__(self, vllm_config, device, is_pin_memory) -> None:
             PROMPT_LENGTHS.clear()
             ROW_OUTPUTS.clear()
+            ROW_STATES.clear()
 
         def is_argmax_invariant(self) -> bool:
             return True
@@ -471,6 +573,8 @@ def _prompt_lengths_class() -> type:
             process_dict_updates(ROW_OUTPUTS, batch_update, lambda params, prompt, output: (params, output))
             process_dict_updates(PROMPT_LENGTHS, batch_update,
                                  lambda params, prompt, output: len(prompt) if prompt is not None else None)
+            process_dict_updates(ROW_STATES, batch_update,
+                                 lambda params, prompt, output: (getattr(params, "extra_args", None) or {}).get(STATE_ARG))
 
         def apply(self, logits: torch.Tensor) -> torch.Tensor:
             return logits
@@ -507,7 +611,6 @@ def install() -> None:
         first_layer = int(module.layer_idx) == 0
         if first_layer:
             SERVED.begin_step()
-            ROW_KEYS.clear()
         lens = md.seq_lens.tolist()
         starts = md.query_start_loc[:len(lens) + 1].tolist()
         seqs = []
@@ -515,7 +618,7 @@ def install() -> None:
             n = starts[i + 1] - starts[i]
             if n:
                 seqs.append(Seq(key=int(md.block_table[i, 0]), start=int(total) - n, length=n,
-                                prompt=PROMPT_LENGTHS.get(i)))
+                                prompt=PROMPT_LENGTHS.get(i), state=ROW_STATES.get(i)))
                 if first_layer:  # rows are the same in every layer of a step
                     ROW_KEYS[i] = seqs[-1].key
         return SERVED.attend(module, query, key, value, seqs), None

@@ -31,6 +31,14 @@ changed — the tokens lcx's own path feeds the model.  Chat requests are served
 refuses one past its length limit with a 400): truncating a templated conversation would cut its
 turns in the middle.  ``LCX_SERVED_MODEL`` (JSON ``{"tokenizer": dir, "window": n}``) says where the
 tokenizer is and the model's trained window.
+
+Served attention methods that need a forward pass over the whole prompt first (``Method.serve_state``:
+``focusllm``'s candidate tokens, one per memory chunk) get it here too: the middleware keeps the model on
+lcx's own path (loaded on the first such request, one request at a time), and for each ``/v1/completions``
+prompt runs the method's ``serve_request``, writes the tensors it returns to the server's spool folder
+(``LCX_SERVED_MODEL``'s ``spool``) under a random id, and hands vLLM the rewritten token ids with that id in
+``vllm_xargs`` (``lcx_state``), which the served attention reads (``lcx.integrations.vllm_attention``).  A
+request that sets ``lcx_state`` itself is refused.  One prompt per request: a list of prompts gets a 400.
 """
 
 from __future__ import annotations
@@ -38,6 +46,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
+import uuid
+from pathlib import Path
 from typing import Any
 
 from lcx.errors import LcxError
@@ -47,6 +58,8 @@ MODEL_ENV = "LCX_SERVED_MODEL"
 #: vLLM's ``max_tokens`` for a completion request that does not say.
 DEFAULT_MAX_TOKENS = 16
 FIELD = "lcx"
+#: The request ``extra_args`` key that carries a request's state id (``lcx.integrations.vllm_attention``).
+STATE_ARG = "lcx_state"
 #: The import path vLLM's ``--middleware`` takes.
 MIDDLEWARE = f"{__name__}.LcxRequestOptions"
 
@@ -101,6 +114,66 @@ def prompt_methods(served: dict[str, list[dict[str, Any]]] | None) -> dict[str, 
     return out
 
 
+def state_methods(served: dict[str, list[dict[str, Any]]] | None) -> dict[str, dict[str, Any]]:
+    """{served name: the spec of its method whose served attention reads middleware-computed state}."""
+    from lcx.registry import registry
+
+    reg = registry()
+    return {name: m for name, methods in (served or {}).items() for m in methods if reg.get(m["name"]).serve_state}
+
+
+class RequestStates:
+    """Computes a ``serve_state`` method's per-request tensors on lcx's own path and spools them for vLLM's
+    worker (see the module docstring)."""
+
+    def __init__(self, model: dict[str, Any]) -> None:
+        self.model = model
+        self.spool = Path(model["spool"]) if model.get("spool") else None
+        self._sessions: dict[str, Any] = {}
+        self._lock = threading.Lock()  # one lcx run, one request at a time
+
+    def rewrite(self, body: dict[str, Any], spec: dict[str, Any], tokenizer: Any) -> bool:
+        from safetensors.torch import save_file
+
+        from lcx.session import open_session
+
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise LcxError(f"{spec['name']} serves one prompt per request; send the {len(prompt)} prompts as "
+                           f"separate requests")
+        if not (isinstance(prompt, str) or isinstance(prompt, list)) or not prompt:
+            return False  # malformed or empty: vLLM answers it
+        max_new = body.get("max_tokens", DEFAULT_MAX_TOKENS)
+        max_new = DEFAULT_MAX_TOKENS if max_new is None else max_new
+        if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
+            return False
+        xargs = body.get("vllm_xargs") or {}
+        if not isinstance(xargs, dict):
+            raise LcxError(f"vllm_xargs must be an object, got {json.dumps(xargs)[:100]}")
+        special = body.get("add_special_tokens", True) is not False
+        ids = tokenizer.encode(prompt, add_special_tokens=special) if isinstance(prompt, str) else list(prompt)
+        if self.spool is None:
+            raise LcxError(f"{spec['name']} needs the server's spool folder (LCX_SERVED_MODEL has none): start "
+                           f"the server with `lcx serve`")
+        with self._lock:
+            session = self._sessions.get(spec["name"])
+            if session is None:
+                session = self._sessions[spec["name"]] = open_session(
+                    self.model["tokenizer"], [spec["name"]], {spec["name"]: spec.get("options") or {}},
+                    require_tokenizer=False)
+            out = session.run.method(spec["name"]).serve_request(session.run, ids, max_new)
+        if out is None:
+            return False
+        new_ids, tensors = out
+        state = uuid.uuid4().hex
+        tmp = self.spool / f".{state}.tmp"
+        save_file(tensors, str(tmp))
+        tmp.rename(self.spool / f"{state}.safetensors")  # the worker never sees a half-written file
+        body["prompt"] = new_ids
+        body["vllm_xargs"] = {**xargs, STATE_ARG: state}
+        return True
+
+
 def rewrite_prompts(body: dict[str, Any], methods: list, tokenizer: Any, window: int) -> bool:
     """Apply ``methods``' ``serve_prompt`` to the completion request's prompt(s), in place; True if a prompt
     changed (it is then token ids).  Malformed prompts and token counts are left for vLLM to refuse."""
@@ -140,12 +213,25 @@ class LcxRequestOptions:
         self.model = json.loads(os.environ.get(MODEL_ENV) or "{}")
         self._prompt_methods: dict[str, list] | None = None
         self._tokenizer: Any = None
+        self._stateful: dict[str, dict[str, Any]] | None = None
+        self._states: RequestStates | None = None
 
     @property
     def rewriters(self) -> dict[str, list]:
         if self._prompt_methods is None:
             self._prompt_methods = prompt_methods(self.served)
         return self._prompt_methods
+
+    @property
+    def stateful(self) -> dict[str, dict[str, Any]]:
+        if self._stateful is None:
+            self._stateful = state_methods(self.served)
+        return self._stateful
+
+    def states(self) -> RequestStates:
+        if self._states is None:
+            self._states = RequestStates(self.model)
+        return self._states
 
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
@@ -155,6 +241,9 @@ class LcxRequestOptions:
         return self._tokenizer
 
     def _rewrite(self, data: dict[str, Any]) -> bool:
+        spec = self.stateful.get(data.get("model"))  # type: ignore[arg-type]
+        if spec is not None:
+            return self.states().rewrite(data, spec, self.tokenizer())
         methods = self.rewriters.get(data.get("model"))  # type: ignore[arg-type]
         if not methods:
             return False
@@ -171,8 +260,8 @@ class LcxRequestOptions:
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
         body = b"".join(chunks)
-        rewrite = scope.get("path", "").endswith("/v1/completions") and bool(self.rewriters)
-        if rewrite or f'"{FIELD}"'.encode() in body:
+        rewrite = scope.get("path", "").endswith("/v1/completions") and bool(self.rewriters or self.stateful)
+        if rewrite or f'"{FIELD}"'.encode() in body or STATE_ARG.encode() in body:
             try:
                 data = json.loads(body)
             except ValueError:
@@ -180,6 +269,10 @@ class LcxRequestOptions:
             changed = False
             if isinstance(data, dict):
                 try:
+                    xargs = data.get("vllm_xargs")
+                    if isinstance(xargs, dict) and STATE_ARG in xargs:
+                        raise LcxError(f"vllm_xargs.{STATE_ARG} is set by lcx's middleware, not by requests; "
+                                       f"leave it out")
                     if FIELD in data:
                         check_options(data, self.served)
                         data.pop(FIELD)

@@ -187,8 +187,11 @@ class FocusLLM(Method):
     name = "focusllm"
     description = "FocusLLM: one candidate token per memory chunk (decoded in parallel), read by the frozen model"
     requires = frozenset({"rotary"})
-    not_served_because = ("its candidate tokens need forward passes of their own over each memory chunk, which "
-                          "vLLM's attention seam cannot run")
+    # served (lcx.integrations.vllm_attention.FocusServed): lcx's request middleware computes a prompt's
+    # candidates on lcx's own path and rewrites the prompt to [placeholders ; local tokens]; the served
+    # attention stores the candidates' keys/values in the placeholders' stead, as CandidateLayer does
+    serving = "attention"
+    serve_state = True
 
     chunk: int = option(2048, "memory chunk size in tokens (at most the model's window)")
     local: int = option(2048, "local tokens: the input's tail the frozen model reads after the candidates")
@@ -305,6 +308,25 @@ class FocusLLM(Method):
         ids = torch.cat([placeholder, local], dim=1)
         return Plan(ids, torch.ones_like(ids), [(0, n), (n, n + self.local)], dropped=0,
                     info={"candidates": n, "memory_tokens": int(memory.shape[1])})
+
+    @torch.no_grad()
+    def serve_request(self, run, ids, max_new_tokens):
+        """The plan's tokens ([one placeholder per candidate ; local tokens]) and, per layer, the candidates'
+        keys ``"{layer}.k"`` and values ``"{layer}.v"`` (H_kv, n, D), already at their slots 0..n-1; None for
+        a prompt of at most ``local`` tokens (read as it is).  Served candidates are the prompt's
+        (``refresh=0``): vLLM runs no chunk forwards while it generates."""
+        if self.refresh:
+            raise LcxError(f"served focusllm keeps the prompt's candidates (vLLM runs no chunk forwards while it "
+                           f"generates); serve it with -o focusllm.refresh=0 (got refresh={self.refresh})")
+        input_ids = torch.tensor([ids])
+        plan = self.lcx_plan(run, input_ids, torch.ones_like(input_ids), max_new_tokens)
+        if plan is None:
+            return None
+        cand = run.state.pop("focusllm_candidates")
+        tensors = {}
+        for layer, (k, v) in enumerate(cand):
+            tensors[f"{layer}.k"], tensors[f"{layer}.v"] = k[0].float().contiguous(), v[0].float().contiguous()
+        return plan.input_ids[0].tolist(), tensors
 
     # ------------------------------------------------------------------ memory stage
     @hookimpl

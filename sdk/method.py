@@ -46,6 +46,9 @@ class Method:
     serving: ClassVar[str] = ""
     #: Why a method with ``serving == ""`` is not served, for the error that refuses it.
     not_served_because: ClassVar[str] = ""
+    #: For ``serving == "attention"``: whether the served attention reads tensors that lcx's request
+    #: middleware computes from each whole prompt with the model (:meth:`serve_request`).
+    serve_state: ClassVar[bool] = False
 
     def reusable_prefix(self) -> bool:
         """Whether a prompt's leading windows may be fed once and their memory (the run's cache, copied)
@@ -67,6 +70,13 @@ class Method:
         for ``max_new_tokens`` (``window``: the model's trained window); the same tokens the method's
         plan feeds the model on lcx's own path."""
         raise NotImplementedError(f"method {self.name!r} does not rewrite prompts (serving={self.serving!r})")
+
+    def serve_request(self, run: Any, ids: list[int], max_new_tokens: int) -> tuple[list[int], dict[str, Any]] | None:
+        """For ``serve_state`` methods: the token ids vLLM should read for one prompt of ``ids`` and the
+        tensors (name -> tensor) its served attention reads with them, computed on lcx's own path (``run``,
+        the method attached to the model) by lcx's request middleware; None when vLLM reads the prompt as
+        it is."""
+        raise NotImplementedError(f"method {self.name!r} computes no per-request state for serving")
 
     # ------------------------------------------------------------------ options
     @classmethod

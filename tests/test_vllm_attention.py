@@ -12,7 +12,8 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import lcx
-from lcx.integrations.vllm_attention import FoTServed, Seq, StreamingServed
+from lcx.errors import LcxError
+from lcx.integrations.vllm_attention import FocusServed, FoTServed, Seq, StreamingServed
 from tests.conftest import tiny_model
 
 OPTS = dict(sinks=4, window=24, chunk=16)
@@ -22,8 +23,9 @@ FOT = dict(local=24, memory_layers="all", k=4)
 class FakeEngine:
     """One HF model called like vLLM's Transformers backend: one flattened sequence per step."""
 
-    def __init__(self, model, served, prompt_lengths: bool = True) -> None:
+    def __init__(self, model, served, prompt_lengths: bool = True, states: dict | None = None) -> None:
         self.prompt_lengths = prompt_lengths  # what the PromptLengths logits processor tells the worker
+        self.states = states or {}  # request key -> the middleware's state id (its vllm_xargs)
         self.model, self.served, self.seqs = model, served, []
         ALL_ATTENTION_FUNCTIONS["lcx_test_served"] = self._attention
         model.config._attn_implementation = "lcx_test_served"
@@ -38,7 +40,8 @@ class FakeEngine:
     def step(self, work: list[tuple[int, list[int], int, int]]) -> torch.Tensor:
         """work: (request key, tokens, position of the first, prompt length); returns each request's last
         logits row."""
-        self.seqs = [Seq(key, pos, len(toks), plen if self.prompt_lengths else None) for key, toks, pos, plen in work]
+        self.seqs = [Seq(key, pos, len(toks), plen if self.prompt_lengths else None, self.states.get(key))
+                     for key, toks, pos, plen in work]
         ids = torch.tensor([[t for _, toks, _, _ in work for t in toks]])
         pos = torch.tensor([[p0 + i for _, toks, p0, _ in work for i in range(len(toks))]])
         with torch.no_grad():
@@ -60,7 +63,7 @@ def _hf(model, prompt: list[int], new: int, method: str = "streaming", opts=None
         out = run.model.generate(input_ids=plan.input_ids, attention_mask=plan.attention_mask,
                                  past_key_values=prefill(run, plan), max_new_tokens=new, do_sample=False,
                                  output_logits=True, return_dict_in_generate=True)
-    return out.sequences[0, len(prompt):].tolist(), torch.stack([x[0] for x in out.logits])
+    return out.sequences[0, plan.input_ids.shape[1]:].tolist(), torch.stack([x[0] for x in out.logits])
 
 
 def _served(engine: FakeEngine, prompts: dict[int, list[int]], forced: dict[int, list[int]],
@@ -197,6 +200,67 @@ def test_served_fot_reads_a_shared_document_memory_and_never_writes_it(tmp_path,
     assert any((alone[k] - want[k][1]).abs().max() > 1e-3 for k in prompts)
 
 
+FOCUS = dict(chunk=16, local=24, fragment=8, refresh=0)  # tiny llama: window 128
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_served_focusllm_equals_lcx_focusllm_over_any_prefill_split_and_interleaving(tmp_path, seed):
+    """focusllm served as lcx's middleware and attention do it: the prompt's candidates computed on lcx's
+    own path (`serve_request`), the prompt rewritten to [placeholders ; local tokens], the candidates'
+    keys/values stored in the placeholders' stead in every layer: the logits of every step equal `lcx
+    generate`'s with refresh=0, for prompts with several chunks, one chunk, and none (short prompts are read
+    as they are); each request's candidate file is deleted when its state is released."""
+    from safetensors.torch import save_file
+
+    model = tiny_model("llama")
+    rng = random.Random(seed)
+    prompts = {11 + i: [rng.randrange(3, 120) for _ in range(n)] for i, n in enumerate([90, 70, 35, 20])}
+    want = {k: _hf(model, p, 6, "focusllm", {"focusllm": FOCUS}) for k, p in prompts.items()}
+    served_prompts, states = {}, {}
+    with lcx.attach(model, ["focusllm"], focusllm=FOCUS) as run:
+        for k, p in prompts.items():
+            res = run.method("focusllm").serve_request(run, p, 6)
+            if res is None:  # at most `local` tokens
+                assert len(p) <= FOCUS["local"]
+                served_prompts[k] = p
+                continue
+            served_prompts[k], tensors = res
+            states[k] = f"{k:032x}"
+            save_file(tensors, str(tmp_path / f"{states[k]}.safetensors"))
+            n = len(served_prompts[k]) - FOCUS["local"]
+            assert n == -(-(len(p) - FOCUS["local"]) // FOCUS["chunk"]) and tensors["0.k"].shape[1] == n
+    served = FocusServed(tmp_path)
+    engine = FakeEngine(tiny_model("llama"), served, states=states)
+    got = _served(engine, served_prompts, {k: w[0] for k, w in want.items()}, rng)
+    for k in prompts:
+        torch.testing.assert_close(got[k], want[k][1], atol=1e-4, rtol=1e-4)
+    # a new request in a finished one's first block (vLLM reuses it before lcx sees the old one leave):
+    # the finished one's file goes; a request recomputed from its start keeps its own
+    k0 = next(k for k in states)
+    old, new = tmp_path / f"{states[k0]}.safetensors", tmp_path / ("f" * 32 + ".safetensors")
+    new.write_bytes(old.read_bytes())
+    engine.states[k0] = "f" * 32
+    again = _served(engine, {k0: served_prompts[k0]}, {k0: want[k0][0]}, rng)
+    torch.testing.assert_close(again[k0], want[k0][1], atol=1e-4, rtol=1e-4)
+    assert not old.exists() and new.exists()
+    engine.step([(k0, served_prompts[k0][:5], 0, len(served_prompts[k0]))])  # preempted: recomputed from 0
+    for k in list(served.requests):
+        served.release(k)
+    assert not list(tmp_path.iterdir())  # released requests leave no candidate files
+
+
+def test_served_focusllm_refuses_malformed_state_ids_and_refresh(tmp_path):
+    engine = FakeEngine(tiny_model("llama"), FocusServed(tmp_path), states={1: "../../etc/passwd"})
+    with pytest.raises(RuntimeError, match="malformed request state id"):
+        engine.step([(1, [5, 6, 7], 0, 3)])
+    engine = FakeEngine(tiny_model("llama"), FocusServed(tmp_path), states={1: "a" * 32})
+    with pytest.raises(RuntimeError, match="candidates of this request .* are gone"):
+        engine.step([(1, [5, 6, 7], 0, 3)])
+    with lcx.attach(tiny_model("llama"), ["focusllm"], focusllm={**FOCUS, "refresh": 1}) as run:
+        with pytest.raises(LcxError, match="serve it with -o focusllm.refresh=0"):
+            run.method("focusllm").serve_request(run, list(range(3, 90)), 4)
+
+
 def test_a_request_continuing_without_state_is_an_error():
     engine = FakeEngine(tiny_model("llama"), StreamingServed(**OPTS))
     with pytest.raises(RuntimeError, match="no state for a request continuing at position 7"):
@@ -224,10 +288,24 @@ def test_finished_requests_free_their_state_and_unscheduled_ones_keep_it(monkeyp
     # vLLM lists a row in `removed` only when no new request took it over; else the row is in `added`
     va.release_finished(SimpleNamespace(removed=[2, 1], added=[(0, params(), [], [])], moved=[]))
     assert set(served.requests) == {2}
+    assert va.ROW_KEYS == {}  # rows taken over or emptied are forgotten (a row keeps its key until then)
+    # request 2 sits in row 3 (scheduled some passes ago); finished request 99 in row 5 is dropped by vLLM
+    # condensing the batch, which moves request 2 into row 5 without listing row 5 as removed
+    served.requests[99] = served.requests[2]
+    va.ROW_KEYS.update({3: 2, 5: 99})
+    va.ROW_OUTPUTS.update({3: (params(), [1]), 5: (params(), [1, 2, 3, 4])})
+    va.release_finished(SimpleNamespace(removed=[], added=[], moved=[(3, 5, _unidirectional_move())]))
+    assert va.ROW_KEYS == {5: 2} and set(served.requests) == {2}
     engine.step([(2, [10], 2, 2)])  # the unscheduled request continues from its state
     assert va.finished(params(ignore_eos=True, all_stop_token_ids=set()), [5, 0]) is False
     assert va.finished(params(min_tokens=3), [5, 0]) is False and va.finished(params(min_tokens=2), [5, 0])
     assert va.finished(params(max_tokens=None), [5, 6, 8, 9, 10]) is False
+
+
+def _unidirectional_move():
+    from vllm.v1.sample.logits_processor.interface import MoveDirectionality
+
+    return MoveDirectionality.UNIDIRECTIONAL
 
 
 def test_a_window_buffer_holds_what_cat_and_slicing_would_and_stays_small():

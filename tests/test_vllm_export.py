@@ -74,17 +74,34 @@ def test_beyond_the_window_raises_the_rotary_table_only_with_a_note(model_dir, t
         export_for_vllm(str(model_dir), ["rope"], {"rope": {"factor": "2"}}, out=tmp_path / "y", max_model_len=300)
 
 
-@pytest.mark.parametrize("method", ["focusllm"])
-def test_memory_methods_are_refused_by_name(model_dir, tmp_path, method):
-    with pytest.raises(LcxError, match=rf"method '{method}' \(--method\) cannot be served through vLLM yet"):
-        export_for_vllm(str(model_dir), [method], out=tmp_path / "x")
+def test_a_method_without_a_serving_kind_is_refused_by_name(model_dir, tmp_path, monkeypatch):
+    """Every in-tree method is servable; a method that says it is not (a third-party one, here focusllm
+    made so) is refused with its reason, by --method or through an adapter trained with it."""
+    from lcx.plugins.focusllm import FocusLLM
+
+    monkeypatch.setattr(FocusLLM, "serving", "")
+    monkeypatch.setattr(FocusLLM, "not_served_because", "no reason")
+    with pytest.raises(LcxError, match=r"method 'focusllm' \(--method\) cannot be served through vLLM yet \(no reason\)"):
+        export_for_vllm(str(model_dir), ["focusllm"], out=tmp_path / "x")
     assert not (tmp_path / "x").exists()
-
-
-def test_adapter_of_a_memory_method_is_refused(model_dir, tmp_path):
     a = _adapter(model_dir, tmp_path / "a", methods=({"name": "focusllm", "options": {}},))
     with pytest.raises(LcxError, match=r"method 'focusllm' \(a\) cannot be served"):
         export_for_vllm(str(model_dir), adapters={"a": a}, out=tmp_path / "x")
+
+
+def test_focusllm_is_served_with_its_prompts_candidates_only(model_dir, tmp_path):
+    """Served focusllm keeps the prompt's candidates (refresh=0) and serves no adapter (vLLM's LoRA would
+    open the candidate projections for every token): both refused before anything is written."""
+    with pytest.raises(LcxError, match=r"serve it with -o focusllm.refresh=0"):
+        export_for_vllm(str(model_dir), ["focusllm"], out=tmp_path / "x")
+    a = _adapter(model_dir, tmp_path / "a", methods=({"name": "focusllm", "options": {}},))
+    with pytest.raises(LcxError, match=r"serving focusllm with --adapter \(a\) is not supported yet"):
+        export_for_vllm(str(model_dir), ["focusllm"], {"focusllm": {"refresh": "0"}}, adapters={"a": a},
+                        out=tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+    exp = export_for_vllm(str(model_dir), ["focusllm"], {"focusllm": {"refresh": "0", "chunk": "64", "local": "32",
+                                                                        "fragment": "16"}}, out=tmp_path / "x")
+    assert [m["name"] for m in exp.methods] == ["focusllm"] and exp.max_concurrent > 0
 
 
 @pytest.mark.parametrize("lora, what", [
@@ -198,7 +215,7 @@ def test_the_lcx_config_format_applies_the_sidecar_as_export_bakes_it(model_dir,
 
 
 @pytest.mark.parametrize("sidecar,needle", [
-    ({"methods": [{"name": "focusllm"}]}, "method 'focusllm' .* cannot be served through vLLM yet"),
+    ({"methods": [{"name": "focusllm", "options": {"refresh": 0}}]}, "method 'focusllm' runs inside vLLM's attention"),
     ({"methods": [{"name": "fot"}]}, "method 'fot' runs inside vLLM's attention with engine settings `lcx serve` "
                                      "passes; serve it with `lcx serve MODEL --method fot`"),
     ({"methods": [{"name": "vanilla"}]}, "method 'vanilla' rewrites each prompt in lcx's request middleware, which "
@@ -234,12 +251,16 @@ def test_attention_methods_serve_through_the_transformers_backend_with_prompt_le
     assert json.loads(vllm_env(exp, 1.0)[MODEL_ENV])["attention"]["options"]["k"] == 8
     plain = export_for_vllm(str(model_dir), ["rope"], out=tmp_path / "y", overwrite=True)
     assert "--model-impl" not in vllm_command(plain, "127.0.0.1", 8000, "m", "float32", None)
-    multi = export_for_vllm(str(model_dir), ["fot"], {"fot": {"mode": "multi"}}, out=tmp_path / "z")
+    # refused when exporting, before anything is written
     with pytest.raises(LcxError, match="fot mode=multi is not how a server shares a memory .* with --memory PATH"):
-        vllm_command(multi, "127.0.0.1", 8000, "m", "float32", None)
+        export_for_vllm(str(model_dir), ["fot"], {"fot": {"mode": "multi"}}, out=tmp_path / "z")
     with pytest.raises(LcxError, match="each replace vLLM's attention; serve one"):
-        export = export_for_vllm(str(model_dir), ["fot", "streaming"], out=tmp_path / "w")
-        vllm_command(export, "127.0.0.1", 8000, "m", "float32", None)
+        export_for_vllm(str(model_dir), ["fot", "streaming"], out=tmp_path / "w")
+    assert not (tmp_path / "z").exists() and not (tmp_path / "w").exists()
+    focus = export_for_vllm(str(model_dir), ["focusllm"], {"focusllm": {"refresh": "0", "chunk": "64", "local": "32",
+                                                                          "fragment": "16"}}, out=tmp_path / "f")
+    spool = json.loads(vllm_env(focus, 1.0)[MODEL_ENV])["spool"]  # where the middleware leaves candidates
+    assert spool and Path(spool).is_dir() and Path(spool).parent == focus.out
 
 
 def test_a_served_document_memory_is_checked_before_the_server_starts(model_dir, tmp_path):

@@ -18,7 +18,8 @@ SERVED = {"base": [{"name": "rope", "options": {"type": "yarn", "factor": 4.0}}]
           "a1": [{"name": "rope", "options": {"type": "yarn", "factor": 4.0}}, {"name": "smt", "options": {}}]}
 
 
-def _call(body, method="POST", served=SERVED, monkeypatch=None, tokenizer=None, window=0, path="/v1/completions"):
+def _call(body, method="POST", served=SERVED, monkeypatch=None, tokenizer=None, window=0, path="/v1/completions",
+          model=None):
     """Run one request through the middleware; returns (status, JSON answer, what the app received or None)."""
     got = {}
 
@@ -44,7 +45,7 @@ def _call(body, method="POST", served=SERVED, monkeypatch=None, tokenizer=None, 
         sent.append(message)
 
     mw = vr.LcxRequestOptions(app)
-    mw.served, mw._tokenizer, mw.model = served, tokenizer, {"window": window}
+    mw.served, mw._tokenizer, mw.model = served, tokenizer, model or {"window": window}
     scope = {"type": "http", "method": method, "path": path,
              "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]}
     asyncio.run(mw(scope, receive, send))
@@ -168,4 +169,45 @@ def test_vanilla_applies_to_every_served_name_when_named_and_to_its_adapter_when
     table = served_methods(exp, "base")
     assert {k: [m["name"] for m in v] for k, v in table.items()} == {"base": [], "a1": ["smt"], "a2": ["vanilla"]}
     assert json.loads(vllm_env(exp, 1.0, "base")[vr.MODEL_ENV]) == {"tokenizer": str(tmp_path / "model"), "window": 64,
-                                                                   "attention": None, "memory": None}
+                                                                   "attention": None, "memory": None, "spool": None}
+
+
+FOCUS = {"chunk": 16, "local": 24, "fragment": 8, "refresh": 0}  # tiny llama: window 128
+
+
+def test_focusllm_prompts_reach_vllm_as_placeholders_and_local_tokens_with_spooled_candidates(tmp_path):
+    """The middleware computes a long prompt's candidates on lcx's own path (what `serve_request` returns:
+    the served attention's test checks those against `lcx generate`), spools them under a random id and
+    hands vLLM the rewritten ids with that id in vllm_xargs; a short prompt passes as it is; a request
+    that names a state itself, or sends several prompts, gets a 400 and leaves nothing in the spool."""
+    import torch
+    from safetensors.torch import load_file
+
+    import lcx
+
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path / "model")
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    served = {"f": [{"name": "focusllm", "options": FOCUS}]}
+    where = {"tokenizer": str(tmp_path / "model"), "window": 128, "spool": str(spool)}
+    call = lambda body: _call(body, served=served, tokenizer=_Chars(), model=where)  # noqa: E731
+    text = "".join(chr(ord("a") + i % 26) for i in range(90))
+    status, _, got = call({"model": "f", "prompt": text, "max_tokens": 4, "vllm_xargs": {"other": 1}})
+    sent = json.loads(got["body"])
+    assert status == 200 and sent["vllm_xargs"]["other"] == 1
+    state = sent["vllm_xargs"][vr.STATE_ARG]
+    assert [p.name for p in spool.iterdir()] == [f"{state}.safetensors"]
+    with lcx.attach(tiny_model("llama"), ["focusllm"], focusllm=FOCUS) as run:
+        ids, tensors = run.method("focusllm").serve_request(run, _Chars().encode(text), 4)
+    assert sent["prompt"] == ids and len(ids) == 5 + FOCUS["local"]  # 91 tokens: 67 in memory, 5 chunks
+    spooled = load_file(str(spool / f"{state}.safetensors"))
+    assert spooled.keys() == tensors.keys() and all(torch.equal(spooled[k], tensors[k]) for k in tensors)
+    status, _, got = call({"model": "f", "prompt": "short", "max_tokens": 4})
+    assert status == 200 and json.loads(got["body"]) == {"model": "f", "prompt": "short", "max_tokens": 4}
+    for body, needle in (({"model": "f", "prompt": "hi", "vllm_xargs": {vr.STATE_ARG: "0" * 32}}, "set by lcx's middleware"),
+                         ({"model": "f", "prompt": [text, text]}, "serves one prompt per request"),
+                         ({"model": "f", "prompt": text, "max_tokens": 120}, "exceed the model's window")):
+        status, answer, got = call(body)
+        assert status == 400 and needle in answer["error"]["message"] and got is None, answer
+    assert len(list(spool.iterdir())) == 1

@@ -267,6 +267,43 @@ def test_fot_server_with_a_document_memory_equals_the_hf_path_for_concurrent_req
     assert asked != hf_tokens(torch.tensor(question), ["fot"], {"fot": opts})  # the memory was read
 
 
+def test_focusllm_server_equals_the_hf_path_and_keeps_concurrent_requests_apart(tmp_path_factory, tok):
+    """`focusllm` with its prompt's candidates (refresh=0): lcx's middleware computes them on lcx's own path
+    and vLLM reads [placeholders ; local tokens] with the candidates' keys/values in the placeholders' stead
+    (lcx.integrations.vllm_attention.FocusServed).  At 2x the window the served tokens equal `lcx generate
+    --method focusllm -o focusllm.refresh=0`; 8 concurrent prompts, shuffled, each with its own key (one chunk
+    of candidates, or short enough to be read as it is), get the tokens that prompt gets alone; every
+    candidate file is gone after its request; a prompt that leaves no room gets a 400 and the server serves on."""
+    opts = {"refresh": 0}  # chunk 2048, local 2048, fragment 512
+    tmp = tmp_path_factory.mktemp("focusllm")
+    s = start_server(["--method", "focusllm", *(x for k, v in opts.items() for x in ("-o", f"focusllm.{k}={v}"))], tmp)
+    try:
+        assert s.ready["methods"] == ["focusllm"]
+        ids = build_prompt_ids(tok, LONG, 0.95, 27094)  # the key among the local tokens: read, not summarised
+        got = s.complete(MODEL, ids.tolist(), NEW)
+        rng = random.Random(5)
+        keys = rng.sample(range(10000, 99999), 8)
+        jobs = [(build_prompt_ids(tok, rng.choice([1500, 3000]), 0.9, k).tolist(), k) for k in keys]  # 0 or 1 chunk
+        rng.shuffle(jobs)
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            answers = list(pool.map(lambda j: s.complete(MODEL, j[0], NEW), jobs))
+        status, bad = s.post("/v1/completions", {"model": MODEL, "prompt": ids.tolist(), "max_tokens": WINDOW})
+        # finished requests are released when they leave vLLM's batch, at its next step: one more request
+        assert len(s.complete(MODEL, tok("One, two, three,")["input_ids"], 2)) == 2
+        left = list((tmp / "export" / "request-state").glob("*.safetensors"))
+    finally:
+        assert s.close() == 0
+    assert "lcx: focusllm answers vLLM's attention" in s.log_path.read_text()
+    assert not left  # each request's candidate file was deleted with its state
+    assert status == 400 and f"+ {WINDOW} new tokens exceed the model's window" in bad["error"]["message"], bad
+    assert got == hf_tokens(ids, ["focusllm"], {"focusllm": opts})
+    assert "27094" in tok.decode(got)
+    assert answers == [hf_tokens(torch.tensor(j), ["focusllm"], {"focusllm": opts}) for j, _ in jobs]
+    texts = [tok.decode(a) for a in answers]
+    assert not any(str(k) in text for (_, key), text in zip(jobs, texts) for k in keys if k != key)
+    assert sum(str(key) in text for (_, key), text in zip(jobs, texts)) >= 4  # real answers (5 of 8 when written)
+
+
 def test_plain_vllm_serve_applies_the_sidecar_through_the_plugin(tmp_path, tok):
     """`vllm serve DIR --config-format lcx` (vLLM's own CLI, lcx only as its installed plugin) on the model's
     own files plus an lcx.json naming rope: it answers as lcx's rope method does, not as the bare model."""
