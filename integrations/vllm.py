@@ -81,12 +81,16 @@ class Export:
     #: Requests served at once (vLLM's --max-num-seqs) so that the attention method's per-request state
     #: fits --state-gib; 0 = vLLM's default (no lcx state).
     max_concurrent: int = 0
+    #: Adapters that lcx's request middleware applies, not vLLM (focusllm's candidate projections: vLLM's
+    #: LoRA would apply them to every token): each name is served as a name of the base model.
+    middleware_adapters: dict[str, Path] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"model_dir": str(self.model_dir), "adapters": {k: str(v) for k, v in self.adapters.items()},
                 "methods": self.methods, "named": self.named, "max_model_len": self.max_model_len,
                 "window": self.window, "max_lora_rank": self.max_lora_rank, "memory": self.memory,
-                "max_concurrent": self.max_concurrent}
+                "max_concurrent": self.max_concurrent,
+                "middleware_adapters": {k: str(v) for k, v in self.middleware_adapters.items()}}
 
 
 # ---------------------------------------------------------------------- export
@@ -263,7 +267,10 @@ def export_for_vllm(model: str, methods: list[str] | tuple[str, ...] = (), optio
             raise LcxError(f"adapter name {name!r} is not usable as a served model name; use NAME=DIR with a plain name")
     src = resolve_model_path(model)
     insts = servable_methods(list(methods), options or {}, adapters)
-    _attention_spec([{"name": m.name, "options": m.to_options()} for m in insts], adapters)
+    _attention_spec([{"name": m.name, "options": m.to_options()} for m in insts])
+    # with a method whose served state lcx's middleware computes (focusllm), the adapters are that state's
+    # (lcx's path gates every LoRA to the candidate positions): the middleware applies them, not vLLM
+    in_middleware = any(m.serving == "attention" and m.serve_state for m in insts)
     config = json.loads((src / "config.json").read_text())
     window = int(config.get("max_position_embeddings") or 0)
     for m in insts:
@@ -314,8 +321,10 @@ def export_for_vllm(model: str, methods: list[str] | tuple[str, ...] = (), optio
         cfg["base_model_name_or_path"] = str((out / "model").resolve())
         (adir / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
         final_adapters[name] = (out / "adapters" / name).resolve()
-    rank = max((int(c.get("r", 0)) for c in checked.values()), default=0)
-    exp = Export(out=out.resolve(), model_dir=(out / "model").resolve(), adapters=final_adapters, methods=described,
+    rank = max((int(c.get("r", 0)) for c in checked.values()), default=0) if not in_middleware else 0
+    exp = Export(out=out.resolve(), model_dir=(out / "model").resolve(), methods=described,
+                 adapters={} if in_middleware else final_adapters,
+                 middleware_adapters=final_adapters if in_middleware else {},
                  max_model_len=max_model_len or derived, window=window, named=list(methods),
                  memory=str(Path(memory).resolve()) if memory is not None else None, max_concurrent=max_concurrent,
                  max_lora_rank=next((r for r in VLLM_LORA_RANKS if r >= rank), 0) if rank else 0)
@@ -422,7 +431,8 @@ def vllm_command(exp: Export, host: str, port: int, served_name: str, dtype: str
                  extra: tuple[str, ...] = ()) -> list[str]:
     """The `vllm serve` command line for an export."""
     cmd = [sys.executable, "-m", "lcx.integrations.vllm", "serve", str(exp.model_dir), "--host", host, "--port", str(port),
-           "--served-model-name", served_name, "--dtype", dtype, "--max-model-len", str(exp.max_model_len),
+           "--served-model-name", served_name, *exp.middleware_adapters,  # the latter: names of the base model
+           "--dtype", dtype, "--max-model-len", str(exp.max_model_len),
            "--enforce-eager", "--disable-log-stats", "--middleware", REQUEST_CHECK]
     if attention_method(exp):  # lcx answers the attention: the HF modeling code, no shared prefix blocks
         from lcx.integrations.vllm_attention import PROMPT_LENGTHS_FQCN
@@ -441,12 +451,12 @@ def vllm_command(exp: Export, host: str, port: int, served_name: str, dtype: str
 
 def attention_method(exp: Export) -> dict[str, Any] | None:
     """The method (name and options) the served model runs inside vLLM's attention, if any."""
-    return _attention_spec(exp.methods, exp.adapters)
+    return _attention_spec(exp.methods)
 
 
-def _attention_spec(methods: list[dict[str, Any]], adapters: dict[str, Path]) -> dict[str, Any] | None:
-    """``attention_method`` of an export of ``methods`` (name and options each) with ``adapters``; refuses
-    what the served attention cannot run."""
+def _attention_spec(methods: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """``attention_method`` of an export of ``methods`` (name and options each); refuses what the served
+    attention cannot run."""
     from lcx.registry import registry
 
     reg = registry()
@@ -458,10 +468,6 @@ def _attention_spec(methods: list[dict[str, Any]], adapters: dict[str, Path]) ->
             raise LcxError("served focusllm keeps the prompt's candidates (vLLM runs no chunk forwards while it "
                            "generates): serve it with -o focusllm.refresh=0, and compare it with `lcx generate "
                            "--method focusllm -o focusllm.refresh=0`")
-        if adapters:
-            raise LcxError(f"focusllm's adapter holds its candidate projections, which vLLM's LoRA would apply to "
-                           f"every token; serving focusllm with --adapter ({', '.join(adapters)}) is not "
-                           f"supported yet: serve the training-free method (no --adapter)")
     if found and found[0]["name"] == "fot" and found[0]["options"].get("mode") == "multi":
         raise LcxError("fot mode=multi is not how a server shares a memory (requests would write into each "
                        "other's): drop -o fot.mode=multi, and serve a document memory built by `lcx memory "
@@ -483,6 +489,9 @@ def served_methods(exp: Export, served_name: str) -> dict[str, list[dict[str, An
     for name, path in exp.adapters.items():
         own = [m for m in read_sidecar(path).get("methods", []) if m["name"] not in {b["name"] for b in base}]
         out[name] = base + own
+    for name, path in exp.middleware_adapters.items():  # the middleware computes their state with the adapter
+        own = [m for m in read_sidecar(path).get("methods", []) if m["name"] not in {b["name"] for b in base}]
+        out[name] = [({**m, "adapter": str(path)} if reg.get(m["name"]).serve_state else m) for m in base] + own
     return out
 
 

@@ -155,12 +155,13 @@ class RequestStates:
         if self.spool is None:
             raise LcxError(f"{spec['name']} needs the server's spool folder (LCX_SERVED_MODEL has none): start "
                            f"the server with `lcx serve`")
+        key = json.dumps(spec, sort_keys=True)  # method, options and the adapter the middleware applies
         with self._lock:
-            session = self._sessions.get(spec["name"])
+            session = self._sessions.get(key)
             if session is None:
-                session = self._sessions[spec["name"]] = open_session(
+                session = self._sessions[key] = open_session(
                     self.model["tokenizer"], [spec["name"]], {spec["name"]: spec.get("options") or {}},
-                    require_tokenizer=False)
+                    spec.get("adapter"), require_tokenizer=False)
             out = session.run.method(spec["name"]).serve_request(session.run, ids, max_new)
         if out is None:
             return False

@@ -89,19 +89,25 @@ def test_a_method_without_a_serving_kind_is_refused_by_name(model_dir, tmp_path,
         export_for_vllm(str(model_dir), adapters={"a": a}, out=tmp_path / "x")
 
 
-def test_focusllm_is_served_with_its_prompts_candidates_only(model_dir, tmp_path):
-    """Served focusllm keeps the prompt's candidates (refresh=0) and serves no adapter (vLLM's LoRA would
-    open the candidate projections for every token): both refused before anything is written."""
+def test_focusllm_is_served_with_its_prompts_candidates_and_its_adapters_in_the_middleware(model_dir, tmp_path):
+    """Served focusllm keeps the prompt's candidates (refresh=0: refused otherwise, before anything is
+    written); its adapters (candidate projections, which vLLM's LoRA would apply to every token) are applied
+    by lcx's request middleware: served as names of the base model, mapped to their adapter for it."""
+    from lcx.integrations.vllm import served_methods, vllm_command
+
     with pytest.raises(LcxError, match=r"serve it with -o focusllm.refresh=0"):
         export_for_vllm(str(model_dir), ["focusllm"], out=tmp_path / "x")
-    a = _adapter(model_dir, tmp_path / "a", methods=({"name": "focusllm", "options": {}},))
-    with pytest.raises(LcxError, match=r"serving focusllm with --adapter \(a\) is not supported yet"):
-        export_for_vllm(str(model_dir), ["focusllm"], {"focusllm": {"refresh": "0"}}, adapters={"a": a},
-                        out=tmp_path / "x")
     assert not (tmp_path / "x").exists()
-    exp = export_for_vllm(str(model_dir), ["focusllm"], {"focusllm": {"refresh": "0", "chunk": "64", "local": "32",
-                                                                        "fragment": "16"}}, out=tmp_path / "x")
+    a = _adapter(model_dir, tmp_path / "a", methods=({"name": "focusllm", "options": {}},))
+    opts = {"focusllm": {"refresh": "0", "chunk": "64", "local": "32", "fragment": "16"}}
+    exp = export_for_vllm(str(model_dir), ["focusllm"], opts, adapters={"cand": a}, out=tmp_path / "x")
     assert [m["name"] for m in exp.methods] == ["focusllm"] and exp.max_concurrent > 0
+    assert exp.adapters == {} and list(exp.middleware_adapters) == ["cand"]
+    cmd = vllm_command(exp, "127.0.0.1", 8000, "m", "float32", None)
+    assert cmd[cmd.index("--served-model-name") + 1:][:2] == ["m", "cand"] and "--enable-lora" not in cmd
+    table = served_methods(exp, "m")
+    assert "adapter" not in table["m"][0] and table["cand"][0]["adapter"] == str(exp.middleware_adapters["cand"])
+    assert (exp.middleware_adapters["cand"] / "adapter_model.safetensors").exists()
 
 
 @pytest.mark.parametrize("lora, what", [

@@ -211,3 +211,19 @@ def test_focusllm_prompts_reach_vllm_as_placeholders_and_local_tokens_with_spool
         status, answer, got = call(body)
         assert status == 400 and needle in answer["error"]["message"] and got is None, answer
     assert len(list(spool.iterdir())) == 1
+    # a served name mapped to a focusllm adapter: the candidates are the adapter's (they differ from the base's)
+    lora = random_adapter(tiny_model("llama"), tmp_path / "cand", seed=3, methods=[{"name": "focusllm", "options": {}}],
+                          scale=0.5)
+    served["cand"] = [{"name": "focusllm", "options": FOCUS, "adapter": str(lora)}]
+    status, _, got = call({"model": "cand", "prompt": text, "max_tokens": 4})
+    state = json.loads(got["body"])["vllm_xargs"][vr.STATE_ARG]
+    from lcx.session import open_session
+
+    session = open_session(str(tmp_path / "model"), ["focusllm"], {"focusllm": FOCUS}, lora, require_tokenizer=False)
+    try:
+        _, adapted = session.run.method("focusllm").serve_request(session.run, _Chars().encode(text), 4)
+    finally:
+        session.close()
+    spooled = load_file(str(spool / f"{state}.safetensors"))
+    assert all(torch.equal(spooled[k], adapted[k]) for k in adapted)
+    assert not all(torch.equal(adapted[k], tensors[k]) for k in tensors)

@@ -273,12 +273,22 @@ def test_focusllm_server_equals_the_hf_path_and_keeps_concurrent_requests_apart(
     (lcx.integrations.vllm_attention.FocusServed).  At 2x the window the served tokens equal `lcx generate
     --method focusllm -o focusllm.refresh=0`; 8 concurrent prompts, shuffled, each with its own key (one chunk
     of candidates, or short enough to be read as it is), get the tokens that prompt gets alone; every
-    candidate file is gone after its request; a prompt that leaves no room gets a 400 and the server serves on."""
+    candidate file is gone after its request; a prompt that leaves no room gets a 400 and the server serves on.
+    A focusllm adapter (its candidate projections) is applied by the middleware: the name it is served under
+    answers as `lcx generate --adapter` does, and otherwise than the base model."""
+    from lcx.adapters.peft_bridge import random_adapter
+    from lcx.models import load_model
+
     opts = {"refresh": 0}  # chunk 2048, local 2048, fragment 512
     tmp = tmp_path_factory.mktemp("focusllm")
-    s = start_server(["--method", "focusllm", *(x for k, v in opts.items() for x in ("-o", f"focusllm.{k}={v}"))], tmp)
+    lora = random_adapter(load_model(MODEL)[0], tmp / "cand", 2, scale=0.5, roles=("q", "k", "v", "o"),
+                          methods=[{"name": "focusllm", "options": {}}])
+    s = start_server(["--method", "focusllm", *(x for k, v in opts.items() for x in ("-o", f"focusllm.{k}={v}")),
+                      f"--adapter=cand={lora}"], tmp)
     try:
-        assert s.ready["methods"] == ["focusllm"]
+        assert s.ready["methods"] == ["focusllm"] and s.ready["adapters"] == ["cand"]
+        mid = build_prompt_ids(tok, 6000, 0.3, 51846)  # two chunks of candidates
+        adapted = {name: s.complete(name, mid.tolist(), NEW) for name in (MODEL, "cand")}
         ids = build_prompt_ids(tok, LONG, 0.95, 27094)  # the key among the local tokens: read, not summarised
         got = s.complete(MODEL, ids.tolist(), NEW)
         rng = random.Random(5)
@@ -302,6 +312,9 @@ def test_focusllm_server_equals_the_hf_path_and_keeps_concurrent_requests_apart(
     texts = [tok.decode(a) for a in answers]
     assert not any(str(k) in text for (_, key), text in zip(jobs, texts) for k in keys if k != key)
     assert sum(str(key) in text for (_, key), text in zip(jobs, texts)) >= 4  # real answers (5 of 8 when written)
+    assert adapted == {MODEL: hf_tokens(mid, ["focusllm"], {"focusllm": opts}),
+                       "cand": hf_tokens(mid, ["focusllm"], {"focusllm": opts}, adapter=lora)}
+    assert adapted["cand"] != adapted[MODEL]
 
 
 def test_plain_vllm_serve_applies_the_sidecar_through_the_plugin(tmp_path, tok):

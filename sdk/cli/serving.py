@@ -143,7 +143,8 @@ def serve_cmd(model, options, methods, adapters, max_model_len, host, port, serv
             if stopping["sig"] is not None:
                 return
             raise
-        info = {"ready": True, "url": f"http://{host}:{port}/v1", "model": name, "adapters": sorted(exp.adapters),
+        served_adapters = sorted([*exp.adapters, *exp.middleware_adapters])
+        info = {"ready": True, "url": f"http://{host}:{port}/v1", "model": name, "adapters": served_adapters,
                 "methods": [m["name"] for m in exp.methods], "max_model_len": exp.max_model_len,
                 "max_concurrent": exp.max_concurrent or None,
                 "start_seconds": round(took, 1), "pid": proc.pid}
@@ -151,7 +152,7 @@ def serve_cmd(model, options, methods, adapters, max_model_len, host, port, serv
             click.echo(json.dumps(info), err=False)
         else:
             click.echo(f"lcx serve: ready at {info['url']} in {took:.0f} s - model {name!r}"
-                       + (f", adapters {', '.join(info['adapters'])}" if exp.adapters else "")
+                       + (f", adapters {', '.join(info['adapters'])}" if info["adapters"] else "")
                        + f", prompts up to {exp.max_model_len} tokens (Ctrl-C stops)")
         sys.stdout.flush()
         rc = proc.wait()
