@@ -37,8 +37,10 @@ Served attention methods that need a forward pass over the whole prompt first (`
 lcx's own path (loaded on the first such request, one request at a time), and for each ``/v1/completions``
 prompt runs the method's ``serve_request``, writes the tensors it returns to the server's spool folder
 (``LCX_SERVED_MODEL``'s ``spool``) under a random id, and hands vLLM the rewritten token ids with that id in
-``vllm_xargs`` (``lcx_state``), which the served attention reads (``lcx.integrations.vllm_attention``).  A
-request that sets ``lcx_state`` itself is refused.  One prompt per request: a list of prompts gets a 400.
+``vllm_xargs`` (``lcx_state``), which the served attention reads (``lcx.integrations.vllm_attention``) and
+deletes when the request ends (here when vLLM refuses the rewritten request).  The whole prompt is read here,
+so lcx's own request limits apply (``lcx.limits``: prompt tokens, RAM).  A request that sets ``lcx_state``
+itself is refused.  One prompt per request: a list of prompts gets a 400.  Chat requests are read as they come.
 """
 
 from __future__ import annotations
@@ -135,6 +137,7 @@ class RequestStates:
     def rewrite(self, body: dict[str, Any], spec: dict[str, Any], tokenizer: Any) -> bool:
         from safetensors.torch import save_file
 
+        from lcx.limits import check_request
         from lcx.session import open_session
 
         prompt = body.get("prompt")
@@ -162,6 +165,7 @@ class RequestStates:
                 session = self._sessions[key] = open_session(
                     self.model["tokenizer"], [spec["name"]], {spec["name"]: spec.get("options") or {}},
                     spec.get("adapter"), require_tokenizer=False)
+            check_request(session.run, len(ids), max_new)  # lcx's own limits: the whole prompt is read here
             out = session.run.method(spec["name"]).serve_request(session.run, ids, max_new)
         if out is None:
             return False
@@ -286,7 +290,19 @@ class LcxRequestOptions:
                 body = json.dumps(data).encode()
                 scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
                          + [(b"content-length", str(len(body)).encode())]}
+                state = (data.get("vllm_xargs") or {}).get(STATE_ARG)
+                if state is not None:  # vLLM refusing the request: its worker never reads (nor deletes) the state
+                    send = _drop_state_on_error(send, self.states().spool / f"{state}.safetensors")
         await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive), send)
+
+
+def _drop_state_on_error(send: Any, path: Path) -> Any:
+    async def watched(message: dict) -> None:
+        if message["type"] == "http.response.start" and message.get("status", 200) >= 400:
+            path.unlink(missing_ok=True)
+        await send(message)
+
+    return watched
 
 
 def _replay(messages: list[dict], receive: Any) -> Any:

@@ -19,8 +19,9 @@ SERVED = {"base": [{"name": "rope", "options": {"type": "yarn", "factor": 4.0}}]
 
 
 def _call(body, method="POST", served=SERVED, monkeypatch=None, tokenizer=None, window=0, path="/v1/completions",
-          model=None):
-    """Run one request through the middleware; returns (status, JSON answer, what the app received or None)."""
+          model=None, app_status=200):
+    """Run one request through the middleware; returns (status, JSON answer, what the app received or None).
+    The app (vLLM's stand-in) answers ``app_status``."""
     got = {}
 
     async def app(scope, receive, send):
@@ -29,7 +30,7 @@ def _call(body, method="POST", served=SERVED, monkeypatch=None, tokenizer=None, 
             msg = await receive()
             body, more = body + msg["body"], msg.get("more_body", False)
         got["body"], got["headers"] = body, dict(scope["headers"])
-        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.start", "status": app_status, "headers": []})
         await send({"type": "http.response.body", "body": b"{}"})
 
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -175,7 +176,7 @@ def test_vanilla_applies_to_every_served_name_when_named_and_to_its_adapter_when
 FOCUS = {"chunk": 16, "local": 24, "fragment": 8, "refresh": 0}  # tiny llama: window 128
 
 
-def test_focusllm_prompts_reach_vllm_as_placeholders_and_local_tokens_with_spooled_candidates(tmp_path):
+def test_focusllm_prompts_reach_vllm_as_placeholders_and_local_tokens_with_spooled_candidates(tmp_path, monkeypatch):
     """The middleware computes a long prompt's candidates on lcx's own path (what `serve_request` returns:
     the served attention's test checks those against `lcx generate`), spools them under a random id and
     hands vLLM the rewritten ids with that id in vllm_xargs; a short prompt passes as it is; a request
@@ -210,7 +211,15 @@ def test_focusllm_prompts_reach_vllm_as_placeholders_and_local_tokens_with_spool
                          ({"model": "f", "prompt": text, "max_tokens": 120}, "exceed the model's window")):
         status, answer, got = call(body)
         assert status == 400 and needle in answer["error"]["message"] and got is None, answer
+    monkeypatch.setenv("LCX_MAX_INPUT_TOKENS", "80")  # lcx's limits hold: the middleware reads the whole prompt
+    status, answer, got = call({"model": "f", "prompt": text, "max_tokens": 4})
+    assert status == 400 and "the prompt has 91 tokens, over the limit of 80" in answer["error"]["message"]
+    monkeypatch.delenv("LCX_MAX_INPUT_TOKENS")
     assert len(list(spool.iterdir())) == 1
+    # vLLM refuses a rewritten request (say, a sampling parameter it rejects): its candidates are not left behind
+    status, _, got = _call({"model": "f", "prompt": text, "max_tokens": 4}, served=served, tokenizer=_Chars(),
+                           model=where, app_status=400)
+    assert status == 400 and vr.STATE_ARG in json.loads(got["body"])["vllm_xargs"] and len(list(spool.iterdir())) == 1
     # a served name mapped to a focusllm adapter: the candidates are the adapter's (they differ from the base's)
     lora = random_adapter(tiny_model("llama"), tmp_path / "cand", seed=3, methods=[{"name": "focusllm", "options": {}}],
                           scale=0.5)
