@@ -162,6 +162,10 @@ def test_cli_export_json_and_errors(model_dir, tmp_path):
     r = CliRunner().invoke(main, ["export", "-m", str(model_dir), "--method", "rope", "-o", "rope.factor=x",
                                   "--out", str(tmp_path / "z")])
     assert r.exit_code == 2 and "rope.factor" not in r.output and "'x'" in r.output
+    r = CliRunner().invoke(main, ["export", "-m", str(model_dir), "--method", "rope", "--out", str(tmp_path / "r")])
+    assert r.exit_code == 0 and "serve it: VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 vllm serve" in r.output
+    r = CliRunner().invoke(main, ["export", "-m", str(model_dir), "--method", "vanilla", "--out", str(tmp_path / "v")])
+    assert r.exit_code == 0 and "serve it with `lcx serve MODEL --method vanilla ...`" in r.output  # not `vllm serve`
 
 
 def test_options_for_an_unselected_method_are_refused(model_dir, tmp_path):

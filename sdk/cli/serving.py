@@ -29,8 +29,8 @@ def serve_options(f):
     f = click.option("--option", "-o", "options", multiple=True, metavar="KEY=VALUE",
                      help="Method option, e.g. -o rope.factor=4 (see `lcx methods -v`).")(f)
     f = click.option("--method", "methods", multiple=True, metavar="NAME",
-                     help="Method applied to the served model (servable: rope, smt, vanilla, streaming, fot); "
-                          "adapters add their own.")(f)
+                     help="Method applied to the served model (servable: rope, smt, vanilla, streaming, fot, "
+                          "focusllm); adapters add their own.")(f)
     f = click.option("--adapter", "adapters", multiple=True, metavar="[NAME=]DIR",
                      help="lcx LoRA adapter, served under NAME (default: the folder name); repeat for several.")(f)
     f = click.option("--max-model-len", type=click.IntRange(1), default=None,
@@ -66,6 +66,14 @@ def export_cmd(model, options, methods, adapters, max_model_len, target, out, ov
         return
     click.echo(f"exported to {exp.out} (methods: {', '.join(m['name'] for m in exp.methods) or 'none'}; "
                f"prompts up to {exp.max_model_len} tokens)")
+    from lcx.registry import registry
+
+    needs_lcx = [m["name"] for m in exp.methods if registry().get(m["name"]).serving in ("attention", "prompt")]
+    if needs_lcx:  # plain `vllm serve` of the folder would serve the bare model
+        click.echo(f"serve it with `lcx serve MODEL --method {needs_lcx[0]} ...`: {', '.join(needs_lcx)} "
+                   f"run{'s' if len(needs_lcx) == 1 else ''} in lcx's request middleware or inside vLLM's attention, "
+                   f"which plain `vllm serve` of this folder does not set up")
+        return
     lora = (" --enable-lora --max-lora-rank " + str(exp.max_lora_rank) + " --lora-modules "
             + " ".join(f"{n}={p}" for n, p in exp.adapters.items())) if exp.adapters else ""
     click.echo(f"serve it: VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 vllm serve {exp.model_dir} --dtype float32 "
@@ -105,6 +113,7 @@ def serve_cmd(model, options, methods, adapters, max_model_len, host, port, serv
       lcx serve smollm2-135m --adapter smt=results/smt/adapter --max-model-len 32768
       lcx serve smollm2-135m --method rope -o rope.factor=4 --port 8001
       lcx serve smollm2-135m --method fot --memory out/mem --max-model-len 32768
+      lcx serve smollm2-135m --method focusllm -o focusllm.refresh=0 --adapter cand=results/focusllm/adapter
       curl localhost:8000/v1/completions -H 'content-type: application/json' \\
           -d '{"model": "smt", "prompt": "...", "max_tokens": 16, "temperature": 0}'
     Arguments after `--` go to `vllm serve` unchanged.
