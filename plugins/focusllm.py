@@ -96,7 +96,7 @@ def _forward_group(model, group: ChunkGroup, ids: torch.Tensor, cache, gate, kee
     if not grad:
         last = [(k.clone(), v.clone()) for k, v in last]
     if keep and gate is not None:  # the cache keeps the newest token with the base weights
-        cache.crop(L + ids.shape[1] - 1)
+        cache.crop(-1)  # drop the newest token (transformers 5.18+: a negative count, not a length)
         with torch.no_grad(), gate.only(torch.zeros_like(ids[:, -1:], dtype=torch.float32)):
             model(input_ids=ids[:, -1:], position_ids=pos[:, -1:], past_key_values=cache, use_cache=True, logits_to_keep=1)
     group.cache = cache if keep else None
