@@ -23,10 +23,11 @@ lcx's request middleware (``lcx.integrations.vllm_requests``) before vLLM reads 
 (``streaming``, ``fot`` with a per-request memory, ``focusllm`` with its prompt's candidates) run inside
 vLLM's attention (``lcx.integrations.vllm_attention``: the Transformers backend, prefix caching off);
 focusllm's candidates are computed by the request middleware, on lcx's own path, before vLLM reads the
-rewritten prompt.  A document memory built by ``lcx memory build`` is loaded once by the server and read
-by every request (``lcx serve --memory``); ``fot`` mode=multi (requests writing into one memory),
-focusllm with ``refresh`` other than 0 (candidates refreshed while generating) or with an adapter are
-refused with a clear error.
+rewritten prompt, and so are focusllm's adapters (its candidate projections: each served as a name of the
+base model, never as vLLM LoRA).  A document memory built by ``lcx memory build`` is loaded once by the
+server and read by every request (``lcx serve --memory``); ``fot`` mode=multi (requests writing into one
+memory) and focusllm with ``refresh`` other than 0 (candidates refreshed while generating) are refused with
+a clear error.
 """
 
 from __future__ import annotations
@@ -496,10 +497,10 @@ def served_methods(exp: Export, served_name: str) -> dict[str, list[dict[str, An
 
 
 def vllm_env(exp: Export, kv_cache_gib: float, served_name: str = "lcx") -> dict[str, str]:
-    env = dict(os.environ)
-    env[SERVED_ENV] = json.dumps(served_methods(exp, served_name))
     from lcx.registry import registry
 
+    env = dict(os.environ)
+    env[SERVED_ENV] = json.dumps(served_methods(exp, served_name))
     attention = attention_method(exp)
     spool = None
     if attention is not None and registry().get(attention["name"]).serve_state:
