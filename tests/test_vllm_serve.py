@@ -273,7 +273,8 @@ def test_focusllm_server_equals_the_hf_path_and_keeps_concurrent_requests_apart(
     (lcx.integrations.vllm_attention.FocusServed).  At 2x the window the served tokens equal `lcx generate
     --method focusllm -o focusllm.refresh=0`; 8 concurrent prompts, shuffled, each with its own key (one chunk
     of candidates, or short enough to be read as it is), get the tokens that prompt gets alone; every
-    candidate file is gone after its request; a prompt that leaves no room gets a 400 and the server serves on.
+    candidate file is gone after its request; a request over lcx's limits (the middleware reads the whole
+    prompt) gets a 400 and the server serves on.
     A focusllm adapter (its candidate projections) is applied by the middleware: the name it is served under
     answers as `lcx generate --adapter` does, and otherwise than the base model."""
     from lcx.adapters.peft_bridge import random_adapter
@@ -305,7 +306,7 @@ def test_focusllm_server_equals_the_hf_path_and_keeps_concurrent_requests_apart(
         assert s.close() == 0
     assert "lcx: focusllm answers vLLM's attention" in s.log_path.read_text()
     assert not left  # each request's candidate file was deleted with its state
-    assert status == 400 and f"+ {WINDOW} new tokens exceed the model's window" in bad["error"]["message"], bad
+    assert status == 400 and f"max_new_tokens={WINDOW:,} is over the limit" in bad["error"]["message"], bad
     assert got == hf_tokens(ids, ["focusllm"], {"focusllm": opts})
     assert "27094" in tok.decode(got)
     assert answers == [hf_tokens(torch.tensor(j), ["focusllm"], {"focusllm": opts}) for j, _ in jobs]
