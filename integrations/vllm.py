@@ -27,7 +27,7 @@ rewritten prompt, and so are focusllm's adapters (its candidate projections: eac
 base model, never as vLLM LoRA).  A document memory built by ``lcx memory build`` is loaded once by the
 server and read by every request (``lcx serve --memory``); ``fot`` mode=multi (requests writing into one
 memory) and focusllm with ``refresh`` other than 0 (candidates refreshed while generating) are refused with
-a clear error.
+a clear error, by each method's ``check_serving``.
 """
 
 from __future__ import annotations
@@ -129,7 +129,10 @@ def servable_methods(methods: list[str], options: dict[str, Any], adapters: dict
                 f"method {n!r} ({source[n]}) cannot be served through vLLM yet"
                 + (f" ({reg.get(n).not_served_because})" if reg.get(n).not_served_because else "")
                 + f"; serve the methods {_servable_names(reg)} or use `lcx generate --method {n}`")
-    return resolve_methods(names, merged)
+    insts = resolve_methods(names, merged)
+    for m in insts:
+        m.check_serving()
+    return insts
 
 
 def _servable_names(reg) -> str:
@@ -464,15 +467,8 @@ def _attention_spec(methods: list[dict[str, Any]]) -> dict[str, Any] | None:
     found = [m for m in methods if reg.get(m["name"]).serving == "attention"]
     if len(found) > 1:
         raise LcxError(f"methods {', '.join(m['name'] for m in found)} each replace vLLM's attention; serve one")
-    if found and found[0]["name"] == "focusllm":
-        if int(found[0]["options"].get("refresh", 1)) != 0:
-            raise LcxError("served focusllm keeps the prompt's candidates (vLLM runs no chunk forwards while it "
-                           "generates): serve it with -o focusllm.refresh=0, and compare it with `lcx generate "
-                           "--method focusllm -o focusllm.refresh=0`")
-    if found and found[0]["name"] == "fot" and found[0]["options"].get("mode") == "multi":
-        raise LcxError("fot mode=multi is not how a server shares a memory (requests would write into each "
-                       "other's): drop -o fot.mode=multi, and serve a document memory built by `lcx memory "
-                       "build` with --memory PATH (read by every request, written by none)")
+    if found:  # an export's sidecar may be written by hand: its options are checked where they are read
+        reg.get(found[0]["name"]).from_options(**found[0]["options"]).check_serving()
     return found[0] if found else None
 
 

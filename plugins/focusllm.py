@@ -310,14 +310,18 @@ class FocusLLM(Method):
                     info={"candidates": n, "memory_tokens": int(memory.shape[1])})
 
     @torch.no_grad()
+    def check_serving(self):
+        if self.refresh:
+            raise LcxError(f"served focusllm keeps the prompt's candidates (vLLM runs no chunk forwards while it "
+                           f"generates): serve it with -o focusllm.refresh=0, and compare it with `lcx generate "
+                           f"--method focusllm -o focusllm.refresh=0` (got refresh={self.refresh})")
+
     def serve_request(self, run, ids, max_new_tokens):
         """The plan's tokens ([one placeholder per candidate ; local tokens]) and, per layer, the candidates'
         keys ``"{layer}.k"`` and values ``"{layer}.v"`` (H_kv, n, D), already at their slots 0..n-1; None for
         a prompt of at most ``local`` tokens (read as it is).  Served candidates are the prompt's
         (``refresh=0``): vLLM runs no chunk forwards while it generates."""
-        if self.refresh:
-            raise LcxError(f"served focusllm keeps the prompt's candidates (vLLM runs no chunk forwards while it "
-                           f"generates); serve it with -o focusllm.refresh=0 (got refresh={self.refresh})")
+        self.check_serving()
         input_ids = torch.tensor([ids])
         plan = self.lcx_plan(run, input_ids, torch.ones_like(input_ids), max_new_tokens)
         if plan is None:

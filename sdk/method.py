@@ -61,6 +61,10 @@ class Method:
         ``input_tokens`` (checked against ``lcx.limits``); 0 for methods whose memory is the model's cache."""
         return 0
 
+    def check_serving(self) -> None:
+        """Refuse (``LcxError`` naming the option and the fix) options this method's served form cannot
+        run; called by ``lcx export --for vllm``, ``lcx serve`` and the vLLM plugin (which reads the export)."""
+
     def vllm_config(self, config: dict[str, Any]) -> dict[str, Any]:
         """For ``serving == "config"``: the model's config.json (a dict) as vLLM should load it."""
         return config

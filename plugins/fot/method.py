@@ -109,6 +109,12 @@ class FoT(Method):
         except LcxError as e:
             raise ValueError(str(e)) from None
 
+    def check_serving(self) -> None:
+        if self.mode == "multi":
+            raise LcxError("fot mode=multi is not how a server shares a memory (requests would write into each "
+                           "other's): drop -o fot.mode=multi, and serve a document memory built by `lcx memory "
+                           "build` with --memory PATH (read by every request, written by none)")
+
     # ------------------------------------------------------------------ stages
     @hookimpl
     def lcx_patch_model(self, run, model):
