@@ -140,21 +140,17 @@ class RequestStates:
         from lcx.limits import check_request
         from lcx.session import open_session
 
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise LcxError(f"{spec['name']} serves one prompt per request; send the {len(prompt)} prompts as "
-                           f"separate requests")
-        if not (isinstance(prompt, str) or isinstance(prompt, list)) or not prompt:
+        parsed = requested_prompts(body)
+        if parsed is None:
             return False  # malformed or empty: vLLM answers it
-        max_new = body.get("max_tokens", DEFAULT_MAX_TOKENS)
-        max_new = DEFAULT_MAX_TOKENS if max_new is None else max_new
-        if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
-            return False
+        prompts, single, max_new = parsed
+        if not single:
+            raise LcxError(f"{spec['name']} serves one prompt per request; send the {len(prompts)} prompts as "
+                           f"separate requests")
         xargs = body.get("vllm_xargs") or {}
         if not isinstance(xargs, dict):
             raise LcxError(f"vllm_xargs must be an object, got {json.dumps(xargs)[:100]}")
-        special = body.get("add_special_tokens", True) is not False
-        ids = tokenizer.encode(prompt, add_special_tokens=special) if isinstance(prompt, str) else list(prompt)
+        ids = prompt_ids(prompts[0], body, tokenizer)
         if self.spool is None:
             raise LcxError(f"{spec['name']} needs the server's spool folder (LCX_SERVED_MODEL has none): start "
                            f"the server with `lcx serve`")
@@ -179,23 +175,42 @@ class RequestStates:
         return True
 
 
-def rewrite_prompts(body: dict[str, Any], methods: list, tokenizer: Any, window: int) -> bool:
-    """Apply ``methods``' ``serve_prompt`` to the completion request's prompt(s), in place; True if a prompt
-    changed (it is then token ids).  Malformed prompts and token counts are left for vLLM to refuse."""
+def _is_ids(p: Any) -> bool:
+    return isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+
+def requested_prompts(body: dict[str, Any]) -> tuple[list, bool, int] | None:
+    """A completion request's prompts (each a text or token ids), whether it sent a single prompt, and
+    its ``max_tokens``; None when these are missing or malformed (left for vLLM to refuse)."""
     prompt, max_new = body.get("prompt"), body.get("max_tokens", DEFAULT_MAX_TOKENS)
     if max_new is None:
         max_new = DEFAULT_MAX_TOKENS
     if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1 or not prompt:
-        return False
-    single = isinstance(prompt, str) or all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        return None
+    single = isinstance(prompt, str) or _is_ids(prompt)
     prompts = [prompt] if single else prompt
-    if not isinstance(prompts, list) or not all(
-            isinstance(p, str) or (isinstance(p, list) and all(isinstance(t, int) for t in p)) for p in prompts):
+    if not isinstance(prompts, list) or not all(isinstance(p, str) or _is_ids(p) for p in prompts):
+        return None
+    return prompts, single, max_new
+
+
+def prompt_ids(prompt: str | list[int], body: dict[str, Any], tokenizer: Any) -> list[int]:
+    """One prompt's token ids, a text tokenized as vLLM would (``add_special_tokens`` of the request)."""
+    if not isinstance(prompt, str):
+        return list(prompt)
+    return tokenizer.encode(prompt, add_special_tokens=body.get("add_special_tokens", True) is not False)
+
+
+def rewrite_prompts(body: dict[str, Any], methods: list, tokenizer: Any, window: int) -> bool:
+    """Apply ``methods``' ``serve_prompt`` to the completion request's prompt(s), in place; True if a prompt
+    changed (it is then token ids).  Malformed prompts and token counts are left for vLLM to refuse."""
+    parsed = requested_prompts(body)
+    if parsed is None:
         return False
-    special = body.get("add_special_tokens", True) is not False
+    prompts, single, max_new = parsed
     out, changed = [], False
     for p in prompts:
-        ids = tokenizer.encode(p, add_special_tokens=special) if isinstance(p, str) else list(p)
+        ids = prompt_ids(p, body, tokenizer)
         new = ids
         for m in methods:
             try:
