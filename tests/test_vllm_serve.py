@@ -188,9 +188,12 @@ def test_vanilla_server_truncates_as_the_hf_path_does_at_twice_the_window(tmp_pa
 
 def test_streaming_server_equals_the_hf_path_and_keeps_concurrent_requests_apart(tmp_path_factory, tok):
     """`streaming` runs inside vLLM's attention (lcx.integrations.vllm_attention): at 2x the window the
-    served tokens equal lcx's streaming path; 8 concurrent requests, passkeys in their recent windows,
-    shuffled, each get their own key (the per-request state is keyed and reset per request)."""
-    opts = {"sinks": 4, "chunk": 512}
+    served tokens equal lcx's streaming path; 8 concurrent requests, shuffled, half of them longer than
+    sinks + window (each evicting its own keys), passkeys in their recent windows, each get their own key
+    (the per-request state is keyed and reset per request).  A 2,048-token recent window (not the default
+    ~7.7K) makes the 2x-window prompt cost both sides about a third of the default's, and the 3,000-token
+    prompts evict."""
+    opts = {"sinks": 4, "chunk": 512, "window": 2048}
     s = start_server(["--method", "streaming", *(x for k, v in opts.items() for x in ("-o", f"streaming.{k}={v}")),
                       "--max-model-len", str(LONG + 64)], tmp_path_factory.mktemp("streaming"))
     try:
@@ -199,7 +202,7 @@ def test_streaming_server_equals_the_hf_path_and_keeps_concurrent_requests_apart
         got = s.complete(MODEL, ids.tolist(), NEW)
         rng = random.Random(3)
         keys = rng.sample(range(10000, 99999), 8)
-        jobs = [(build_prompt_ids(tok, rng.choice([1024, 3000]), rng.uniform(0.2, 0.9), k).tolist(), k) for k in keys]
+        jobs = [(build_prompt_ids(tok, rng.choice([1024, 3000]), rng.uniform(0.55, 0.9), k).tolist(), k) for k in keys]
         rng.shuffle(jobs)
         with ThreadPoolExecutor(len(jobs)) as pool:
             answers = list(pool.map(lambda j: tok.decode(s.complete(MODEL, j[0], NEW)), jobs))
@@ -288,7 +291,7 @@ def test_focusllm_server_equals_the_hf_path_and_keeps_concurrent_requests_apart(
                       f"--adapter=cand={lora}"], tmp)
     try:
         assert s.ready["methods"] == ["focusllm"] and s.ready["adapters"] == ["cand"]
-        mid = build_prompt_ids(tok, 6000, 0.3, 51846)  # two chunks of candidates
+        mid = build_prompt_ids(tok, 4500, 0.3, 51846)  # two chunks of candidates (2,048 + 404 tokens)
         adapted = {name: s.complete(name, mid.tolist(), NEW) for name in (MODEL, "cand")}
         ids = build_prompt_ids(tok, LONG, 0.95, 27094)  # the key among the local tokens: read, not summarised
         got = s.complete(MODEL, ids.tolist(), NEW)
