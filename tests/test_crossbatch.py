@@ -195,3 +195,25 @@ def test_analyze_distraction_cli(tmp_path):
     assert r.exit_code != 0 and "d=4 needs at least 4 documents" in r.output, r.output
     r = CliRunner().invoke(main, [*args[:10], "--ds", "1,x"])
     assert r.exit_code == 2 and "'x' is not a positive integer" in r.output
+
+
+def test_train_k_keeps_each_querys_top_k_memory_keys_only():
+    """train_k = M (all memory keys) is dense crossbatch; train_k = 1 gives each query one memory key, the
+    best-scoring one: the keys no query ranks first get no gradient, those ranked first do."""
+    torch.manual_seed(0)
+    B, H, D = 2, 2, 8
+    lay = crossbatch.layout(L, w=1, d=2)  # row 1's second context sees 2 earlier contexts: M = 2L keys
+    q, k, v = (torch.randn(B, H, 2 * L, D) for _ in range(3))
+    dense = crossbatch.memory_attention(q, k, v, lay, None, "first", 0, D ** -0.5)
+    torch.testing.assert_close(crossbatch.memory_attention(q, k, v, lay, None, "first", 0, D ** -0.5, topk=2 * L), dense)
+    v1 = v.clone().requires_grad_(True)
+    out = crossbatch.memory_attention(q, k, v1, lay, None, "first", 0, D ** -0.5, topk=1)
+    out[1, L:].sum().backward()  # row 1's second context: memory = row 1's and row 0's first contexts
+    mem_keys = torch.cat([k[1, :, :L], k[0, :, :L]], dim=1)  # (H, 2L, D), the order of lay.sources
+    best = torch.einsum("hqd,hmd->hqm", q[1, :, L:], mem_keys).argmax(-1)  # (H, L): each query's top-1
+    memory_grad = torch.cat([v1.grad[1, :, :L], v1.grad[0, :, :L]], dim=1).abs().sum(-1)  # (H, 2L)
+    for h in range(H):
+        chosen = set(best[h].tolist())
+        assert all(memory_grad[h, m] > 0 for m in chosen)
+        assert all(memory_grad[h, m] == 0 for m in range(2 * L) if m not in chosen)
+    assert not torch.allclose(out, dense)

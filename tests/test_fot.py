@@ -141,6 +141,8 @@ def test_bad_options():
     model = tiny_model("llama")
     with pytest.raises(lcx.LcxError, match="k must be > 0"):
         lcx.attach(model, ["fot"], k=0)
+    with pytest.raises(lcx.LcxError, match=r"train_k must be >= 0 \(0 = every memory key\), got -1"):
+        lcx.attach(model, ["fot"], train_k=-1)
     with pytest.raises(lcx.LcxError, match="memory layer 9 out of range: the model has 2 layers"):
         lcx.attach(model, ["fot"], memory_layers="0,9")
     with pytest.raises(lcx.LcxError, match="unknown memory backend"):

@@ -139,14 +139,16 @@ def local_attention(query, key, value, lay: Layout, scaling: float) -> torch.Ten
 
 
 def memory_attention(query, key, value, lay: Layout, inv_freq: torch.Tensor | None, positions: str,
-                     fixed_distance: int, scaling: float, probe: list | None = None) -> torch.Tensor:
+                     fixed_distance: int, scaling: float, probe: list | None = None, topk: int = 0) -> torch.Tensor:
     """A memory layer under crossbatch: own context (causal) + earlier contexts, one softmax.
 
     query (B, H, T, D) and key (B, Hkv, T, D) arrive rotated at their in-context positions
     0..L-1.  Memory keys are un-rotated to position 0 and the query re-rotated to the distance the
     positions mode gives memory (first: its own position, fixed: ``fixed_distance``, none: 0).
     ``probe`` (a list) receives per-context attention masses on positives / all memory, for
-    ``lcx analyze distraction``.  Out (B, T, H, Dv).
+    ``lcx analyze distraction``.  ``topk`` > 0: each query attends to its ``topk`` best-scoring memory keys
+    only (what kNN retrieval hands it at inference), the others masked before the softmax; 0: all of them
+    (FoT's dense crossbatch).  Out (B, T, H, Dv).
     """
     B, H, T, D = query.shape
     Hkv = key.shape[1]
@@ -194,6 +196,8 @@ def memory_attention(query, key, value, lay: Layout, inv_freq: torch.Tensor | No
             mk = k0[R, :, C].permute(0, 2, 1, 3, 4).reshape(P, Hkv, n * L, D)  # (P, Hkv, M, D)
             mv = vc[R, :, C].permute(0, 2, 1, 3, 4).reshape(P, Hkv, n * L, -1)
             mem = torch.einsum("phgqd,phmd->phgqm", q_rel[A, :, :, J], mk) * scaling
+            if 0 < topk < mem.shape[-1]:  # per query: its top-k memory keys (ties at the k-th score kept)
+                mem = mem.masked_fill(mem < mem.topk(topk, dim=-1).values[..., -1:], float("-inf"))
             probs = torch.cat([lq, mem], dim=-1).softmax(-1)
             pl, pm = probs[..., :L], probs[..., L:]
             o = torch.einsum("phgqk,phkd->phgqd", pl, v_own) + torch.einsum("phgqm,phmd->phgqd", pm, mv)

@@ -62,11 +62,14 @@ class FoT(Method):
     d: int = option(1, "training: documents a memory layer sees (its own + d - 1 others as negatives)")
     w: int = option(1, "training: previous contexts per document in a row (rows hold w + 1 contexts of local tokens)")
     segments: str = option("", "training: POSITIVES:NEGATIVES per context, e.g. 0:0,1:1,2:1,3:0 (default j:(d-1)*j)")
+    train_k: int = option(0, "training: memory keys each query attends to in crossbatch, its top-k by score (as kNN retrieval hands it at inference); 0 = all (FoT)")
     d_schedule: str = option("constant", "training: constant, step:N:D, acc:A:D[:N] (D once train accuracy over N steps >= A) or choice:D1,D2")
 
     def __post_init__(self) -> None:
         if self.k <= 0:
             raise ValueError(f"k must be > 0, got {self.k}")
+        if self.train_k < 0:
+            raise ValueError(f"train_k must be >= 0 (0 = every memory key), got {self.train_k}")
         if self.local <= 0 or self.block <= 0:
             raise ValueError(f"local and block must be > 0 (got local={self.local}, block={self.block})")
         if not 0 <= self.chunk <= self.local:
@@ -192,7 +195,8 @@ class FoT(Method):
             inv = families.rotary_inv_freq(run.model, run.family, module.layer_idx)
             probe = run.state.get("crossbatch_probe")
             out = crossbatch.memory_attention(query, key, value, lay, inv, self.positions, self.fixed_distance,
-                                              scaling, probe.setdefault(module.layer_idx, []) if probe is not None else None)
+                                              scaling, probe.setdefault(module.layer_idx, []) if probe is not None else None,
+                                              self.train_k)
             return out, None
         cache = run.state.get("memory")
         layer = cache.layers[module.layer_idx] if cache is not None and hasattr(cache, "layers") else None

@@ -64,6 +64,18 @@ s4() {  # from s3: rows of two 512-token documents back to back (4 contexts, w =
         --seq-len 1024 --batch-size 16 --warmup 3 --steps 30 --lr 1e-3 --out $RUNS/s4 --overwrite
     log s4
 }
+s3_topk() {  # from s3: 80 more steps at d = 32 with each query attending to its top-32 memory keys only
+            # (fot.train_k, as kNN retrieval at evaluation), against explore/s3-plus-80-d32 (dense, same steps)
+    $LCX train -m $RUNS/s3 "${FOT[@]}" -o fot.local=256 -o fot.d=32 -o fot.train_k=32 "${TASK[@]}" --seq-len 512 \
+        --batch-size 32 --warmup 5 --steps 80 --lr 1e-3 --out $RUNS/s3-topk32 --overwrite
+    log s3-topk32
+}
+explore_topk() {  # 64K on seed 99's documents (explore/: not the table's), k = 32 and 8 at evaluation
+    for k in 32 8; do
+        $LCX eval dictionary -m $RUNS/s3-topk32 "${FOT[@]}" -o fot.local=256 -o fot.k=$k --dict-tokens 64K --samples 3 \
+            --seed 99 --label "s3-topk32 k=$k" --out $RUNS/eval-s3-topk32-k$k --json > $OUT/explore/s3-topk32.64k-k$k.json
+    done
+}
 baseline() {  # plain attention, same curriculum
     $LCX train -m $RUNS/init --method vanilla "${TASK[@]}" --seq-len 80 --batch-size 64 --warmup 50 --steps 900 \
         --lr 3e-3 --out $RUNS/baseline-warmup --overwrite
