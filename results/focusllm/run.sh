@@ -38,6 +38,14 @@ ppl_trained() {
         --target 256 --out results/focusllm/ppl-trained
 }
 
+compare16() {  # focusllm (training-free and with the adapter) against vanilla, streaming and fot (fot in the
+               # configuration of results/fot/run.sh) on the same 16K prompts: 3 depths x 2 keys (fot and
+               # streaming take minutes per sample on one thread)
+    $LCX eval compare passkey -m smollm2-135m --stack focusllm --stack vanilla --stack streaming --stack fot \
+        -o fot.local=1024 -o fot.chunk=256 -o fot.memory_layers=6,7,8,14,15,17,18,19,20,21,22,23 \
+        --lengths 16K --depths 0.1,0.5,0.9 --samples 2 --out results/focusllm/compare-16k --resume
+}
+
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(passkey_free ppl_free train passkey_trained ppl_trained)
 for s in "${steps[@]}"; do echo "== $s"; "$s"; done
