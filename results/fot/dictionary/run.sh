@@ -73,7 +73,8 @@ s3_topk() {  # from s3: 80 more steps at d = 32 with each query attending to its
 explore_topk() {  # 64K on seed 99's documents (explore/: not the table's), k = 32 and 8 at evaluation
     for k in 32 8; do
         $LCX eval dictionary -m $RUNS/s3-topk32 "${FOT[@]}" -o fot.local=256 -o fot.k=$k --dict-tokens 64K --samples 3 \
-            --seed 99 --label "s3-topk32 k=$k" --out $RUNS/eval-s3-topk32-k$k --json > $OUT/explore/s3-topk32.64k-k$k.json
+            --seed 99 --label "s3-topk32 k=$k" --out $RUNS/eval-s3-topk32-k$k
+        cp $RUNS/eval-s3-topk32-k$k/dictionary.json $OUT/explore/s3-topk32.64k-k$k.json
     done
 }
 baseline() {  # plain attention, same curriculum
