@@ -309,13 +309,13 @@ class FocusLLM(Method):
         return Plan(ids, torch.ones_like(ids), [(0, n), (n, n + self.local)], dropped=0,
                     info={"candidates": n, "memory_tokens": int(memory.shape[1])})
 
-    @torch.no_grad()
     def check_serving(self):
         if self.refresh:
             raise LcxError(f"served focusllm keeps the prompt's candidates (vLLM runs no chunk forwards while it "
                            f"generates): serve it with -o focusllm.refresh=0, and compare it with `lcx generate "
                            f"--method focusllm -o focusllm.refresh=0` (got refresh={self.refresh})")
 
+    @torch.no_grad()
     def serve_request(self, run, ids, max_new_tokens):
         """The plan's tokens ([one placeholder per candidate ; local tokens]) and, per layer, the candidates'
         keys ``"{layer}.k"`` and values ``"{layer}.v"`` (H_kv, n, D), already at their slots 0..n-1; None for

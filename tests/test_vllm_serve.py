@@ -188,7 +188,7 @@ def test_vanilla_server_truncates_as_the_hf_path_does_at_twice_the_window(tmp_pa
 
 def test_streaming_server_equals_the_hf_path_and_keeps_concurrent_requests_apart(tmp_path_factory, tok):
     """`streaming` runs inside vLLM's attention (lcx.integrations.vllm_attention): at 2x the window the
-    served tokens equal lcx's streaming path; 8 concurrent requests, shuffled, half of them longer than
+    served tokens equal lcx's streaming path; 8 concurrent requests, shuffled, those of 3,000 tokens longer than
     sinks + window (each evicting its own keys), passkeys in their recent windows, each get their own key
     (the per-request state is keyed and reset per request).  A 2,048-token recent window (not the default
     ~7.7K) makes the 2x-window prompt cost both sides about a third of the default's, and the 3,000-token
