@@ -129,12 +129,16 @@ def _is_hookimpl(fn: Any) -> bool:
 
 
 def _convert(method: str, key: str, value: Any, hint: Any) -> Any:
-    """Convert a CLI string to the field's declared type; other values pass through."""
-    if not isinstance(value, str) or hint in (str, None, Any):
+    """Convert a CLI string to the field's declared type.  JSON numbers (sidecars, vLLM requests) become the
+    field's number type: an int for a float field, an integral float for an int field; a fraction for an
+    int field, a bool for a number field or a non-bool for a bool field is an error.  Other values pass through."""
+    if hint in (str, None, Any):
         return value
     origin = typing.get_origin(hint)
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     target = args[0] if origin in (typing.Union, getattr(__import__("types"), "UnionType", ())) and args else hint
+    if not isinstance(value, str):
+        return _convert_number(method, key, value, target)
     if origin is typing.Literal:
         if value not in typing.get_args(hint):
             raise LcxError(
@@ -157,4 +161,20 @@ def _convert(method: str, key: str, value: Any, hint: Any) -> Any:
         raise LcxError(
             f"option {key}={value!r} of method {method!r} is not a valid {getattr(target, '__name__', target)}"
         ) from None
+    return value
+
+
+def _convert_number(method: str, key: str, value: Any, target: Any) -> Any:
+    """A JSON-typed option value as its field's type (see ``_convert``)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if target is float and number:
+        return float(value)
+    if target is int and number:
+        if isinstance(value, float) and not value.is_integer():
+            raise LcxError(f"option {key}={value!r} of method {method!r} must be a whole number, e.g. {key}={int(value)}")
+        return int(value)
+    if target in (int, float) and isinstance(value, bool):
+        raise LcxError(f"option {key}={value!r} of method {method!r} must be a number, not true or false")
+    if target is bool and not isinstance(value, bool):
+        raise LcxError(f"option {key}={value!r} of method {method!r} must be true or false")
     return value

@@ -94,3 +94,24 @@ def test_a_broken_installed_plugin_is_skipped_with_a_warning(monkeypatch, capsys
     assert "two plugins use the entry-point name 'good'" in err
     assert r.plugin_of("vanilla") == "lcx.plugins.vanilla" and "other" in r.methods and "counting" not in r.methods
     assert "clash" not in {p.name for p in r.plugins()}
+
+
+@pytest.mark.parametrize(("given", "expected"), [
+    ({"head_fraction": 1, "window": 512}, {"head_fraction": 1.0, "window": 512}),
+    ({"window": 512.0}, {"window": 512}),
+    ({"window": "512", "head_fraction": "0.5"}, {"window": 512, "head_fraction": 0.5}),
+])
+def test_option_values_take_their_fields_type_from_strings_and_json_numbers(given, expected):
+    """JSON (sidecars, vLLM requests) hands ints for float fields and floats for int fields."""
+    opts = registry().get("vanilla").from_options(**given).to_options()
+    assert {k: (opts[k], type(opts[k])) for k in expected} == {k: (v, type(v)) for k, v in expected.items()}
+
+
+@pytest.mark.parametrize(("method", "given", "needle"), [
+    ("vanilla", {"window": 2.5}, "option window=2.5 of method 'vanilla' must be a whole number, e.g. window=2"),
+    ("vanilla", {"window": True}, "option window=True of method 'vanilla' must be a number, not true or false"),
+    ("fot", {"dense": 1}, "option dense=1 of method 'fot' must be true or false"),
+])
+def test_json_option_values_of_the_wrong_kind_are_refused(method, given, needle):
+    with pytest.raises(lcx.LcxError, match=needle.replace("(", r"\(")):
+        registry().get(method).from_options(**given)

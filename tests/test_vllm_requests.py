@@ -65,6 +65,7 @@ def test_requests_without_lcx_options_pass_unchanged():
 def test_restating_the_servers_options_is_accepted_and_stripped_before_vllm():
     status, _, got = _call({"model": "a1", "prompt": "hi", "lcx": {"rope": {"factor": "4"}, "smt": {}}})
     assert status == 200
+    assert _call({"model": "a1", "prompt": "hi", "lcx": {"rope": {"factor": 4}}})[0] == 200  # a JSON int
     assert json.loads(got["body"]) == {"model": "a1", "prompt": "hi"}
     assert got["headers"][b"content-length"] == str(len(got["body"])).encode()
 
@@ -76,9 +77,10 @@ def test_restating_the_servers_options_is_accepted_and_stripped_before_vllm():
     ("base", {"rope": {"factr": 4}}, "unknown option 'factr' for method 'rope'"),
     ("base", {"rope": {"factor": "four"}}, "rope"),
     ("base", {"smt": {}}, "model 'base' applies rope; options for 'smt' cannot apply to it"),
-    ("base", {"rope": {"factor": 8}}, "rope.factor=8 differs from the server's rope.factor=4.0; rope's options are "
-                                      "fixed when the server starts (start one with -o rope.factor=8,"),
-    ("a1", {"smt": {"beta": 0}}, "smt.beta=0 differs from the server's smt.beta=1.0"),
+    ("base", {"rope": {"factor": 8}}, "rope.factor=8.0 differs from the server's rope.factor=4.0; rope's options are "
+                                      "fixed when the server starts (start one with -o rope.factor=8.0,"),
+    ("a1", {"smt": {"beta": 0}}, "smt.beta=0.0 differs from the server's smt.beta=1.0"),
+    ("base", {"vanilla": {"window": 2.5}}, "option window=2.5 of method 'vanilla' must be a whole number"),
 ])
 def test_options_that_cannot_apply_get_a_400_naming_the_fix(model, lcx, needle):
     status, answer, got = _call({"model": model, "prompt": "hi", "lcx": lcx})
