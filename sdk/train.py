@@ -356,17 +356,30 @@ def synthetic_task(data: list[str]) -> Callable[[random.Random, int, int], dict[
         return None
     if len(data) != 1:
         raise LcxError(f"a synthetic task trains alone: give --data {tasks[0]} without other data")
-    name, _, arg = tasks[0].split(":", 1)[1].partition(":")
+    name, *args = tasks[0].split(":")[1:]
     if name == "dictionary":
         from lcx.evals.dictionary import training_batch
 
-        if arg and not (arg.isdigit() and int(arg) >= 20):
-            raise LcxError(f"task:dictionary:{arg}: the document length must be a number of tokens >= 20 "
-                           f"(e.g. task:dictionary:512)")
-        doc = int(arg) if arg else None
-        return lambda rng, batch_size, seq_len: training_batch(rng, batch_size, seq_len, doc)
+        doc, near = None, 0.0
+        for arg in args:
+            key, eq, value = arg.partition("=")
+            if not eq and arg.isdigit() and int(arg) >= 20:
+                doc = int(arg)
+            elif key == "near" and _is_share(value):
+                near = float(value)
+            else:
+                raise LcxError(f"task:dictionary: {arg!r} is neither a document length (a number of tokens >= 20, "
+                               f"e.g. task:dictionary:512) nor near=SHARE in [0, 1] (e.g. task:dictionary:near=0.5)")
+        return lambda rng, batch_size, seq_len: training_batch(rng, batch_size, seq_len, doc, near)
     raise LcxError(f"unknown synthetic task {name!r}; known: task:dictionary (FoT's dictionary lookup; "
-                   f"task:dictionary:N for N-token documents back to back in each row)")
+                   f"task:dictionary:N for N-token documents back to back in each row; :near=P for near-miss keys)")
+
+
+def _is_share(text: str) -> bool:
+    try:
+        return 0.0 <= float(text) <= 1.0
+    except ValueError:
+        return False
 
 
 def _loss_terms(run, model, batch) -> dict[str, torch.Tensor]:

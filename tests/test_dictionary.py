@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
 import torch
 from click.testing import CliRunner
 
 from lcx.cli import main
+from lcx.errors import LcxError
 from lcx.evals import dictionary as dct
 from tests.conftest import tiny_model
 
@@ -30,9 +32,6 @@ def test_document_structure():
 def test_training_rows_of_back_to_back_documents():
     """task:dictionary:512 at --seq-len 1024: two whole 512-token documents per row, each queried only about
     its own definitions; a row length that cuts a document and a malformed task name are refused."""
-    import pytest
-
-    from lcx.errors import LcxError
     from lcx.train import synthetic_task
 
     batch = synthetic_task(["task:dictionary:512"])(random.Random(0), 3, 1024)
@@ -47,8 +46,42 @@ def test_training_rows_of_back_to_back_documents():
     assert (one["labels"] != -100).sum(1).tolist() == [204, 204]
     with pytest.raises(LcxError, match="--seq-len 1000 is not a multiple of the dictionary documents' 512"):
         synthetic_task(["task:dictionary:512"])(random.Random(0), 1, 1000)
-    with pytest.raises(LcxError, match="task:dictionary:big: the document length must be a number"):
-        synthetic_task(["task:dictionary:big"])
+    for bad in ("big", "near=2", "near=x", "far=0.5", "10"):
+        with pytest.raises(LcxError, match=f"task:dictionary: '{bad}' is neither a document length"):
+            synthetic_task([f"task:dictionary:{bad}"])
+
+
+def _shared(a, b):
+    return sum(x == y for x, y in zip(a, b))
+
+
+def test_near_miss_keys_share_two_symbols_in_place_with_an_earlier_key():
+    """near=1: every key after the first keeps exactly 2 of an earlier key's symbols in place; near=0 draws
+    the same documents as before the option existed (its random stream is untouched), and in 512-token
+    documents random keys rarely share 2 symbols (~0.4 pairs per document; near=0.5: ~12)."""
+    from lcx.train import synthetic_task
+
+    def keys(doc):
+        ids = doc.input_ids.tolist()
+        return [tuple(ids[i + 1:i + 5]) for i in range(0, 250, 10)]
+
+    for seed in range(5):
+        ks = keys(dct.make_document(random.Random(seed), 256, 256, near=1.0))
+        assert len(set(ks)) == 25
+        assert all(any(_shared(k, e) == dct.NEAR_SHARED for e in ks[:i]) for i, k in enumerate(ks) if i)
+    plain = [keys(dct.make_document(random.Random(s), 256, 256)) for s in range(20)]
+    assert plain == [keys(dct.make_document(random.Random(s), 256, 256, near=0.0)) for s in range(20)]
+    pairs = sum(_shared(a, b) >= 2 for ks in plain for i, a in enumerate(ks) for b in ks[:i])
+    assert pairs < 20  # 20 documents x 300 pairs x 6 / 64**2: ~9 pairs, ~0.4 per document
+    half = [keys(dct.make_document(random.Random(s), 256, 256, near=0.5)) for s in range(20)]
+    close = sum(any(_shared(k, e) >= 2 for e in ks[:i]) for ks in half for i, k in enumerate(ks) if i)
+    assert 0.35 < close / (20 * 24) < 0.65
+    batch = synthetic_task(["task:dictionary:512:near=1"])(random.Random(0), 2, 1024)
+    row = batch["input_ids"][0].tolist()
+    ks = [tuple(row[i + 1:i + 5]) for i in range(512, 762, 10)]  # the second document's keys
+    assert all(any(_shared(k, e) == 2 for e in ks[:i]) for i, k in enumerate(ks) if i)
+    with pytest.raises(LcxError, match="near must be a share in"):
+        dct.make_document(random.Random(0), 256, 256, near=1.5)
 
 
 def test_scorer_with_oracles():

@@ -18,7 +18,8 @@ from lcx.cli.base import CONTEXT, _echo_json, main, model_option
 @click.option("--data", "-d", multiple=True, required=True, metavar="PATH",
               help="Text file, folder (one document per file) or .jsonl; repeatable.  Or a synthetic task: "
                    "task:dictionary (FoT's dictionary lookup, fresh seeded documents every step: one document "
-                   "per --seq-len row; task:dictionary:512 for 512-token documents back to back).")
+                   "per --seq-len row; task:dictionary:512 for 512-token documents back to back; "
+                   "task:dictionary:near=0.5 for keys half of which share 2 of 4 symbols with an earlier key).")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Output folder for the adapter.")
 @click.option("--seq-len", type=click.IntRange(2), default=1024, show_default=True, help="Tokens per training window.")
 @click.option("--steps", type=click.IntRange(1), default=100, show_default=True)

@@ -35,17 +35,28 @@ class Document:
     n_queries: int
 
 
-def make_document(rng: random.Random, dict_tokens: int, query_tokens: int) -> Document:
-    """A dictionary of ``dict_tokens // 10`` definitions followed by ``query_tokens // 10`` queries."""
+def make_document(rng: random.Random, dict_tokens: int, query_tokens: int, near: float = 0.0) -> Document:
+    """A dictionary of ``dict_tokens // 10`` definitions followed by ``query_tokens // 10`` queries.
+
+    ``near`` (training only; evaluation keeps 0): the share of definitions after the first whose key is a
+    near miss of an earlier one: it keeps ``NEAR_SHARED`` of that key's symbols in place and draws the
+    others anew.  Random keys rarely share two symbols in a short document (~1 such key per query among
+    d = 32 documents) but often do in a long dictionary (~9 at 64K tokens); near misses put that
+    competition into training."""
     n_def, n_q = dict_tokens // ENTRY, query_tokens // ENTRY
     if n_def < 1 or n_q < 1:
         raise LcxError(f"dictionary needs >= {ENTRY} tokens for definitions and queries (got {dict_tokens}, {query_tokens})")
     if n_def > N_SYMBOLS ** KEY_LEN:
         raise LcxError(f"{n_def} definitions exceed the {N_SYMBOLS ** KEY_LEN} distinct keys")
+    if not 0.0 <= near <= 1.0:
+        raise LcxError(f"near must be a share in [0, 1], got {near}")
     keys: set[tuple[int, ...]] = set()
     entries = []
     while len(entries) < n_def:
-        k = tuple(rng.randrange(N_SYMBOLS) for _ in range(KEY_LEN))
+        if entries and near and rng.random() < near:
+            k = _near_miss(rng, entries[rng.randrange(len(entries))][0])
+        else:
+            k = tuple(rng.randrange(N_SYMBOLS) for _ in range(KEY_LEN))
         if k in keys:
             continue
         keys.add(k)
@@ -67,20 +78,29 @@ def make_document(rng: random.Random, dict_tokens: int, query_tokens: int) -> Do
     return Document(torch.tensor(ids), torch.tensor(labels), n_q)
 
 
+NEAR_SHARED = 2  # symbols a near-miss key keeps from the key it is drawn from
+
+
+def _near_miss(rng: random.Random, key: tuple[int, ...]) -> tuple[int, ...]:
+    """``key`` with all but ``NEAR_SHARED`` of its symbols (positions drawn at random) replaced by others."""
+    keep = set(rng.sample(range(KEY_LEN), NEAR_SHARED))
+    return tuple(s if i in keep else rng.choice([x for x in range(N_SYMBOLS) if x != s]) for i, s in enumerate(key))
+
+
 def training_batch(rng: random.Random, batch_size: int, length: int = 512,
-                   doc_tokens: int | None = None) -> dict[str, torch.Tensor]:
+                   doc_tokens: int | None = None, near: float = 0.0) -> dict[str, torch.Tensor]:
     """Training rows of ``length`` tokens; loss on queried values only.  Each row is one document (first
     half definitions, second half queries), or with ``doc_tokens`` ``length // doc_tokens`` such documents
     of ``doc_tokens`` tokens back to back, as the paper concatenates documents: then a row's later
     contexts of definitions are read with earlier, unrelated documents in memory, as every definition
-    window after the first is at evaluation."""
+    window after the first is at evaluation.  ``near``: near-miss keys, see ``make_document``."""
     doc = doc_tokens or length
     if length % doc:
         raise LcxError(f"--seq-len {length} is not a multiple of the dictionary documents' {doc} tokens; "
                        f"use a multiple (e.g. {max(doc, length // doc * doc)})")
     rows = []
     for _ in range(batch_size):
-        docs = [make_document(rng, doc // 2, doc - doc // 2) for _ in range(length // doc)]
+        docs = [make_document(rng, doc // 2, doc - doc // 2, near) for _ in range(length // doc)]
         rows.append((torch.cat([d.input_ids for d in docs]), torch.cat([d.labels for d in docs])))
     ids = torch.stack([r[0] for r in rows])
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.stack([r[1] for r in rows])}

@@ -77,6 +77,30 @@ explore_topk() {  # 64K on seed 99's documents (explore/: not the table's), k = 
         cp $RUNS/eval-s3-topk32-k$k/dictionary.json $OUT/explore/s3-topk32.64k-k$k.json
     done
 }
+s3_near() {  # from s3: 40 steps at d = 32 on documents where half of the keys are near misses (each keeps 2 of an
+            # earlier key's 4 symbols in place: task:dictionary:near=0.5), ~12 min on one thread
+    $LCX train -m $RUNS/s3 "${FOT[@]}" -o fot.local=256 -o fot.d=32 --full all -d task:dictionary:near=0.5 \
+        --save-every 10 --seq-len 512 --batch-size 32 --warmup 5 --steps 40 --lr 1e-3 --out $RUNS/s3-near50 --overwrite
+    cp $RUNS/s3-near50/metrics.jsonl $OUT/explore/s3-near50.metrics.jsonl
+}
+explore_s3() {  # 64K on seed 99's documents (3, ~3 min each): s3 at k = 1 and 4 (k = 32: explore/s3.64k.json),
+                # s3 with memory in layer 1 only, s3-near50 at k = 32; then what kNN ranks first (retrieved.py)
+    for k in 1 4; do
+        $LCX eval dictionary -m $RUNS/s3 "${FOT[@]}" -o fot.local=256 -o fot.k=$k --dict-tokens 64K --samples 3 \
+            --seed 99 --label "s3 k=$k" --out $RUNS/eval-s3-k$k
+        cp $RUNS/eval-s3-k$k/dictionary.json $OUT/explore/s3.64k-k$k.json
+    done
+    $LCX eval dictionary -m $RUNS/s3 --method fot -o fot.memory_layers=1 -o fot.local=256 -o fot.k=32 --dict-tokens 64K \
+        --samples 3 --seed 99 --label "s3 layer1" --out $RUNS/eval-s3-layer1
+    cp $RUNS/eval-s3-layer1/dictionary.json $OUT/explore/s3.64k-layer1.json
+    $LCX eval dictionary -m $RUNS/s3-near50 "${FOT[@]}" -o fot.local=256 -o fot.k=32 --dict-tokens 64K --samples 3 \
+        --seed 99 --label "s3-near50" --out $RUNS/eval-s3-near50
+    cp $RUNS/eval-s3-near50/dictionary.json $OUT/explore/s3-near50.64k.json
+    for m in s3 s3-near50; do
+        .venv/bin/python $OUT/retrieved.py $RUNS/$m --dict-tokens 64K --samples 2 --seed 99 \
+            --out $OUT/explore/$m.64k-retrieved.json > /dev/null
+    done
+}
 baseline() {  # plain attention, same curriculum
     $LCX train -m $RUNS/init --method vanilla "${TASK[@]}" --seq-len 80 --batch-size 64 --warmup 50 --steps 900 \
         --lr 3e-3 --out $RUNS/baseline-warmup --overwrite
