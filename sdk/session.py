@@ -50,16 +50,25 @@ def open_session(
     hf_model, tok = load_model(model, trust_remote_code=trust_remote_code, require_tokenizer=require_tokenizer)
     sidecar = None
     if adapter:
-        from lcx.adapters.peft_bridge import load_adapter
-
-        hf_model, sidecar = load_adapter(hf_model, adapter)
-        trained = {m["name"]: dict(m.get("options", {})) for m in sidecar.get("methods", [])}
-        if not methods:  # default to the methods (and options) the adapter was trained with
-            methods = list(trained)
-            options = merge_options(trained, options or {}, methods)
-        _check_trained_options(trained, options or {}, list(methods), adapter)
+        hf_model, sidecar, methods, options = apply_adapter(hf_model, adapter, list(methods), options or {})
     run = attach(hf_model, list(methods), **(options or {}))
     return Session(hf_model, tok, run, model, sidecar)
+
+
+def apply_adapter(model: Any, adapter: str | Path, methods: list[str],
+                  options: dict[str, Any]) -> tuple[Any, dict, list[str], dict[str, Any]]:
+    """Load ``adapter`` onto ``model`` (a PeftModel around it; ``.unload()`` gives the bare model back) and
+    settle the methods to attach: with none named, the adapter's own methods with its trained options under
+    the given ones; options its training fixed must agree with it."""
+    from lcx.adapters.peft_bridge import load_adapter
+
+    peft_model, sidecar = load_adapter(model, adapter)
+    trained = {m["name"]: dict(m.get("options", {})) for m in sidecar.get("methods", [])}
+    if not methods:  # default to the methods (and options) the adapter was trained with
+        methods = list(trained)
+        options = merge_options(trained, options, methods)
+    _check_trained_options(trained, options, methods, adapter)
+    return peft_model, sidecar, methods, options
 
 
 def merge_options(trained: dict[str, dict], given: dict[str, Any], methods: list[str]) -> dict[str, Any]:

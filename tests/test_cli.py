@@ -42,6 +42,43 @@ def test_eval_compare_ppl_writes_table(tiny_dir, tmp_path):
     assert (tmp_path / "cmp" / "compare-ppl.png").exists()
 
 
+def test_eval_compare_loads_an_adapter_for_its_stack_only(tiny_dir, tmp_path):
+    """--stack METHODS@DIR: that stack reads the model with the adapter (and its trained options), the other
+    stacks without it, whichever order they come in; @DIR alone takes the adapter's methods; the passkey
+    journals of a stack with and without the adapter are kept apart."""
+    from lcx.adapters.peft_bridge import random_adapter
+    from lcx.models import load_model
+
+    model, _ = load_model(str(tiny_dir))
+    adapter = random_adapter(model, tmp_path / "ad", seed=3, scale=0.5,
+                             methods=[{"name": "streaming", "options": {"chunk": 32, "sinks": 2}}])
+    (tmp_path / "doc.txt").write_text("the quick brown fox jumps over the lazy dog. " * 30)
+    common = ["-d", str(tmp_path / "doc.txt"), "--contexts", "64,256", "--target", "32", "-o", "streaming.chunk=64",
+              "--json"]
+
+    def ppl(*stacks: str, out: str) -> dict:
+        args = [a for st in stacks for a in ("--stack", st)]
+        r = run("eval", "compare", "ppl", "-m", str(tiny_dir), *args, *common, "--out", str(tmp_path / out))
+        assert r.exit_code == 0, r.output
+        return json.loads((tmp_path / out / "compare-ppl.json").read_text())["stacks"]
+
+    alone = ppl("none", out="alone")["none"]["summary"]["ppl"]
+    both = ppl(f"streaming@{adapter}", "none", f"@{adapter}", out="both")
+    assert both["none"]["summary"]["ppl"] == alone  # the adapter was removed after its stack
+    mine = both[f"streaming@{adapter}"]
+    assert mine["adapter"] == str(adapter) and mine["summary"]["ppl"] != alone
+    # @DIR: the trained options under the given ones (chunk 64 given, sinks 2 trained); named methods: defaults
+    assert both[f"@{adapter}"]["methods"] == [{"name": "streaming", "options": {**mine["methods"][0]["options"], "sinks": 2}}]
+    assert mine["methods"][0]["options"]["sinks"] == 4 and mine["methods"][0]["options"]["chunk"] == 64
+    r = run("eval", "compare", "passkey", "-m", str(tiny_dir), "--stack", "streaming", "--stack", f"streaming@{adapter}",
+            "-o", "streaming.chunk=64", "--lengths", "300", "--depths", "0.5", "--samples", "1", "--out", str(tmp_path / "pk"), "--json")
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in (tmp_path / "pk").glob("*.samples.jsonl")) == [
+        "compare-passkey.streaming.samples.jsonl", "compare-passkey.streaming@ad.samples.jsonl"]
+    r = run("eval", "compare", "ppl", "-m", str(tiny_dir), "--stack", "none", "--stack", "streaming@", *common)
+    assert r.exit_code == 2 and "stack 'streaming@' names no adapter after '@'" in r.output
+
+
 def test_methods_and_plugins_json():
     methods = json.loads(run("methods", "--json").output)
     assert {"vanilla", "rope", "streaming"} <= {m["name"] for m in methods}

@@ -151,7 +151,9 @@ def eval_ppl(model, methods, options, adapter, trust_remote_code, data, max_docs
 @click.argument("suite", type=click.Choice(["passkey", "ppl"]))
 @model_option
 @click.option("--stack", "stacks", multiple=True, required=True, metavar="METHODS",
-              help="A method stack: none, a method, or methods joined by + (rope+streaming). Repeat per stack.")
+              help="A method stack: none, a method, or methods joined by + (rope+streaming); add @DIR to load "
+                   "an adapter for this stack only (focusllm@out/adapter; @out/adapter: its trained methods). "
+                   "Repeat per stack.")
 @click.option("--option", "-o", "options", multiple=True, metavar="METHOD.KEY=VALUE",
               help="Per-method option, applied in every stack that has the method.")
 @click.option("--lengths", callback=_int_list, default="4096", show_default=True, help="passkey: prompt lengths.")
@@ -186,16 +188,17 @@ def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, 
     hf_model, tok = load_model(model)
     if suite == "passkey":
         cfg = passkey.PasskeyConfig(lengths=lengths, depths=depths, samples=samples or 5, seed=seed)
-        def ev(run):
-            stem = re.sub(r"[^A-Za-z0-9_.+-]", "_", "+".join(m.name for m in run.methods) or "none")
-            journal = _passkey_journal(out / f"compare-passkey.{stem}.samples.jsonl", model, run, None, cfg, resume)
+        def ev(run, adapter):
+            stem = "+".join(m.name for m in run.methods) or "none"
+            stem = re.sub(r"[^A-Za-z0-9_.+@-]", "_", stem + (f"@{Path(adapter).name}" if adapter else ""))
+            journal = _passkey_journal(out / f"compare-passkey.{stem}.samples.jsonl", model, run, adapter, cfg, resume)
             return passkey.evaluate(_passkey_generator(run), tok, cfg, progress=not as_json, journal=journal)
     else:
         if not data:
             raise LcxError("ppl needs documents: give --data PATH (e.g. ../shared/data/books)")
         docs = _ppl_documents(data, tok, max_docs)
         cfg = ppl.PplConfig(contexts=contexts, target=target, samples=samples or 1, room=room)
-        ev = lambda run: ppl.evaluate(lambda ids, n: score_tail(run, ids, n), docs, cfg, progress=not as_json)  # noqa: E731
+        ev = lambda run, adapter: ppl.evaluate(lambda ids, n: score_tail(run, ids, n), docs, cfg, progress=not as_json)  # noqa: E731
     command = "lcx " + " ".join(sys.argv[1:])
     partial = lambda done: cmp.write_json({"suite": suite, "model": model, "command": command,  # noqa: E731
                                            "unfinished": [s for s in stacks if s not in done], "stacks": done},

@@ -1,14 +1,17 @@
 """Run one suite over several method stacks and show them side by side (how a user picks a method).
 
 A *stack* is ``"none"`` (the bare model), one method (``"streaming"``) or several
-joined by ``+`` (``"rope+streaming"``).  The model is loaded once; each stack is
-attached, evaluated and detached in turn.
+joined by ``+`` (``"rope+streaming"``), optionally with an adapter after ``@``
+(``"focusllm@out/adapter"``; ``"@out/adapter"``: the methods it was trained with).
+The model is loaded once; each stack's adapter is loaded onto it and removed again,
+each stack attached, evaluated and detached in turn.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from lcx.composition import Run, attach
 from lcx.errors import LcxError
@@ -17,11 +20,16 @@ from lcx.io import pyplot, save_figure, write_json  # noqa: F401  (write_json: r
 NONE = "none"
 
 
-def parse_stack(stack: str) -> list[str]:
-    names = [s.strip() for s in stack.split("+") if s.strip()]
-    if not names:
+def parse_stack(stack: str) -> tuple[list[str], str | None]:
+    """``"rope+streaming"`` -> (["rope", "streaming"], None); ``"focusllm@DIR"`` -> (["focusllm"], "DIR");
+    ``"@DIR"`` -> ([], "DIR"): the adapter's own methods."""
+    spec, at, adapter = stack.partition("@")
+    if at and not adapter.strip():
+        raise LcxError(f"stack {stack!r} names no adapter after '@'; e.g. focusllm@out/focusllm-adapter")
+    names = [s.strip() for s in spec.split("+") if s.strip()]
+    if not names and not at:
         raise LcxError(f"empty method stack {stack!r}; use e.g. vanilla, streaming or rope+streaming")
-    return [] if names == [NONE] else names
+    return ([] if names == [NONE] else names), (adapter.strip() if at else None)
 
 
 def options_for(methods: list[str], options: dict[str, Any]) -> dict[str, Any]:
@@ -32,17 +40,37 @@ def options_for(methods: list[str], options: dict[str, Any]) -> dict[str, Any]:
     return {m: options[m] for m in methods if m in options}
 
 
+@contextmanager
+def stack_model(model: Any, adapter: str | None, methods: list[str],
+                options: dict[str, Any]) -> Iterator[tuple[Any, list[str], dict[str, Any]]]:
+    """The model to attach a stack to (with its adapter loaded, and removed on exit) and the stack's methods
+    and options (an adapter without named methods brings its own)."""
+    if adapter is None:
+        yield model, methods, options_for(methods, options)
+        return
+    from lcx.session import apply_adapter
+
+    given = options_for(methods, options) if methods else (options_for([], options) or options)  # (refuses flat ones)
+    wrapped, _, methods, merged = apply_adapter(model, adapter, methods, given)
+    try:
+        yield wrapped, methods, options_for(methods, merged)
+    finally:
+        wrapped.unload()  # the LoRA layers out again, base weights untouched
+
+
 def compare(model: Any, stacks: list[str], options: dict[str, Any],
-            evaluate: Callable[[Run], dict[str, Any]], log: Callable[[str], None] = print,
+            evaluate: Callable[[Run, str | None], dict[str, Any]], log: Callable[[str], None] = print,
             on_stack_done: Callable[[dict[str, dict]], None] | None = None) -> dict[str, dict]:
-    """Evaluate each stack in turn; ``on_stack_done(results so far)`` runs after each one, so a long
-    comparison that is interrupted keeps the stacks it finished."""
+    """Evaluate each stack in turn (``evaluate(run, adapter)``); ``on_stack_done(results so far)`` runs after
+    each one, so a long comparison that is interrupted keeps the stacks it finished."""
+    for stack in stacks:  # every stack parses before the first one runs
+        parse_stack(stack)
     results: dict[str, dict] = {}
     for stack in stacks:
-        methods = parse_stack(stack)
+        methods, adapter = parse_stack(stack)
         log(f"[compare] {stack}")
-        with attach(model, methods, **options_for(methods, options)) as run:
-            results[stack] = {**run.describe(), **evaluate(run)}
+        with stack_model(model, adapter, methods, options) as (m, names, opts), attach(m, names, **opts) as run:
+            results[stack] = {**run.describe(), "adapter": adapter, **evaluate(run, adapter)}
         if on_stack_done is not None:
             on_stack_done(results)
     return results
