@@ -38,10 +38,11 @@ ppl_trained() {
         --target 256 --out results/focusllm/ppl-trained
 }
 
-compare16() {  # training-free focusllm against vanilla, streaming and fot (fot in the configuration of
-               # results/fot/run.sh) on the same 16K prompts: 3 depths x 2 keys (~1-3 min per sample and
-               # stack on one thread; `lcx eval compare` has no per-stack adapter)
-    $LCX eval compare passkey -m smollm2-135m --stack focusllm --stack vanilla --stack streaming --stack fot \
+compare16() {  # focusllm, training-free and with the trained adapter (focusllm@DIR), against vanilla, streaming
+               # and fot (fot in the configuration of results/fot/run.sh) on the same 16K prompts: 3 depths x 2
+               # keys (~1-3 min per sample and stack on one thread)
+    $LCX eval compare passkey -m smollm2-135m --stack focusllm --stack focusllm@results/focusllm/adapter \
+        --stack vanilla --stack streaming --stack fot \
         -o fot.local=1024 -o fot.chunk=256 -o fot.memory_layers=6,7,8,14,15,17,18,19,20,21,22,23 \
         --lengths 16K --depths 0.1,0.5,0.9 --samples 2 --out results/focusllm/compare-16k --resume
 }
