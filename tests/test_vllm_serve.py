@@ -147,7 +147,7 @@ class TestLoraServer:
         assert status == 400 and f"model '{MODEL}' applies no lcx method; options for 'rope'" in out["error"]["message"]
         status, out = lora_server.post("/v1/completions", {"model": "a1", "prompt": "hi", "max_tokens": 4,
                                                            "lcx": {"smt": {"beta": 0}}})
-        assert status == 400 and "smt.beta=0 differs from the server's smt.beta=1.0" in out["error"]["message"]
+        assert status == 400 and "smt.beta=0.0 differs from the server's smt.beta=1.0" in out["error"]["message"]
         ids = tok("The capital of France is", return_tensors="pt")["input_ids"][0]
         assert len(lora_server.complete(MODEL, ids.tolist(), 4)) == 4
         assert lora_server.complete("a1", ids.tolist(), 4, lcx={"smt": {}}) == lora_server.complete("a1", ids.tolist(), 4)
