@@ -168,10 +168,16 @@ def test_two_process_ddp_matches_one_process_with_the_same_global_batch(model_di
     subprocess.run([sys.executable, "-m", "lcx.cli", *common, "--batch-size", "2", "--out", str(tmp_path / "one")],
                    check=True, capture_output=True)
     accelerate = Path(sys.executable).with_name("accelerate")
-    proc = subprocess.run([str(accelerate), "launch", "--config_file", str(repo / "configs/accelerate/ddp-2proc.yaml"),
-                           "-m", "lcx.cli", *common, "--batch-size", "1", "--out", str(tmp_path / "two")],
-                          capture_output=True, text=True, cwd=repo, timeout=600)  # a collective mismatch hangs
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    proc = subprocess.Popen([str(accelerate), "launch", "--config_file", str(repo / "configs/accelerate/ddp-2proc.yaml"),
+                             "-m", "lcx.cli", *common, "--batch-size", "1", "--out", str(tmp_path / "two")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=repo, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=600)  # a collective mismatch hangs
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks: no orphan waits on a dead peer
+        out, err = proc.communicate()
+        pytest.fail("2-process run still running after 600 s:\n" + out[-2000:] + err[-2000:])
+    assert proc.returncode == 0, out[-2000:] + err[-2000:]
     one, two = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
     assert len(one) == len(two) == 5
     for a, b in zip(one, two):
