@@ -50,7 +50,9 @@ def stack_model(model: Any, adapter: str | None, methods: list[str],
         return
     from lcx.session import apply_adapter
 
-    given = options_for(methods, options) if methods else (options_for([], options) or options)  # (refuses flat ones)
+    given = options_for(methods, options)  # refuses flat options
+    if not methods:  # @DIR: every method's options, until the adapter names its methods
+        given = options
     wrapped, _, methods, merged = apply_adapter(model, adapter, methods, given)
     try:
         yield wrapped, methods, options_for(methods, merged)
