@@ -6,6 +6,11 @@ window, the peak resident memory and the memory's size.  Goal (issue 4): seconds
 per token at the longest length <= 1.5 x at the shortest (no quadratic growth).
 
     .venv/bin/python bench/ingest.py [--lengths 8K,128K] [-o backend=faiss-ivf ...]
+    python bench/ingest.py --device cuda --random-weights -o backend=torch ...   # a GPU machine
+
+``--random-weights`` builds the model's architecture from its config.json with random weights (a
+speed measurement does not depend on them): for a machine that has the config and tokenizer but not
+the weights.
 """
 
 from __future__ import annotations
@@ -45,8 +50,17 @@ def ingest(model, ids: torch.Tensor, options: dict) -> dict:
         last[0] = now
         bar.update(e - s)
 
+    cuda = next(model.parameters()).device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+
+    def on_window_synced(s: int, e: int) -> None:
+        if cuda:  # kernels run asynchronously: a window's time is its work, not its launch
+            torch.cuda.synchronize()
+        on_window(s, e)
+
     with lcx.attach(model, ["fot"], fot=options) as run, measure() as m:
-        cache = prefill(run, make_plan(run, ids, None, 0), include_last=True, on_window=on_window)
+        cache = prefill(run, make_plan(run, ids, None, 0), include_last=True, on_window=on_window_synced)
         stores = [s for per in cache.lcx_stores.values() for s in per.values()]
         entries = sum(len(s) for s in stores)
         mem_bytes = sum(s.keys.numel() * 4 + s.values.numel() * s.values.element_size() for s in stores if len(s))
@@ -57,7 +71,26 @@ def ingest(model, ids: torch.Tensor, options: dict) -> dict:
     return {"tokens": n, "seconds": round(m.result.seconds, 2), "ms_per_token": round(1000 * m.result.seconds / n, 3),
             "peak_rss_mib": round(m.result.peak_rss_mib), "extra_rss_mib": round(m.result.extra_rss_mib),
             "memory_entries": entries, "memory_mib": round(mem_bytes / 2**20),
+            **({"peak_gpu_mib": round(torch.cuda.max_memory_allocated() / 2**20)} if cuda else {}),
             "window_seconds": [[e, round(t, 3)] for e, t in times]}
+
+
+def random_weights(name: str, device: str | None):
+    """(model with ``name``'s architecture and random fp32 weights on ``device``, ``name``'s tokenizer)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from lcx.models import resolve_device, resolve_model_path
+
+    path = resolve_model_path(name)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)), dtype=torch.float32,
+                                             attn_implementation="sdpa")
+    return model.to(resolve_device(device)).eval(), AutoTokenizer.from_pretrained(str(path))
+
+
+def _device_name(model) -> str:
+    dev = next(model.parameters()).device
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
 
 
 def main() -> None:
@@ -65,12 +98,15 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--lengths", default="8K,128K", help="token counts, shortest first (K suffix allowed)")
     ap.add_argument("-o", "--option", action="append", default=None, help=f"fot option KEY=VALUE (default: {DEFAULT})")
+    ap.add_argument("--device", default=None, help="where the model runs: cpu (default), cuda (or LCX_DEVICE)")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="the model's architecture with random weights (from its config.json; speed only)")
     ap.add_argument("--out", type=Path, default=OUT / "ingest.json")
     args = ap.parse_args()
     lengths = token_counts(args.lengths)
     options = parse_options(args.option or DEFAULT)
 
-    model, tok = load_model(args.model)
+    model, tok = random_weights(args.model, args.device) if args.random_weights else load_model(args.model, device=args.device)
     ids = book_tokens(tok, max(lengths))
     ingest(model, ids[:, :2048], options)  # warm-up (first calls, allocator), not reported
     runs = [ingest(model, ids[:, :n], options) for n in lengths]
@@ -78,8 +114,10 @@ def main() -> None:
     result = {
         "benchmark": "fot ingest cost per token", "model": args.model, "fot_options": options,
         "torch_threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+        "device": _device_name(model), "random_weights": args.random_weights,
         "runs": runs, "ratio_longest_over_shortest": round(ratio, 3), "goal": "<= 1.5", "pass": ratio <= 1.5,
-        "command": "python bench/ingest.py " + " ".join(f"-o {o}" for o in (args.option or DEFAULT)) + f" --lengths {args.lengths}",
+        "command": "python bench/ingest.py " + " ".join(f"-o {o}" for o in (args.option or DEFAULT)) + f" --lengths {args.lengths}"
+                   + (f" --device {args.device}" if args.device else "") + (" --random-weights" if args.random_weights else ""),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

@@ -80,7 +80,7 @@ def _forward_group(model, group: ChunkGroup, ids: torch.Tensor, cache, gate, kee
     one (the candidate) through the adapter: attention is causal, so that equals one pass with the gate
     open at the last position, and with ``grad`` (training) the graph holds one token per chunk."""
     L = cache.get_seq_length() if cache is not None else 0
-    pos = torch.arange(L, L + ids.shape[1])[None].expand(ids.shape[0], -1)
+    pos = torch.arange(L, L + ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
     if gate is None:
         with torch.set_grad_enabled(grad):
             cache = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1).past_key_values
@@ -158,7 +158,7 @@ def _stack(per_chunk: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def to_slots(cand: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor, run) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Re-rotate candidate ``i`` (rotated at ``positions[i]`` in its chunk) to slot ``i`` of the decoder."""
-    shift = torch.arange(len(positions)) - positions
+    shift = torch.arange(len(positions)) - positions.cpu()  # rotate() moves it to the keys' device
     return [(rotate(k, shift, families.rotary_inv_freq(run.model, run.family, layer)), v)
             for layer, (k, v) in enumerate(cand)]
 
@@ -304,7 +304,7 @@ class FocusLLM(Method):
         lengths = torch.tensor([e - s + self.fragment for s, e in spans])
         run.state["focusllm_candidates"] = to_slots(cand, lengths - 1, run)
         run.state["focusllm_groups"] = groups
-        placeholder = torch.full((B, n), int(local[0, 0]), dtype=input_ids.dtype)
+        placeholder = torch.full((B, n), int(local[0, 0]), dtype=input_ids.dtype, device=input_ids.device)
         ids = torch.cat([placeholder, local], dim=1)
         return Plan(ids, torch.ones_like(ids), [(0, n), (n, n + self.local)], dropped=0,
                     info={"candidates": n, "memory_tokens": int(memory.shape[1])})
@@ -418,10 +418,11 @@ class FocusLLM(Method):
             n = len(spans)
             labels = local.clone()
             labels[:, :d.fragment] = -100
-            pos = torch.arange(n, n + d.local)[None].expand(ids.shape[0], -1)
+            pos = torch.arange(n, n + d.local, device=ids.device)[None].expand(ids.shape[0], -1)
             with gate.only(torch.zeros_like(local, dtype=torch.float32)):
                 terms[term] = model(input_ids=local, position_ids=pos, past_key_values=cache, labels=labels,
-                                    attention_mask=torch.ones(ids.shape[0], n + d.local, dtype=torch.long),
+                                    attention_mask=torch.ones(ids.shape[0], n + d.local, dtype=torch.long,
+                                                              device=ids.device),
                                     use_cache=True).loss
         return terms
 

@@ -108,10 +108,22 @@ def make_plan(run: Run, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     check_request(run, int(input_ids.shape[1]), max_new_tokens, batch=int(input_ids.shape[0]))
+    device = model_device(run.model)  # inputs follow the model: the caller's tensors may be on the CPU
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     plan = run.hook.lcx_plan(
         run=run, input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens
     )
-    return plan if plan is not None else Plan.whole(input_ids, attention_mask)
+    plan = plan if plan is not None else Plan.whole(input_ids, attention_mask)
+    plan.input_ids, plan.attention_mask = plan.input_ids.to(device), plan.attention_mask.to(device)
+    return plan
+
+
+def model_device(model: Any) -> torch.device:
+    """Where ``model`` runs (the device of its first parameter; a PeftModel's too)."""
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
 
 
 @torch.no_grad()
@@ -158,7 +170,7 @@ def tail_logits(run: Run, input_ids: torch.Tensor, n_target: int) -> torch.Tenso
     plan = make_plan(run, input_ids, None, 0)
     ids = plan.input_ids
     T = ids.shape[1]
-    if not torch.equal(ids[0, T - n_target - 1:], input_ids[0, -n_target - 1:]):
+    if not torch.equal(ids[0, T - n_target - 1:].cpu(), input_ids[0, -n_target - 1:].cpu()):
         raise LcxError(f"the {run!r} plan dropped scored tokens; score fewer than the window ({T} tokens kept)")
     model = run.model
     cache = new_memory(run, plan)
@@ -178,7 +190,7 @@ def tail_logits(run: Run, input_ids: torch.Tensor, n_target: int) -> torch.Tenso
 def score_tail(run: Run, input_ids: torch.Tensor, n_target: int) -> dict[str, float]:
     """Summed next-token NLL and correct count of the last ``n_target`` tokens (see ``tail_logits``)."""
     logits = tail_logits(run, input_ids, n_target)
-    targets = input_ids[0, -n_target:]
+    targets = input_ids[0, -n_target:].to(logits.device)
     nll = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
     correct = (logits.argmax(-1) == targets).sum()
     return {"nll_sum": float(nll), "correct": int(correct), "count": int(n_target)}

@@ -20,6 +20,9 @@ removes them from the index in place (flat: compacted; IVF: by id, lists kept, n
 retraining); only HNSW, which cannot delete, is rebuilt.
 Stores save to safetensors (vectors + metadata) + JSON, with a sha256 of the
 tensor file checked on load.
+
+Entries live where their keys come from (a model on a GPU: a torch store searches there); FAISS
+stores keep theirs on the CPU.  Search answers on the store's device; callers move them.
 """
 
 from __future__ import annotations
@@ -125,10 +128,11 @@ class MemoryStore(ABC):
         if len(self) and keys.shape[1] != self.keys.shape[1]:
             raise LcxError(f"key dimension {keys.shape[1]} differs from the memory's {self.keys.shape[1]}")
         n = keys.shape[0]
-        doc = doc_id.long() if torch.is_tensor(doc_id) else torch.full((n,), int(doc_id), dtype=torch.long)
-        k = keys.detach().float().cpu().contiguous()
-        # the rows are copied into the memory's own buffers (callers may reuse theirs)
-        for name, x in (("keys", k), ("values", values.detach().cpu()), ("positions", positions.long().cpu()), ("doc_ids", doc)):
+        doc = doc_id.long().cpu() if torch.is_tensor(doc_id) else torch.full((n,), int(doc_id), dtype=torch.long)
+        where = self._device(keys)
+        k = keys.detach().float().to(where).contiguous()
+        # the rows are copied into the memory's own buffers (callers may reuse theirs); metadata stays on the CPU
+        for name, x in (("keys", k), ("values", values.detach().to(where)), ("positions", positions.long().cpu()), ("doc_ids", doc)):
             self._rows[name].append(x)
         cap = self.config.max_entries
         if cap and len(self) > cap:
@@ -146,7 +150,8 @@ class MemoryStore(ABC):
             self._set(None, None, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
         else:
             keep = self.doc_ids != doc_id
-            self._set(self.keys[keep], self.values[keep], self.positions[keep], self.doc_ids[keep])
+            on = keep.to(self.keys.device)
+            self._set(self.keys[on], self.values[on], self.positions[keep], self.doc_ids[keep])
         self._rebuild()
 
     # ------------------------------------------------------------------ reading
@@ -157,7 +162,11 @@ class MemoryStore(ABC):
         k = min(k, len(self))
         if k == 0:
             return torch.zeros(queries.shape[0], 0), torch.zeros(queries.shape[0], 0, dtype=torch.long)
-        return self._search(queries.detach().float().cpu().contiguous(), k)
+        return self._search(queries.detach().float().to(self.keys.device).contiguous(), k)
+
+    def _device(self, keys: torch.Tensor) -> torch.device:
+        """Where the entries live: with the first keys added (the model's device); FAISS indexes read CPU arrays."""
+        return self.keys.device if len(self) else keys.device
 
     # ------------------------------------------------------------------ backend
     @abstractmethod
@@ -177,7 +186,7 @@ class MemoryStore(ABC):
     def tensors(self, prefix: str = "") -> dict[str, torch.Tensor]:
         if not len(self):
             return {}
-        return {f"{prefix}keys": self.keys.contiguous(), f"{prefix}values": self.values.contiguous(),
+        return {f"{prefix}keys": self.keys.cpu().contiguous(), f"{prefix}values": self.values.cpu().contiguous(),
                 f"{prefix}positions": self.positions, f"{prefix}doc_ids": self.doc_ids}
 
     def load_tensors(self, t: dict[str, torch.Tensor], prefix: str = "") -> None:
@@ -214,6 +223,9 @@ class FaissStore(MemoryStore):
     training, so later keys up to that norm keep the identity; scores are recomputed exactly."""
 
     IVF_NORM_MARGIN = 2.0
+
+    def _device(self, keys: torch.Tensor) -> torch.device:
+        return torch.device("cpu")  # FAISS reads numpy arrays (faiss-gpu copies them to its GPU itself)
 
     def __init__(self, config: StoreConfig) -> None:
         super().__init__(config)
@@ -344,7 +356,8 @@ class UnionStore:
     @property
     def keys(self) -> torch.Tensor:
         """(N, D) keys, shared then own: a copy (only fot's dense mode reads every key)."""
-        return torch.cat([x for x in (self.shared.keys, self.own.keys) if x is not None and len(x)])
+        parts = [x for x in (self.shared.keys, self.own.keys) if x is not None and len(x)]
+        return torch.cat([x.to(parts[-1].device) for x in parts])
 
     @property
     def values(self) -> "_UnionRows":
@@ -358,9 +371,9 @@ class UnionStore:
         if len(parts) == 1:
             scores, idx = parts[0][0].search(queries, k)
             return scores, idx + parts[0][1]
-        found = [store.search(queries, k) for store, _ in parts]
-        scores = torch.cat([f[0] for f in found], dim=1)
-        idx = torch.cat([f[1] + offset for f, (_, offset) in zip(found, parts)], dim=1)
+        found = [store.search(queries, k) for store, _ in parts]  # each on its store's device
+        scores = torch.cat([f[0].to(queries.device) for f in found], dim=1)
+        idx = torch.cat([f[1].to(queries.device) + offset for f, (_, offset) in zip(found, parts)], dim=1)
         top = scores.topk(min(k, scores.shape[1]), dim=1)
         return top.values, idx.gather(1, top.indices)
 
@@ -373,18 +386,19 @@ class _UnionRows:
 
     def __getitem__(self, idx: torch.Tensor) -> torch.Tensor:
         if self.second is None:  # an empty store has no rows yet
-            return self.first[idx]
+            return self.first[idx.to(self.first.device)]
         if self.first is None:
-            return self.second[idx]
+            return self.second[idx.to(self.second.device)]
         n = self.first.shape[0]
-        out = self.first.new_empty(*idx.shape, self.first.shape[1])
+        out = self.first.new_empty(*idx.shape, self.first.shape[1], device=idx.device)
         low = idx < n
-        out[low] = self.first[idx[low]]
-        out[~low] = self.second[idx[~low] - n]
+        out[low] = self.first[idx[low].to(self.first.device)].to(idx.device)
+        out[~low] = self.second[(idx[~low] - n).to(self.second.device)].to(idx.device)
         return out
 
     def float(self) -> torch.Tensor:
-        return torch.cat([x for x in (self.first, self.second) if x is not None]).float()
+        parts = [x for x in (self.first, self.second) if x is not None]
+        return torch.cat([x.to(parts[-1].device) for x in parts]).float()
 
 
 def make_store(config: StoreConfig | None = None, **kwargs: Any) -> MemoryStore:

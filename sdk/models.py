@@ -326,11 +326,11 @@ def _causal_lm_architectures() -> set[str]:
 @overload
 def load_model(name_or_path: str | os.PathLike[str], *, dtype: torch.dtype | None = ..., trust_remote_code: bool = ...,
                attn_implementation: str | None = ..., require_tokenizer: Literal[True] = ...,
-               ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]: ...
+               device: str | None = ...) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]: ...
 @overload
 def load_model(name_or_path: str | os.PathLike[str], *, dtype: torch.dtype | None = ..., trust_remote_code: bool = ...,
                attn_implementation: str | None = ..., require_tokenizer: bool,
-               ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]: ...
+               device: str | None = ...) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]: ...
 def load_model(
     name_or_path: str | os.PathLike[str],
     *,
@@ -338,10 +338,13 @@ def load_model(
     trust_remote_code: bool = False,
     attn_implementation: str | None = "sdpa",
     require_tokenizer: bool = True,
+    device: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     """(model in eval mode, tokenizer padding on the left) from a local folder or a pulled known model.
 
     ``dtype`` None means torch.float32 (torch is imported lazily so light commands stay fast).
+    ``device`` (cpu, cuda, cuda:1, ...; None: ``LCX_DEVICE`` or cpu) is where the model runs; lcx's
+    generation and memories follow the model's device.
     With ``require_tokenizer=False`` a folder without a tokenizer yields ``(model, None)``.
     """
     # Before transformers/huggingface_hub are imported: they read it at import time.
@@ -351,6 +354,7 @@ def load_model(
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    target = resolve_device(device)  # before the weights load: a bad device fails fast
     path = resolve_model_path(name_or_path)
     try:
         config = AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
@@ -385,7 +389,7 @@ def load_model(
         raise not_causal from None
     except OSError as e:
         raise LcxError(f"cannot load weights from {str(path)!r}: {str(e).splitlines()[0]}") from None
-    model.eval()
+    model.to(target).eval()
     try:
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as e:
@@ -397,6 +401,32 @@ def load_model(
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     return model, tok
+
+
+def resolve_device(device: str | None = None) -> "torch.device":
+    """The torch device named by ``device``, else ``LCX_DEVICE``, else cpu; a device this machine
+    lacks is an error naming what it has (not a CUDA error halfway through a run)."""
+    import torch
+
+    name = (device or os.environ.get("LCX_DEVICE") or "cpu").strip()
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise LcxError(f"device {name!r} is not a torch device; give cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise LcxError(f"device {name!r}: torch {torch.__version__} sees no CUDA GPU here; "
+                           f"run on --device cpu, or install a CUDA build of torch on a GPU machine")
+        if dev.index is not None and dev.index >= count:
+            raise LcxError(f"device {name!r}: this machine has {count} CUDA GPU(s), cuda:0..cuda:{count - 1}")
+    elif dev.type != "cpu":
+        try:
+            torch.empty(0, device=dev)
+        except (RuntimeError, AssertionError) as e:
+            raise LcxError(f"device {name!r} is not usable here ({str(e).splitlines()[0]}); "
+                           f"give cpu or an available accelerator") from None
+    return dev
 
 
 def init_model(out: str | os.PathLike[str], family: str, settings: dict[str, Any], seed: int = 0,

@@ -44,10 +44,12 @@ def open_session(
     adapter: str | Path | None = None,
     trust_remote_code: bool = False,
     require_tokenizer: bool = True,
+    device: str | None = None,
 ) -> Session:
     from lcx.models import load_model
 
-    hf_model, tok = load_model(model, trust_remote_code=trust_remote_code, require_tokenizer=require_tokenizer)
+    hf_model, tok = load_model(model, trust_remote_code=trust_remote_code, require_tokenizer=require_tokenizer,
+                               device=device)
     sidecar = None
     if adapter:
         hf_model, sidecar, methods, options = apply_adapter(hf_model, adapter, list(methods), options or {})

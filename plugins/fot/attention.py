@@ -74,12 +74,12 @@ def _memory_scores(qm: torch.Tensor, stores: list[MemoryStore], k: int,
             scores.append(qm.new_zeros(qm.shape[1], 0))
             values.append(None)
         elif dense:
-            scores.append(qm[h] @ store.keys.T)  # (Q, M)
-            values.append(store.values.float())  # (M, Dv)
-        else:
+            scores.append(qm[h] @ store.keys.to(qm.device).T)  # (Q, M)
+            values.append(store.values.float().to(qm.device))  # (M, Dv)
+        else:  # a store answers on its own device (FAISS: the CPU)
             sc, idx = store.search(qm[h], k)  # (Q, k'): every backend returns exact inner products
             scores.append(sc.to(qm.device))
-            values.append(store.values[idx].float())  # (Q, k', Dv)
+            values.append(store.values[idx].float().to(qm.device))  # (Q, k', Dv)
     W = max(x.shape[1] for x in scores)
     like = next(v for v in values if v is not None)
     if all(x.shape[1] == W for x in scores):

@@ -59,7 +59,8 @@ class FoTLayer(SubsetCacheLayer):
             real = pos >= 0  # left padding stays out of memory
             if not real.any():
                 continue
-            add_to_memory(self.memory, b, keys[b][:, real], values[b][:, real], pos[real], self.inv_freq, self.doc_ids[b])
+            on = real.to(keys.device)
+            add_to_memory(self.memory, b, keys[b][:, on], values[b][:, on], pos[real], self.inv_freq, self.doc_ids[b])
 
     def _reset_state(self) -> None:
         self.local_start = 0

@@ -65,6 +65,7 @@ def method_options(f):
 
 
 def limit_options(f):
+    f = device_option(f)
     f = click.option("--max-input-tokens", type=click.IntRange(1), default=None, expose_value=False,
                      callback=_limit("max_input_tokens"), metavar="N",
                      help="Refuse prompts over N tokens per request (default 262144, or LCX_MAX_INPUT_TOKENS). "
@@ -74,6 +75,23 @@ def limit_options(f):
                      help="Refuse requests leaving a method's memory over N entries per layer and KV head "
                           "(default 4194304, or LCX_MAX_MEMORY_ENTRIES); -o fot.max_entries evicts instead.")(f)
     return f
+
+
+def device_option(f):
+    """``--device``: where the model runs; lcx's generation and memories follow the model."""
+    return click.option("--device", default=None, expose_value=False, callback=_set_device, metavar="DEVICE",
+                        help="Where the model runs: cpu (default), cuda, cuda:N (or LCX_DEVICE).")(f)
+
+
+def _set_device(ctx, param, value):
+    if value:  # kept on the command's context (not the environment: tests run many commands in one process)
+        ctx.meta["lcx.device"] = value
+
+
+def _device() -> str | None:
+    """The command's --device, or None (``load_model`` then reads LCX_DEVICE, else cpu)."""
+    ctx = click.get_current_context(silent=True)
+    return ctx.meta.get("lcx.device") if ctx else None
 
 
 def _limit(name: str):
@@ -96,7 +114,8 @@ def _with_limits(session):
 def _open(model: str, methods: tuple[str, ...], options: tuple[str, ...], adapter: Path | None, trust: bool):
     from lcx.session import open_session, parse_options
 
-    return _with_limits(open_session(model, methods, parse_options(options), adapter, trust_remote_code=trust))
+    return _with_limits(open_session(model, methods, parse_options(options), adapter, trust_remote_code=trust,
+                                     device=_device()))
 
 
 def _echo_json(obj: Any) -> None:

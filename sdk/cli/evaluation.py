@@ -10,7 +10,7 @@ import click
 
 from lcx.cli.base import (
     CONTEXT, LcxGroup, RESUME_HELP, _echo_json, _float_list, _int_list, _open, _token_count,
-    _with_limits, main, method_options, model_option,
+    _device, _with_limits, device_option, main, method_options, model_option,
 )
 from lcx.errors import LcxError
 
@@ -168,6 +168,7 @@ def eval_ppl(model, methods, options, adapter, trust_remote_code, data, max_docs
               help="ppl: tokens before the first scored span (default: the largest of --contexts).")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("out/compare"), show_default=True)
 @click.option("--resume", is_flag=True, help="passkey: " + RESUME_HELP)
+@device_option
 @click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
 def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, data, max_docs, contexts, target, room,
                  out, resume, as_json):
@@ -185,7 +186,7 @@ def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, 
     from lcx.session import parse_options
 
     opts = parse_options(options)
-    hf_model, tok = load_model(model)
+    hf_model, tok = load_model(model, device=_device())
     if suite == "passkey":
         cfg = passkey.PasskeyConfig(lengths=lengths, depths=depths, samples=samples or 5, seed=seed)
         def ev(run, adapter):
@@ -256,7 +257,7 @@ def eval_dictionary(model, methods, options, adapter, trust_remote_code, dict_to
     from lcx.session import open_session, parse_options
 
     s = _with_limits(open_session(model, methods, parse_options(options), adapter, trust_remote_code,
-                                  require_tokenizer=False))
+                                  require_tokenizer=False, device=_device()))
     if s.model.config.vocab_size < dictionary.VOCAB_SIZE:
         s.close()
         raise LcxError(f"model vocab_size {s.model.config.vocab_size} < {dictionary.VOCAB_SIZE}: not a dictionary-task model")

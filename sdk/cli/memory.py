@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from lcx.cli.base import CONTEXT, LcxGroup, _with_limits, limit_options, main, model_option
+from lcx.cli.base import CONTEXT, LcxGroup, _device, _with_limits, limit_options, main, model_option
 from lcx.errors import LcxError
 
 
@@ -42,7 +42,7 @@ def memory_build(model, methods, options, out, overwrite, docs):
         raise LcxError(f"memory build supports the fot method, got {', '.join(methods)}")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise LcxError(f"memory folder {str(out)!r} exists; pass --overwrite to replace it")
-    s = _with_limits(open_session(model, ["fot"], parse_options(options)))
+    s = _with_limits(open_session(model, ["fot"], parse_options(options), device=_device()))
     try:
         fot = s.run.method("fot")
         listed = []

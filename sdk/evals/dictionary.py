@@ -111,7 +111,7 @@ def score(doc: Document, logits_fn: Callable[[torch.Tensor, int], torch.Tensor],
     n = query_tokens
     logits = logits_fn(doc.input_ids[None], n)
     labels = doc.labels[-n:]
-    pred = logits.argmax(-1)
+    pred = logits.argmax(-1).cpu()
     mask = labels != -100
     tok_ok = (pred == labels) & mask
     # group each query's 4 value tokens
