@@ -12,6 +12,10 @@ allocations never inflate another's):
 Goals (issue 7): serial peak memory at the longest length <= 2x at the shortest; parallel faster than serial.
 
     .venv/bin/python bench/focusllm_scaling.py [--lengths 8K,32K,128K] [-o chunk=2048 ...]
+    python bench/focusllm_scaling.py --device cuda [--random-weights]   # on a GPU (peak GPU memory too)
+
+"Parallel faster than serial" needs idle compute beside one chunk's forward: on a 2-core CPU there is none,
+which is what ``--device cuda`` is for.
 """
 
 from __future__ import annotations
@@ -31,27 +35,36 @@ from lcx.io import pyplot, save_figure, token_counts
 from lcx.session import parse_options
 
 from books import book_tokens  # bench/books.py (scripts here run as `python bench/NAME.py`)
+from loading import bench_model, device_name, sync
 
 OUT = Path(__file__).parent / "results"
 DEFAULT = ["chunk=2048", "local=2048", "fragment=512"]
 
 
-def one(model_name: str, n: int, variant: str, options: dict, parallel: int) -> None:
+def one(model_name: str, n: int, variant: str, options: dict, parallel: int, device: str | None,
+        random_weights: bool) -> None:
     """In the subprocess: read n tokens, produce one; prints the time to first token (load excluded) as JSON."""
     import lcx
-    from lcx.models import load_model
 
-    model, tok = load_model(model_name)
+    model, tok = bench_model(model_name, device, random_weights)
     ids = book_tokens(tok, n)
+    cuda = next(model.parameters()).device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    sync(model)
     t0 = time.perf_counter()
     if variant == "full":
         with torch.no_grad():
-            model(input_ids=ids, logits_to_keep=1)
+            model(input_ids=ids.to(model.device), logits_to_keep=1)
     else:
         opts = {**options, "parallel": 1 if variant == "focusllm-serial" else parallel}
         with lcx.attach(model, ["focusllm"], focusllm=opts) as run:
             lcx.generate(run, ids, max_new_tokens=1)
-    print(json.dumps({"ttft_seconds": round(time.perf_counter() - t0, 2)}))
+    sync(model)
+    out = {"ttft_seconds": round(time.perf_counter() - t0, 2), "device": device_name(model)}
+    if cuda:
+        out["peak_gpu_mib"] = round(torch.cuda.max_memory_allocated() / 2**20)
+    print(json.dumps(out))
 
 
 def measure_child(args: list[str]) -> dict:
@@ -67,7 +80,9 @@ def measure_child(args: list[str]) -> dict:
     if proc.returncode:
         return {"error": f"exit status {proc.returncode}"}
     # peak RSS of the whole process (model included); time to first token without loading the model
-    return {"seconds": json.loads(out.strip().splitlines()[-1])["ttft_seconds"], "peak_rss_mib": round(peak / 2**20)}
+    child = json.loads(out.strip().splitlines()[-1])
+    return {"seconds": child["ttft_seconds"], "peak_rss_mib": round(peak / 2**20),
+            **({"peak_gpu_mib": child["peak_gpu_mib"]} if "peak_gpu_mib" in child else {}), "device": child["device"]}
 
 
 def main() -> None:
@@ -77,15 +92,19 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=0, help="chunks per forward of the parallel variant (0 = all)")
     ap.add_argument("--full-max", default="32K", help="longest input the full-attention variant is run on")
     ap.add_argument("-o", "--option", action="append", default=None, help=f"focusllm option KEY=VALUE (default: {DEFAULT})")
+    ap.add_argument("--device", default=None, help="where the model runs: cpu (default), cuda (or LCX_DEVICE)")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="the model's architecture with random weights (from its config.json; speed only)")
     ap.add_argument("--out", type=Path, default=OUT / "focusllm_scaling.json")
     ap.add_argument("--one", nargs=2, metavar=("VARIANT", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     options = parse_options(args.option or DEFAULT)
     if args.one:
-        one(args.model, int(args.one[1]), args.one[0], options, args.parallel)
+        one(args.model, int(args.one[1]), args.one[0], options, args.parallel, args.device, args.random_weights)
         return
     lengths, full_max = token_counts(args.lengths), token_counts(args.full_max)[0]
     passthrough = [a for o in (args.option or []) for a in ("-o", o)]
+    passthrough += (["--device", args.device] if args.device else []) + (["--random-weights"] if args.random_weights else [])
     rows = []
     for n in lengths:
         row: dict = {"tokens": n}
@@ -98,7 +117,8 @@ def main() -> None:
                                           str(args.parallel), *passthrough, "--one", variant, str(n)])
             print(f"  {row[variant]}", flush=True)
         rows.append(row)
-    serial = [r["focusllm-serial"].get("peak_rss_mib") for r in rows]
+    memory_key = "peak_gpu_mib" if "peak_gpu_mib" in rows[0]["focusllm-serial"] else "peak_rss_mib"
+    serial = [r["focusllm-serial"].get(memory_key) for r in rows]
     mem_ratio = serial[-1] / serial[0] if all(serial) else None
     speed = [r["focusllm-serial"]["seconds"] / r["focusllm-parallel"]["seconds"] for r in rows
              if "seconds" in r["focusllm-serial"] and "seconds" in r["focusllm-parallel"]]
@@ -106,7 +126,7 @@ def main() -> None:
         "benchmark": "FocusLLM memory and time to first token", "model": args.model, "focusllm_options": options,
         "parallel": args.parallel, "machine": platform.processor() or platform.machine(),
         "torch_threads": torch.get_num_threads(), "rows": rows,
-        "serial_peak_ratio_longest_over_shortest": round(mem_ratio, 3) if mem_ratio else None,
+        "serial_peak_ratio_longest_over_shortest": round(mem_ratio, 3) if mem_ratio else None, "peak_of": memory_key,
         "parallel_speedup_over_serial": [round(s, 3) for s in speed],
         "goals": "serial peak ratio <= 2; parallel faster than serial",
         "command": "python bench/focusllm_scaling.py " + " ".join(passthrough) + f" --lengths {args.lengths} "

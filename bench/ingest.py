@@ -29,10 +29,10 @@ import lcx
 from lcx.generation import make_plan, prefill
 from lcx.io import pyplot, save_figure, token_counts
 from lcx.measure import measure
-from lcx.models import load_model
 from lcx.session import parse_options
 
 from books import book_tokens  # bench/books.py (scripts here run as `python bench/NAME.py`)
+from loading import bench_model, device_name, sync
 
 OUT = Path(__file__).parent / "results"
 # the training-free configuration of results/fot (memory layers from `lcx analyze retrieval`)
@@ -55,8 +55,7 @@ def ingest(model, ids: torch.Tensor, options: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
 
     def on_window_synced(s: int, e: int) -> None:
-        if cuda:  # kernels run asynchronously: a window's time is its work, not its launch
-            torch.cuda.synchronize()
+        sync(model)  # a window's time is its work, not its launch
         on_window(s, e)
 
     with lcx.attach(model, ["fot"], fot=options) as run, measure() as m:
@@ -75,24 +74,6 @@ def ingest(model, ids: torch.Tensor, options: dict) -> dict:
             "window_seconds": [[e, round(t, 3)] for e, t in times]}
 
 
-def random_weights(name: str, device: str | None):
-    """(model with ``name``'s architecture and random fp32 weights on ``device``, ``name``'s tokenizer)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from lcx.models import resolve_device, resolve_model_path
-
-    path = resolve_model_path(name)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)), dtype=torch.float32,
-                                             attn_implementation="sdpa")
-    return model.to(resolve_device(device)).eval(), AutoTokenizer.from_pretrained(str(path))
-
-
-def _device_name(model) -> str:
-    dev = next(model.parameters()).device
-    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -106,7 +87,7 @@ def main() -> None:
     lengths = token_counts(args.lengths)
     options = parse_options(args.option or DEFAULT)
 
-    model, tok = random_weights(args.model, args.device) if args.random_weights else load_model(args.model, device=args.device)
+    model, tok = bench_model(args.model, args.device, args.random_weights)
     ids = book_tokens(tok, max(lengths))
     ingest(model, ids[:, :2048], options)  # warm-up (first calls, allocator), not reported
     runs = [ingest(model, ids[:, :n], options) for n in lengths]
@@ -114,7 +95,7 @@ def main() -> None:
     result = {
         "benchmark": "fot ingest cost per token", "model": args.model, "fot_options": options,
         "torch_threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
-        "device": _device_name(model), "random_weights": args.random_weights,
+        "device": device_name(model), "random_weights": args.random_weights,
         "runs": runs, "ratio_longest_over_shortest": round(ratio, 3), "goal": "<= 1.5", "pass": ratio <= 1.5,
         "command": "python bench/ingest.py " + " ".join(f"-o {o}" for o in (args.option or DEFAULT)) + f" --lengths {args.lengths}"
                    + (f" --device {args.device}" if args.device else "") + (" --random-weights" if args.random_weights else ""),

@@ -1,0 +1,34 @@
+"""How a benchmark gets its model: the real weights, or the architecture with random weights (speed only),
+on the CPU or an accelerator (``--device``)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def bench_model(name: str, device: str | None = None, random_weights: bool = False):
+    """(model in eval mode on ``device``, tokenizer).  ``random_weights``: ``name``'s architecture from its
+    config.json with random fp32 weights (a speed measurement does not depend on them), for a machine that
+    has the config and tokenizer but not the weights."""
+    from lcx.models import load_model, resolve_device, resolve_model_path
+
+    if not random_weights:
+        return load_model(name, device=device)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(name)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)), dtype=torch.float32,
+                                             attn_implementation="sdpa")
+    return model.to(resolve_device(device)).eval(), AutoTokenizer.from_pretrained(str(path))
+
+
+def device_name(model) -> str:
+    dev = next(model.parameters()).device
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+
+
+def sync(model) -> None:
+    """Wait for the model's device (CUDA kernels run asynchronously: time the work, not its launch)."""
+    if next(model.parameters()).device.type == "cuda":
+        torch.cuda.synchronize()
