@@ -361,8 +361,8 @@ class FoTServed(ServedAttention):
         if memory is None or not any(len(s) for s in memory.values()):
             return _sdpa(q, keys, values, allowed, scale)
         q_index = torch.arange(pos, pos + n, device=q.device)[None]
-        shift = self.m.query_shift(q_index, torch.tensor([[d["local_start"]]]))
-        mask = torch.zeros(n, S)
+        shift = self.m.query_shift(q_index, torch.tensor([[d["local_start"]]], device=q.device))
+        mask = torch.zeros(n, S, device=q.device)
         if allowed is not None:
             mask.masked_fill_(~allowed, float("-inf"))
         mask = mask[None, None]
