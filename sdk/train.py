@@ -322,6 +322,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, progr
     if interrupted or step < cfg.steps:
         path = _save_checkpoint(ckpt_root, step, peft_model, names, opt, sched, cfg, accel, run.state)
         run.detach()
+        ddp_model = None  # the DDP wrapper goes before the process group (see _end)
         _end(accel)
         if interrupted:
             raise Interrupted(
@@ -337,15 +338,24 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, progr
         else:
             save_adapter(accel.unwrap_model(ddp_model), out, methods=run.describe()["methods"], extra=extra)
     run.detach()
+    ddp_model = None  # the DDP wrapper goes before the process group (see _end)
     _end(accel)
     return out
 
 
 def _end(accel) -> None:
     """Leave the process group together: a rank exiting with its (gloo) group alive can abort at
-    interpreter exit (seen once in CI: rank 1 SIGABRT after a finished 2-process run)."""
+    interpreter exit (seen once in CI: rank 1 SIGABRT after a finished 2-process run).
+
+    The DDP wrapper must be gone (the caller drops its reference; here accelerate's, then a gc pass)
+    before the group is destroyed: its C++ Reducer holds the group, and were the Reducer the last
+    holder, freeing it (when train() returns) would run ~ProcessGroupGloo, which joins gloo's worker
+    threads while holding the GIL, while a worker still tearing down the last collective waits for
+    the GIL to free a tensor: a deadlock, the rank never exits (the DDP test's intermittent hang).
+    Freed here, the group's last holder is its Python object, whose destructor releases the GIL."""
     if accel.num_processes > 1:
         accel.wait_for_everyone()
+        accel.free_memory()  # accelerate's reference to the DDP wrapper; gc.collect() for any cycle
         accel.end_training()
 
 

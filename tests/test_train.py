@@ -174,7 +174,10 @@ def test_two_process_ddp_matches_one_process_with_the_same_global_batch(model_di
     try:
         out, err = proc.communicate(timeout=600)  # a collective mismatch hangs
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks: no orphan waits on a dead peer
+        import psutil  # torchrun starts each rank in a session of its own: killpg alone leaves them running
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            p.kill()
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher: no orphan waits on a dead peer
         out, err = proc.communicate()
         pytest.fail("2-process run still running after 600 s:\n" + out[-2000:] + err[-2000:])
     assert proc.returncode == 0, out[-2000:] + err[-2000:]
