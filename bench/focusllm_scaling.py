@@ -35,7 +35,7 @@ from lcx.io import pyplot, save_figure, token_counts
 from lcx.session import parse_options
 
 from books import book_tokens  # bench/books.py (scripts here run as `python bench/NAME.py`)
-from loading import bench_model, device_name, sync
+from loading import bench_model, device_name, gpu_peak, reset_gpu_peak, sync
 
 OUT = Path(__file__).parent / "results"
 DEFAULT = ["chunk=2048", "local=2048", "fragment=512"]
@@ -48,9 +48,7 @@ def one(model_name: str, n: int, variant: str, options: dict, parallel: int, dev
 
     model, tok = bench_model(model_name, device, random_weights)
     ids = book_tokens(tok, n)
-    cuda = next(model.parameters()).device.type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
+    reset_gpu_peak(model)
     sync(model)
     t0 = time.perf_counter()
     if variant == "full":
@@ -61,10 +59,8 @@ def one(model_name: str, n: int, variant: str, options: dict, parallel: int, dev
         with lcx.attach(model, ["focusllm"], focusllm=opts) as run:
             lcx.generate(run, ids, max_new_tokens=1)
     sync(model)
-    out = {"ttft_seconds": round(time.perf_counter() - t0, 2), "device": device_name(model)}
-    if cuda:
-        out["peak_gpu_mib"] = round(torch.cuda.max_memory_allocated() / 2**20)
-    print(json.dumps(out))
+    print(json.dumps({"ttft_seconds": round(time.perf_counter() - t0, 2), "device": device_name(model),
+                      **gpu_peak(model)}))
 
 
 def measure_child(args: list[str]) -> dict:

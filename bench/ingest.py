@@ -32,7 +32,7 @@ from lcx.measure import measure
 from lcx.session import parse_options
 
 from books import book_tokens  # bench/books.py (scripts here run as `python bench/NAME.py`)
-from loading import bench_model, device_name, sync
+from loading import bench_model, device_name, gpu_peak, reset_gpu_peak, sync
 
 OUT = Path(__file__).parent / "results"
 # the training-free configuration of results/fot (memory layers from `lcx analyze retrieval`)
@@ -50,9 +50,7 @@ def ingest(model, ids: torch.Tensor, options: dict) -> dict:
         last[0] = now
         bar.update(e - s)
 
-    cuda = next(model.parameters()).device.type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
+    reset_gpu_peak(model)
 
     def on_window_synced(s: int, e: int) -> None:
         sync(model)  # a window's time is its work, not its launch
@@ -70,7 +68,7 @@ def ingest(model, ids: torch.Tensor, options: dict) -> dict:
     return {"tokens": n, "seconds": round(m.result.seconds, 2), "ms_per_token": round(1000 * m.result.seconds / n, 3),
             "peak_rss_mib": round(m.result.peak_rss_mib), "extra_rss_mib": round(m.result.extra_rss_mib),
             "memory_entries": entries, "memory_mib": round(mem_bytes / 2**20),
-            **({"peak_gpu_mib": round(torch.cuda.max_memory_allocated() / 2**20)} if cuda else {}),
+            **gpu_peak(model),
             "window_seconds": [[e, round(t, 3)] for e, t in times]}
 
 

@@ -23,12 +23,30 @@ def bench_model(name: str, device: str | None = None, random_weights: bool = Fal
     return model.to(resolve_device(device)).eval(), AutoTokenizer.from_pretrained(str(path))
 
 
+def _on_cuda(model) -> bool:
+    from lcx.generation import model_device
+
+    return model_device(model).type == "cuda"
+
+
 def device_name(model) -> str:
-    dev = next(model.parameters()).device
-    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    from lcx.generation import model_device
+
+    return torch.cuda.get_device_name(model_device(model)) if _on_cuda(model) else "cpu"
 
 
 def sync(model) -> None:
     """Wait for the model's device (CUDA kernels run asynchronously: time the work, not its launch)."""
-    if next(model.parameters()).device.type == "cuda":
+    if _on_cuda(model):
         torch.cuda.synchronize()
+
+
+def reset_gpu_peak(model) -> None:
+    """Start counting the peak GPU memory (``gpu_peak``) here, when the model is on a GPU."""
+    if _on_cuda(model):
+        torch.cuda.reset_peak_memory_stats()
+
+
+def gpu_peak(model) -> dict:
+    """``{"peak_gpu_mib": ...}`` since ``reset_gpu_peak`` on a GPU; nothing on the CPU."""
+    return {"peak_gpu_mib": round(torch.cuda.max_memory_allocated() / 2**20)} if _on_cuda(model) else {}
