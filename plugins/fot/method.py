@@ -129,9 +129,9 @@ class FoT(Method):
 
     @hookimpl
     def lcx_memory(self, run, batch_size):
-        plan = run.state.get("plan")
         from lcx.generation import model_device
 
+        plan = run.state.get("plan")
         pad = ((plan.attention_mask == 0).sum(-1) if plan is not None else torch.zeros(batch_size)).long()
         pad = pad.to(model_device(run.model))  # shifts the model's query positions
         cfg = run.model.config

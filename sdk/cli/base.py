@@ -61,11 +61,10 @@ def method_options(f):
                      help="lcx adapter folder (from `lcx train`); its methods apply unless --method is given.")(f)
     f = click.option("--trust-remote-code", is_flag=True, default=False,
                      help="Allow model folders to run their own Python code (off by default).")(f)
-    return limit_options(f)
+    return device_option(limit_options(f))
 
 
 def limit_options(f):
-    f = device_option(f)
     f = click.option("--max-input-tokens", type=click.IntRange(1), default=None, expose_value=False,
                      callback=_limit("max_input_tokens"), metavar="N",
                      help="Refuse prompts over N tokens per request (default 262144, or LCX_MAX_INPUT_TOKENS). "

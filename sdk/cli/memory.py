@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from lcx.cli.base import CONTEXT, LcxGroup, _device, _with_limits, limit_options, main, model_option
+from lcx.cli.base import CONTEXT, LcxGroup, _device, _with_limits, device_option, limit_options, main, model_option
 from lcx.errors import LcxError
 
 
@@ -22,6 +22,7 @@ def memory_grp() -> None:
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Folder for memory.safetensors + memory.json.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing memory folder.")
 @limit_options
+@device_option
 @click.argument("docs", nargs=-1, required=True, type=click.Path(path_type=Path))
 def memory_build(model, methods, options, out, overwrite, docs):
     """Index DOCS (text files or folders) into a kNN memory saved to --out.
