@@ -380,6 +380,9 @@ def register() -> None:
     from lcx.integrations.vllm_attention import install
 
     install()  # a no-op unless `lcx serve` named an attention method (LCX_SERVED_MODEL)
+    from lcx.integrations.vllm_lora import install as install_lora_ops
+
+    install_lora_ops()  # multi-LoRA on the CPU: a product per adapter, and none for base-model tokens
     _registered = True
 
 

@@ -31,12 +31,12 @@ LONG = 2 * WINDOW  # the issue's parity length: 2x the model's window
 NEW = 8
 
 
-def _adapter(out: Path, seed: int) -> Path:
+def _adapter(out: Path, seed: int, scale: float = 0.05) -> Path:
     """A q/k LoRA adapter (rank 8) with random B: what `lcx train --method smt` writes, untrained."""
     from lcx.adapters.peft_bridge import random_adapter
     from lcx.models import load_model
 
-    return random_adapter(load_model(MODEL)[0], out, seed)
+    return random_adapter(load_model(MODEL)[0], out, seed, scale=scale)
 
 
 def start_server(args: list[str], tmp: Path) -> ServerProcess:
@@ -55,7 +55,9 @@ def tok():
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
     d = tmp_path_factory.mktemp("adapters")
-    return {"a1": _adapter(d / "a1", 1), "a2": _adapter(d / "a2", 2)}
+    # a2 changes short answers (scale 0.5): it sits in vLLM's last LoRA slot, which vLLM's CPU ops gave
+    # base-model tokens batched with adapter requests (lcx.integrations.vllm_lora)
+    return {"a1": _adapter(d / "a1", 1), "a2": _adapter(d / "a2", 2, scale=0.5)}
 
 
 #: Open HF sessions by (methods, options, adapter, memory), most recently used last: loading the model
@@ -95,7 +97,8 @@ class TestLoraServer:
     class, stopped when its tests end (not idle beside the other servers until the module ends)."""
 
     @pytest.fixture(scope="class")
-    def lora_server(self, adapters, tmp_path_factory):
+    @classmethod
+    def lora_server(cls, adapters, tmp_path_factory):
         s = start_server([*(f"--adapter={n}={p}" for n, p in adapters.items()), "--max-model-len", str(LONG + 64)],
                          tmp_path_factory.mktemp("lora"))
         yield s
@@ -110,8 +113,20 @@ class TestLoraServer:
         want = {MODEL: hf_tokens(ids, max_new_tokens=16),
                 **{n: hf_tokens(ids, adapter=p, max_new_tokens=16) for n, p in adapters.items()}}
         assert got == want
-        # a1 changes this answer (a2, seeded, happens not to): the names do route to different adapters
-        assert got["a1"] != got[MODEL] and got["a1"] != got["a2"]
+        assert len({tuple(t) for t in got.values()}) == 3  # the names do route to different adapters
+
+    def test_base_model_requests_batched_with_adapter_requests_get_no_adapter(self, lora_server, adapters, tok):
+        """Both adapters loaded (a2 in the last slot) and requests of all three names in one batch: each gets
+        its own model's tokens (vLLM 0.32's CPU LoRA ops gave the base-model requests a2's adapter)."""
+        texts = ["One, two, three, four, five, six,", "The capital of France is", "Once upon a time, there was",
+                 "def fibonacci(n):", "The pass key is 12345. Remember it. The pass key is"]
+        jobs = [(name, tok(t)["input_ids"]) for t in texts for name in (MODEL, "a1", "a2")]
+        random.Random(6).shuffle(jobs)
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            got = list(pool.map(lambda j: lora_server.complete(j[0], j[1], 8), jobs))
+        paths = {MODEL: None, **adapters}
+        want = [hf_tokens(torch.tensor(ids), adapter=paths[name]) for name, ids in jobs]
+        assert got == want
 
     def test_adapter_at_twice_the_window_equals_the_hf_path(self, lora_server, adapters, tok):
         ids = build_prompt_ids(tok, LONG, 0.5, 48213)
