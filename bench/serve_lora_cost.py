@@ -1,7 +1,9 @@
 """What naming a LoRA adapter costs a request on vLLM's CPU backend.
 
-Two servers in turn (SmolLM2-135M, float32, prefix caching off): without LoRA, and with one adapter (q/k,
-rank 8). Each round sends 8 concurrent 1,024-token passkey prompts (12 new tokens) per model name.
+Three servers in turn (SmolLM2-135M, float32, prefix caching off): without LoRA, and with one adapter (q/k,
+rank 8) twice: on vLLM's own CPU LoRA ops (``LCX_VLLM_LORA_OPS=vllm``) and on lcx's
+(``lcx.integrations.vllm_lora``: one product per adapter in the batch). Each round sends 8 concurrent
+1,024-token passkey prompts (12 new tokens) per model name.
 
     .venv/bin/python bench/serve_lora_cost.py [--rounds 2]
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import tempfile
 import time
@@ -30,6 +33,7 @@ def main() -> None:
     from lcx.adapters.peft_bridge import random_adapter
     from lcx.evals.passkey import build_prompt_ids
     from lcx.integrations.vllm import ServerProcess
+    from lcx.integrations.vllm_lora import OPS_ENV
     from lcx.models import load_model, resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(str(resolve_model_path(args.model)))
@@ -37,21 +41,24 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="lcx-lora-cost-"))
     a1 = random_adapter(load_model(args.model)[0], tmp / "a1", 1, scale=0.02)
     rows = []
-    for with_lora in (False, True):
-        serve = ["--max-model-len", "2200", "--export-dir", str(tmp / f"export-{with_lora}"),
+    for with_lora, ops in ((False, None), (True, "vllm"), (True, "lcx")):
+        serve = ["--max-model-len", "2200", "--export-dir", str(tmp / f"export-{with_lora}-{ops}"),
                  *([f"--adapter=a1={a1}"] if with_lora else []), "--", "--no-enable-prefix-caching"]
-        with ServerProcess(args.model, serve, tmp / f"serve-{with_lora}.log") as server:
+        if ops:
+            os.environ[OPS_ENV] = ops  # the server's processes inherit it
+        with ServerProcess(args.model, serve, tmp / f"serve-{with_lora}-{ops}.log") as server:
             for rnd in range(args.rounds):
                 batch = [build_prompt_ids(tok, 1024, rng.random(), k).tolist() for k in rng.sample(range(10000, 99999), 8)]
                 for name in ([args.model, "a1"] if with_lora else [args.model]):
                     t0 = time.perf_counter()
                     with ThreadPoolExecutor(8) as ex:
                         list(ex.map(lambda p: server.complete(name, p, 12), batch))
-                    row = {"lora_enabled": with_lora, "model": name, "round": rnd,
+                    row = {"lora_enabled": with_lora, "lora_ops": ops, "model": name, "round": rnd,
                            "seconds": round(time.perf_counter() - t0, 1)}
                     print(row, flush=True)
                     rows.append(row)
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    os.environ.pop(OPS_ENV, None)
     args.out.write_text(json.dumps({"requests": 8, "prompt_tokens": 1024, "new_tokens": 12, "rows": rows}, indent=2))
     print(f"-> {args.out}")
 
