@@ -217,3 +217,63 @@ def test_train_k_keeps_each_querys_top_k_memory_keys_only():
         assert all(memory_grad[h, m] > 0 for m in chosen)
         assert all(memory_grad[h, m] == 0 for m in range(2 * L) if m not in chosen)
     assert not torch.allclose(out, dense)
+
+
+# ---------------------------------------------------------------------- bank of earlier steps' contexts
+def test_bank_holds_the_previous_steps_contexts_as_memory():
+    """bank = 2, rows of 2 contexts: the second step's contexts read the first step's two contexts from the
+    bank; the logits equal one forward of a row holding all four contexts in which contexts 2 and 3 see
+    every earlier context (segments 0:0,1:1,2:2,3:3)."""
+    model = tiny_model("llama").train()
+    a, b = _ids(1, 2 * L, seed=1), _ids(1, 2 * L, seed=2)
+    with lcx.attach(model, ["fot"], local=L, w=1, d=1, memory_layers="all", bank=2) as run:
+        _forward(run, a)
+        banked = _forward(run, b, step=1).logits
+        assert set(run.state["crossbatch_bank"]) == set(range(model.config.num_hidden_layers))
+        assert run.state["crossbatch_bank"][0][0].shape[1] == 2 * L and not run.state["crossbatch_bank"][0][0].requires_grad
+    with lcx.attach(model, ["fot"], local=L, w=3, d=1, memory_layers="all", segments="0:0,1:1,2:2,3:3") as run:
+        whole = _forward(run, torch.cat([a, b], 1)).logits
+    torch.testing.assert_close(banked[0], whole[0, 2 * L:], rtol=1e-4, atol=1e-4)
+    with lcx.attach(model, ["fot"], local=L, w=1, d=1, memory_layers="all") as run:  # no bank: b alone
+        alone = _forward(run, b).logits
+    assert not torch.allclose(alone, banked, atol=1e-3)
+
+
+def test_bank_keeps_the_newest_contexts_and_evaluation_forwards_do_not_fill_it():
+    lay = crossbatch.layout(L, w=1, d=1)
+    k = [torch.randn(2, 3, 2 * L, 8) for _ in range(2)]  # two forwards of 2 rows x 2 contexts
+    bank = crossbatch.bank_update(None, k[0], k[0], lay, None, contexts=5)
+    assert bank[0].shape == (3, 4 * L, 8)  # all 4 contexts of the first forward
+    bank = crossbatch.bank_update(bank, k[1], k[1], lay, None, contexts=5)
+    assert bank[0].shape == (3, 5 * L, 8)
+    torch.testing.assert_close(bank[1][:, :L], k[0][1, :, L:])  # the oldest kept: row 1's context 1
+    torch.testing.assert_close(bank[1][:, L:3 * L], k[1][0])  # then the second forward, row by row
+    model = tiny_model("llama")
+    with lcx.attach(model, ["fot"], local=L, w=1, d=1, memory_layers="all", bank=4) as run, torch.no_grad():
+        _forward(run, _ids(1, 2 * L))
+        assert not run.state["crossbatch_bank"]
+    with pytest.raises(lcx.LcxError, match="bank must be >= 0"):
+        lcx.attach(model, ["fot"], local=L, bank=-1)
+
+
+def test_each_query_reads_its_bank_k_best_bank_entries():
+    """bank_k = 1: a context without sources attends to its own keys (causal) and to the one bank entry its
+    query scores highest, under one softmax; the bank gets no gradient, the query does."""
+    torch.manual_seed(0)
+    B, H, D, M = 1, 2, 8, 40
+    lay = crossbatch.layout(L, w=0, d=1)  # one context per row: memory comes from the bank alone
+    q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+    bank = (torch.randn(H, M, D), torch.randn(H, M, D))
+    q1 = q.clone().requires_grad_(True)
+    out = crossbatch.memory_attention(q1, k, v, lay, None, "first", 0, D ** -0.5, bank=bank, bank_k=1)
+    scale = D ** -0.5
+    for h in range(H):
+        best = (q[0, h] @ bank[0][h].T).argmax(-1)  # (L,)
+        local = (q[0, h] @ k[0, h].T * scale).masked_fill(~torch.ones(L, L, dtype=torch.bool).tril(), float("-inf"))
+        joint = torch.cat([local, (q[0, h] * bank[0][h][best]).sum(-1, keepdim=True) * scale], -1).softmax(-1)
+        want = joint[:, :L] @ v[0, h] + joint[:, L:] * bank[1][h][best]
+        torch.testing.assert_close(out[0, :, h], want)
+    out.sum().backward()
+    assert q1.grad.abs().sum() > 0
+    every = crossbatch.memory_attention(q, k, v, lay, None, "first", 0, D ** -0.5, bank=bank, bank_k=M)
+    assert not torch.allclose(every, out.detach())

@@ -19,6 +19,12 @@ flows from later rows; the first rows of a batch therefore see fewer negatives. 
 ``(p_j, n_j) = (j, (d - 1) * j)``: all earlier contexts of the document, and the same contexts of
 ``d - 1`` other documents.  ``segments`` sets them per context position instead, e.g. LongLLaMA's
 ``0:0,1:1,2:1,3:0``.
+
+Bank (``bank`` > 0, not in FoT): the keys (at position 0) and values of the last ``bank`` contexts of
+earlier training forwards, kept per memory layer without gradient; every query also attends to its
+``bank_k`` best bank entries, searched as kNN retrieval searches at inference: a memory as large as
+long-document inference fills, at the cost of a search rather than of more rows, and the entries that
+outscore the right one there are the ones training pushes down.
 """
 
 from __future__ import annotations
@@ -138,8 +144,45 @@ def local_attention(query, key, value, lay: Layout, scaling: float) -> torch.Ten
     return out.view(B, k, H, L, -1).permute(0, 1, 3, 2, 4).reshape(B, T, H, -1)
 
 
+def at_position_zero(key: torch.Tensor, lay: Layout, inv_freq: torch.Tensor | None) -> torch.Tensor:
+    """Keys (B, Hkv, T, D) rotated at their in-context positions -> (B, Hkv, k, L, D) as if at position 0."""
+    B, Hkv, _, D = key.shape
+    kc = key.to(torch.float32).view(B, Hkv, lay.contexts, lay.local, D)
+    if inv_freq is None:
+        return kc
+    return rotate(kc, -torch.arange(lay.local, device=key.device), inv_freq)
+
+
+def bank_update(bank: tuple[torch.Tensor, torch.Tensor] | None, key: torch.Tensor, value: torch.Tensor, lay: Layout,
+                inv_freq: torch.Tensor | None, contexts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bank after a forward of ``key``/``value`` (B, Hkv, T, D): its newest ``contexts`` contexts, keys at
+    position 0 and values, (Hkv, contexts * L, D) each, detached; the forward's own contexts last, row by row."""
+    B, Hkv = key.shape[:2]
+    k0 = at_position_zero(key.detach(), lay, inv_freq).transpose(0, 1).reshape(Hkv, -1, key.shape[-1])
+    v = value.detach().to(torch.float32).transpose(0, 1).reshape(Hkv, -1, value.shape[-1])
+    if bank is not None:
+        k0, v = torch.cat([bank[0], k0], 1), torch.cat([bank[1], v], 1)
+    keep = contexts * lay.local
+    return k0[:, -keep:].contiguous(), v[:, -keep:].contiguous()
+
+
+def _bank_read(q: torch.Tensor, bank: tuple[torch.Tensor, torch.Tensor], k: int,
+               scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each query's top-``k`` bank entries, searched without gradient as kNN retrieval does at inference:
+    q (P, Hkv, G, L, D); bank keys/values (Hkv, M, D).  Returns keys, values (P, Hkv, G, L, k, D) and
+    the scaled scores (P, Hkv, G, L, k), differentiable in q."""
+    bk, bv = bank[0].to(q.device), bank[1].to(q.device)
+    k = min(k, bk.shape[1])
+    with torch.no_grad():  # one pair at a time: (Hkv, G, L, M) scores, not (P, ...)
+        idx = torch.stack([torch.einsum("hgqd,hmd->hgqm", q[i], bk).topk(k, dim=-1).indices for i in range(q.shape[0])])
+    head = torch.arange(bk.shape[0], device=q.device).view(1, -1, 1, 1, 1)
+    keys, values = bk[head, idx], bv[head, idx]  # (P, Hkv, G, L, k, D)
+    return keys, values, torch.einsum("phgqd,phgqkd->phgqk", q, keys) * scaling
+
+
 def memory_attention(query, key, value, lay: Layout, inv_freq: torch.Tensor | None, positions: str,
-                     fixed_distance: int, scaling: float, probe: list | None = None, topk: int = 0) -> torch.Tensor:
+                     fixed_distance: int, scaling: float, probe: list | None = None, topk: int = 0,
+                     bank: tuple[torch.Tensor, torch.Tensor] | None = None, bank_k: int = 32) -> torch.Tensor:
     """A memory layer under crossbatch: own context (causal) + earlier contexts, one softmax.
 
     query (B, H, T, D) and key (B, Hkv, T, D) arrive rotated at their in-context positions
@@ -148,7 +191,9 @@ def memory_attention(query, key, value, lay: Layout, inv_freq: torch.Tensor | No
     ``probe`` (a list) receives per-context attention masses on positives / all memory, for
     ``lcx analyze distraction``.  ``topk`` > 0: each query attends to its ``topk`` best-scoring memory keys
     only (what kNN retrieval hands it at inference), the others masked before the softmax; 0: all of them
-    (FoT's dense crossbatch).  Out (B, T, H, Dv).
+    (FoT's dense crossbatch).  ``bank``: keys at position 0 and values (Hkv, M, D) of earlier forwards
+    (``bank_update``); each query of every context also attends to its ``bank_k`` best-scoring bank
+    entries (searched without gradient), under the same softmax.  Out (B, T, H, Dv).
     """
     B, H, T, D = query.shape
     Hkv = key.shape[1]
@@ -165,7 +210,7 @@ def memory_attention(query, key, value, lay: Layout, inv_freq: torch.Tensor | No
     # memory keys at "position 0" and the query at the positions mode's distance
     pos = torch.arange(L, device=query.device)
     if inv_freq is not None:
-        k0 = rotate(kc, -pos, inv_freq)  # (B, Hkv, k, L, D)
+        k0 = at_position_zero(key, lay, inv_freq)  # (B, Hkv, k, L, D)
         if positions == "first":
             q_rel = q
         elif positions == "fixed":
@@ -188,26 +233,34 @@ def memory_attention(query, key, value, lay: Layout, inv_freq: torch.Tensor | No
         J = torch.tensor([j for _, j, _ in pairs], device=dev)
         lq = local[A, :, :, J]  # (P, Hkv, G, L, L)
         v_own = vc[A, :, J]  # (P, Hkv, L, Dv)
-        if n == 0:
+        if n == 0 and bank is None:
             o = torch.einsum("phgqk,phkd->phgqd", lq.softmax(-1), v_own)
         else:
-            R = torch.tensor([[r for r, _, _ in src] for _, _, src in pairs], device=dev)  # (P, n)
-            C = torch.tensor([[c for _, c, _ in src] for _, _, src in pairs], device=dev)
+            R = torch.tensor([[r for r, _, _ in src] for _, _, src in pairs], device=dev, dtype=torch.long)  # (P, n)
+            C = torch.tensor([[c for _, c, _ in src] for _, _, src in pairs], device=dev, dtype=torch.long)
             mk = k0[R, :, C].permute(0, 2, 1, 3, 4).reshape(P, Hkv, n * L, D)  # (P, Hkv, M, D)
-            mv = vc[R, :, C].permute(0, 2, 1, 3, 4).reshape(P, Hkv, n * L, -1)
-            mem = torch.einsum("phgqd,phmd->phgqm", q_rel[A, :, :, J], mk) * scaling
+            mv = vc[R, :, C].permute(0, 2, 1, 3, 4).reshape(P, Hkv, n * L, vc.shape[-1])
+            qp = q_rel[A, :, :, J]  # (P, Hkv, G, L, D)
+            mem = torch.einsum("phgqd,phmd->phgqm", qp, mk) * scaling
             if 0 < topk < mem.shape[-1]:  # per query: its top-k memory keys (ties at the k-th score kept)
                 mem = mem.masked_fill(mem < mem.topk(topk, dim=-1).values[..., -1:], float("-inf"))
-            probs = torch.cat([lq, mem], dim=-1).softmax(-1)
-            pl, pm = probs[..., :L], probs[..., L:]
+            parts = [lq, mem]
+            if bank is not None:
+                _, bvals, bscore = _bank_read(qp, bank, bank_k, scaling)
+                parts.append(bscore)
+            probs = torch.cat(parts, dim=-1).softmax(-1)
+            M = mem.shape[-1]
+            pl, pm = probs[..., :L], probs[..., L:L + M]
             o = torch.einsum("phgqk,phkd->phgqd", pl, v_own) + torch.einsum("phgqm,phmd->phgqd", pm, mv)
+            if bank is not None:
+                o = o + torch.einsum("phgqk,phgqkd->phgqd", probs[..., L + M:], bvals)
             if probe is not None:
                 for i, (a, j, src) in enumerate(pairs):
-                    positive = torch.tensor([p for _, _, p in src], device=dev).repeat_interleave(L)
+                    positive = torch.tensor([p for _, _, p in src], device=dev, dtype=torch.bool).repeat_interleave(L)
                     probe.append({"row": a, "context": j, "positives": sum(p for _, _, p in src),
                                   "negatives": sum(not p for _, _, p in src),
                                   "mass_positive": pm[i][..., positive].sum(-1).detach(),  # (Hkv, G, L)
-                                  "mass_memory": pm[i].sum(-1).detach()})
+                                  "mass_memory": probs[i][..., L:].sum(-1).detach()})  # the bank's too
         outs.append(o.reshape(P, H, L, -1).transpose(1, 2))  # (P, L, H, Dv)
         order += [a * k + j for a, j, _ in pairs]
     out = torch.cat(outs)[torch.tensor(order, device=dev).argsort()]  # (B * k, L, H, Dv) in (row, context) order

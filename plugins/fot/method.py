@@ -63,6 +63,8 @@ class FoT(Method):
     w: int = option(1, "training: previous contexts per document in a row (rows hold w + 1 contexts of local tokens)")
     segments: str = option("", "training: POSITIVES:NEGATIVES per context, e.g. 0:0,1:1,2:1,3:0 (default j:(d-1)*j)")
     train_k: int = option(0, "training: memory keys each query attends to in crossbatch, its top-k by score (as kNN retrieval hands it at inference); 0 = all (FoT)")
+    bank: int = option(0, "training: contexts of earlier steps kept per memory layer (no gradient); every query also attends to its bank_k best bank keys; 0 = none (FoT)")
+    bank_k: int = option(32, "training: bank keys each query attends to, its top-k by score (as kNN retrieval at inference)")
     d_schedule: str = option("constant", "training: constant, step:N:D, acc:A:D[:N] (D once train accuracy over N steps >= A) or choice:D1,D2")
 
     def __post_init__(self) -> None:
@@ -70,6 +72,10 @@ class FoT(Method):
             raise ValueError(f"k must be > 0, got {self.k}")
         if self.train_k < 0:
             raise ValueError(f"train_k must be >= 0 (0 = every memory key), got {self.train_k}")
+        if self.bank_k <= 0:
+            raise ValueError(f"bank_k must be > 0, got {self.bank_k}")
+        if self.bank < 0:
+            raise ValueError(f"bank must be >= 0 (contexts of earlier steps kept as memory; 0 = none), got {self.bank}")
         if self.local <= 0 or self.block <= 0:
             raise ValueError(f"local and block must be > 0 (got local={self.local}, block={self.block})")
         if not 0 <= self.chunk <= self.local:
@@ -197,9 +203,13 @@ class FoT(Method):
                 return crossbatch.local_attention(query, key, value, lay, scaling), None
             inv = families.rotary_inv_freq(run.model, run.family, module.layer_idx)
             probe = run.state.get("crossbatch_probe")
+            banks = run.state.setdefault("crossbatch_bank", {})  # layer -> earlier steps' contexts (self.bank)
             out = crossbatch.memory_attention(query, key, value, lay, inv, self.positions, self.fixed_distance,
                                               scaling, probe.setdefault(module.layer_idx, []) if probe is not None else None,
-                                              self.train_k)
+                                              self.train_k, banks.get(module.layer_idx), self.bank_k)
+            if self.bank and torch.is_grad_enabled():  # training steps fill it (not evaluation forwards)
+                banks[module.layer_idx] = crossbatch.bank_update(banks.get(module.layer_idx), key, value, lay, inv,
+                                                                 self.bank)
             return out, None
         cache = run.state.get("memory")
         layer = cache.layers[module.layer_idx] if cache is not None and hasattr(cache, "layers") else None
