@@ -83,6 +83,28 @@ s3_near() {  # from s3: 40 steps at d = 32 on documents where half of the keys a
         --save-every 10 --seq-len 512 --batch-size 32 --warmup 5 --steps 40 --lr 1e-3 --out $RUNS/s3-near50 --overwrite
     cp $RUNS/s3-near50/metrics.jsonl $OUT/explore/s3-near50.metrics.jsonl
 }
+s3_bank() {  # from s3: d = 32 plus a bank of the last 128 contexts of earlier steps (32K keys, no gradient), each
+            # query attending to its top-32 bank keys as kNN retrieval hands them at 64K (fot.bank, fot.bank_k)
+    $LCX train -m $RUNS/s3 "${FOT[@]}" -o fot.local=256 -o fot.d=32 -o fot.bank=${BANK:-128} -o fot.bank_k=32 "${TASK[@]}" \
+        --seq-len 512 --batch-size 32 --warmup 2 --steps ${BANK_STEPS:-20} --lr 1e-3 --save-every 5 \
+        --out $RUNS/s3-bank --overwrite
+    cp $RUNS/s3-bank/metrics.jsonl $OUT/explore/s3-bank.metrics.jsonl
+}
+s3_bank_more() {  # 20 more bank steps from s3-bank (over the 45-minute budget: does the trend go on?)
+    $LCX train -m $RUNS/s3-bank "${FOT[@]}" -o fot.local=256 -o fot.d=32 -o fot.bank=128 -o fot.bank_k=32 "${TASK[@]}" \
+        --seq-len 512 --batch-size 32 --warmup 2 --steps 20 --lr 1e-3 --save-every 5 --out $RUNS/s3-bank40 --overwrite
+    cp $RUNS/s3-bank40/metrics.jsonl $OUT/explore/s3-bank40.metrics.jsonl
+    $LCX eval dictionary -m $RUNS/s3-bank40 "${FOT[@]}" -o fot.local=256 -o fot.k=32 --dict-tokens 64K --samples 3 \
+        --seed 99 --label "s3-bank40 k=32" --out $RUNS/eval-s3-bank40-k32
+    cp $RUNS/eval-s3-bank40-k32/dictionary.json $OUT/explore/s3-bank40.64k-k32.json
+}
+explore_bank() {  # 64K on seed 99's documents (explore/: not the table's), k = 32 and 8
+    for k in 32 8; do
+        $LCX eval dictionary -m $RUNS/s3-bank "${FOT[@]}" -o fot.local=256 -o fot.k=$k --dict-tokens 64K --samples 3 \
+            --seed 99 --label "s3-bank k=$k" --out $RUNS/eval-s3-bank-k$k
+        cp $RUNS/eval-s3-bank-k$k/dictionary.json $OUT/explore/s3-bank.64k-k$k.json
+    done
+}
 explore_s3() {  # 64K on seed 99's documents (3, ~3 min each): s3 at k = 1 and 4 (k = 32: explore/s3.64k.json),
                 # s3 with memory in layer 1 only, s3-near50 at k = 32; then what kNN ranks first (retrieved.py)
     for k in 1 4; do
