@@ -167,17 +167,16 @@ def bank_update(bank: tuple[torch.Tensor, torch.Tensor] | None, key: torch.Tenso
 
 
 def _bank_read(q: torch.Tensor, bank: tuple[torch.Tensor, torch.Tensor], k: int,
-               scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query's top-``k`` bank entries, searched without gradient as kNN retrieval does at inference:
-    q (P, Hkv, G, L, D); bank keys/values (Hkv, M, D).  Returns keys, values (P, Hkv, G, L, k, D) and
-    the scaled scores (P, Hkv, G, L, k), differentiable in q."""
+    q (P, Hkv, G, L, D); bank keys/values (Hkv, M, D).  Returns their values (P, Hkv, G, L, k, D) and
+    scaled scores (P, Hkv, G, L, k), differentiable in q."""
     bk, bv = bank[0].to(q.device), bank[1].to(q.device)
     k = min(k, bk.shape[1])
     with torch.no_grad():  # one pair at a time: (Hkv, G, L, M) scores, not (P, ...)
         idx = torch.stack([torch.einsum("hgqd,hmd->hgqm", q[i], bk).topk(k, dim=-1).indices for i in range(q.shape[0])])
     head = torch.arange(bk.shape[0], device=q.device).view(1, -1, 1, 1, 1)
-    keys, values = bk[head, idx], bv[head, idx]  # (P, Hkv, G, L, k, D)
-    return keys, values, torch.einsum("phgqd,phgqkd->phgqk", q, keys) * scaling
+    return bv[head, idx], torch.einsum("phgqd,phgqkd->phgqk", q, bk[head, idx]) * scaling  # (P, Hkv, G, L, k, D)
 
 
 def memory_attention(query, key, value, lay: Layout, inv_freq: torch.Tensor | None, positions: str,
@@ -246,7 +245,7 @@ def memory_attention(query, key, value, lay: Layout, inv_freq: torch.Tensor | No
                 mem = mem.masked_fill(mem < mem.topk(topk, dim=-1).values[..., -1:], float("-inf"))
             parts = [lq, mem]
             if bank is not None:
-                _, bvals, bscore = _bank_read(qp, bank, bank_k, scaling)
+                bvals, bscore = _bank_read(qp, bank, bank_k, scaling)
                 parts.append(bscore)
             probs = torch.cat(parts, dim=-1).softmax(-1)
             M = mem.shape[-1]
