@@ -10,6 +10,8 @@ greedy-generate ``--new`` tokens and record:
 * passkey found (passkey inputs).
 
     .venv/bin/python bench/focusllm_generation.py [--length 8192] [--new 32] [--refresh 1,4,16,0]
+    python bench/focusllm_generation.py --device cuda --random-weights   # speeds on a GPU (agreement then
+                                                                         # compares random-weight outputs)
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch
 
 from books import book_tokens  # bench/books.py (scripts here run as `python bench/NAME.py`)
+from loading import bench_model, device_name, sync
 
 OUT = Path(__file__).parent / "results"
 
@@ -31,10 +34,13 @@ OUT = Path(__file__).parent / "results"
 class Clock:
     """A generate() streamer that only timestamps: prompt first, then one call per new token."""
 
-    def __init__(self) -> None:
+    def __init__(self, model=None) -> None:
         self.times: list[float] = []
+        self.model = model
 
     def put(self, value) -> None:
+        if self.model is not None:
+            sync(self.model)  # on a GPU, stamp when the token exists, not when its kernels were queued
         self.times.append(time.perf_counter())
 
     def end(self) -> None:
@@ -50,14 +56,17 @@ def main() -> None:
     ap.add_argument("--passkeys", type=int, default=2)
     ap.add_argument("--books", type=int, default=2)
     ap.add_argument("-o", "--option", action="append", default=[], help="focusllm option KEY=VALUE")
+    ap.add_argument("--device", default=None, help="where the model runs: cpu (default), cuda (or LCX_DEVICE)")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="the model's architecture with random weights (from its config.json): speeds only, "
+                         "agreement and passkeys then describe random outputs")
     ap.add_argument("--out", type=Path, default=OUT / "focusllm_generation.json")
     args = ap.parse_args()
     import lcx
     from lcx.evals.passkey import build_prompt_ids
-    from lcx.models import load_model
     from lcx.session import parse_options
 
-    model, tok = load_model(args.model)
+    model, tok = bench_model(args.model, args.device, args.random_weights)
     rng = random.Random(0)
     inputs = [("passkey", k, build_prompt_ids(tok, args.length, rng.random(), k)[None])
               for k in rng.sample(range(10000, 99999), args.passkeys)]
@@ -68,7 +77,7 @@ def main() -> None:
     for kind, key, ids in inputs:
         exact = None
         for refresh in sorted(modes, key=lambda r: r != 1):  # exact first: the others compare with it
-            clock = Clock()
+            clock = Clock(model)
             with lcx.attach(model, ["focusllm"], focusllm={**opts, "refresh": refresh}) as run:
                 new = lcx.generate(run, ids, max_new_tokens=args.new, streamer=clock)[0].tolist()
             decode = (len(clock.times) - 2) / (clock.times[-1] - clock.times[1]) if len(clock.times) > 2 else None
@@ -89,7 +98,8 @@ def main() -> None:
             "agreement_with_exact": round(sum(r["agreement_with_exact"] for r in mine) / len(mine), 3),
             "passkeys_found": sum(bool(r["passkey_found"]) for r in mine if r["input"] == "passkey"),
         }
-    result = {"model": args.model, "length": args.length, "new": args.new, "options": opts, "rows": rows,
+    result = {"model": args.model, "random_weights": args.random_weights, "device": device_name(model),
+              "length": args.length, "new": args.new, "options": opts, "rows": rows,
               "summary": summary, "machine": platform.platform(), "threads": torch.get_num_threads()}
     args.out.write_text(json.dumps(result, indent=2))
     print(json.dumps(summary, indent=2), f"-> {args.out}")

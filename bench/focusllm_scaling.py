@@ -25,6 +25,7 @@ import json
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,11 +43,11 @@ DEFAULT = ["chunk=2048", "local=2048", "fragment=512"]
 
 
 def one(model_name: str, n: int, variant: str, options: dict, parallel: int, device: str | None,
-        random_weights: bool) -> None:
+        random_weights: bool, dtype: str) -> None:
     """In the subprocess: read n tokens, produce one; prints the time to first token (load excluded) as JSON."""
     import lcx
 
-    model, tok = bench_model(model_name, device, random_weights)
+    model, tok = bench_model(model_name, device, random_weights, dtype)
     ids = book_tokens(tok, n)
     reset_gpu_peak(model)
     sync(model)
@@ -64,17 +65,22 @@ def one(model_name: str, n: int, variant: str, options: dict, parallel: int, dev
 
 
 def measure_child(args: list[str]) -> dict:
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
-    ps, peak = psutil.Process(proc.pid), 0
-    while proc.poll() is None:
-        try:
-            peak = max(peak, ps.memory_info().rss)
-        except psutil.NoSuchProcess:
-            break
-        time.sleep(0.05)
-    out = proc.stdout.read() if proc.stdout else ""
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True)
+        ps, peak = psutil.Process(proc.pid), 0
+        while proc.poll() is None:
+            try:
+                peak = max(peak, ps.memory_info().rss)
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.05)
+        out = proc.stdout.read() if proc.stdout else ""
+        err.seek(0)
+        errors = err.read()
     if proc.returncode:
-        return {"error": f"exit status {proc.returncode}"}
+        sys.stderr.write(errors)
+        oom = next((line for line in errors.splitlines() if "OutOfMemoryError" in line), None)
+        return {"error": oom.strip() if oom else f"exit status {proc.returncode}: {errors.strip()[-300:]}"}
     # peak RSS of the whole process (model included); time to first token without loading the model
     child = json.loads(out.strip().splitlines()[-1])
     return {"seconds": child["ttft_seconds"], "peak_rss_mib": round(peak / 2**20),
@@ -91,16 +97,19 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="where the model runs: cpu (default), cuda (or LCX_DEVICE)")
     ap.add_argument("--random-weights", action="store_true",
                     help="the model's architecture with random weights (from its config.json; speed only)")
+    ap.add_argument("--dtype", default="float32", help="the model's dtype: float32 (default), bfloat16, float16")
     ap.add_argument("--out", type=Path, default=OUT / "focusllm_scaling.json")
     ap.add_argument("--one", nargs=2, metavar=("VARIANT", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     options = parse_options(args.option or DEFAULT)
     if args.one:
-        one(args.model, int(args.one[1]), args.one[0], options, args.parallel, args.device, args.random_weights)
+        one(args.model, int(args.one[1]), args.one[0], options, args.parallel, args.device, args.random_weights,
+            args.dtype)
         return
     lengths, full_max = token_counts(args.lengths), token_counts(args.full_max)[0]
     passthrough = [a for o in (args.option or []) for a in ("-o", o)]
     passthrough += (["--device", args.device] if args.device else []) + (["--random-weights"] if args.random_weights else [])
+    passthrough += ["--dtype", args.dtype] if args.dtype != "float32" else []
     rows = []
     for n in lengths:
         row: dict = {"tokens": n}
@@ -119,7 +128,7 @@ def main() -> None:
     speed = [r["focusllm-serial"]["seconds"] / r["focusllm-parallel"]["seconds"] for r in rows
              if "seconds" in r["focusllm-serial"] and "seconds" in r["focusllm-parallel"]]
     result = {
-        "benchmark": "FocusLLM memory and time to first token", "model": args.model, "focusllm_options": options,
+        "benchmark": "FocusLLM memory and time to first token", "model": args.model, "dtype": args.dtype, "focusllm_options": options,
         "parallel": args.parallel, "machine": platform.processor() or platform.machine(),
         "torch_threads": torch.get_num_threads(), "rows": rows,
         "serial_peak_ratio_longest_over_shortest": round(mem_ratio, 3) if mem_ratio else None, "peak_of": memory_key,
@@ -133,9 +142,10 @@ def main() -> None:
     fig, axes = pyplot().subplots(1, 2, figsize=(9, 3.4))
     for variant, style in (("focusllm-serial", "o-"), ("focusllm-parallel", "s-"), ("full", "^--")):
         xs = [r["tokens"] for r in rows if "seconds" in r[variant]]
-        for ax, key, scale in ((axes[0], "peak_rss_mib", 1 / 1024), (axes[1], "seconds", 1)):
+        for ax, key, scale in ((axes[0], memory_key, 1 / 1024), (axes[1], "seconds", 1)):
             ax.plot(xs, [r[variant][key] * scale for r in rows if "seconds" in r[variant]], style, label=variant)
-    for ax, label in ((axes[0], "peak resident memory (GiB)"), (axes[1], "time to first token (s)")):
+    memory_label = "peak GPU memory (GiB)" if memory_key == "peak_gpu_mib" else "peak resident memory (GiB)"
+    for ax, label in ((axes[0], memory_label), (axes[1], "time to first token (s)")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(lengths, [f"{n // 1024}K" for n in lengths])
         ax.set_xlabel("input tokens")

@@ -6,19 +6,24 @@ from __future__ import annotations
 import torch
 
 
-def bench_model(name: str, device: str | None = None, random_weights: bool = False):
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def bench_model(name: str, device: str | None = None, random_weights: bool = False, dtype: str = "float32"):
     """(model in eval mode on ``device``, tokenizer).  ``random_weights``: ``name``'s architecture from its
-    config.json with random fp32 weights (a speed measurement does not depend on them), for a machine that
-    has the config and tokenizer but not the weights."""
+    config.json with random weights (a speed measurement does not depend on them), for a machine that
+    has the config and tokenizer but not the weights.  ``dtype``: a name in ``DTYPES``."""
     from lcx.models import load_model, resolve_device, resolve_model_path
 
+    if dtype not in DTYPES:
+        raise SystemExit(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     if not random_weights:
-        return load_model(name, device=device)
+        return load_model(name, device=device, dtype=DTYPES[dtype])
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(name)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)), dtype=torch.float32,
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)), dtype=DTYPES[dtype],
                                              attn_implementation="sdpa")
     return model.to(resolve_device(device)).eval(), AutoTokenizer.from_pretrained(str(path))
 
