@@ -98,6 +98,16 @@ s3_bank_more() {  # 20 more bank steps from s3-bank (over the 45-minute budget: 
         --seed 99 --label "s3-bank40 k=32" --out $RUNS/eval-s3-bank40-k32
     cp $RUNS/eval-s3-bank40-k32/dictionary.json $OUT/explore/s3-bank40.64k-k32.json
 }
+s2_bank() {  # in place of s3: from s2, d = 32 with the bank from the first step, 40 steps (warmup + s1 + s2 + this
+            # stay inside the 45-minute budget: s3's 80 dense steps are skipped), then 64K on seed 99's documents
+    $LCX train -m $RUNS/s2 "${FOT[@]}" -o fot.local=256 -o fot.d=32 -o fot.bank=128 -o fot.bank_k=32 "${TASK[@]}" \
+        --seq-len 512 --batch-size 32 --warmup 2 --steps ${BANK_STEPS:-40} --lr 1e-3 --save-every 5 \
+        --out $RUNS/s2-bank --overwrite
+    cp $RUNS/s2-bank/metrics.jsonl $OUT/explore/s2-bank.metrics.jsonl
+    $LCX eval dictionary -m $RUNS/s2-bank "${FOT[@]}" -o fot.local=256 -o fot.k=32 --dict-tokens 64K --samples 3 \
+        --seed 99 --label "s2-bank k=32" --out $RUNS/eval-s2-bank-k32
+    cp $RUNS/eval-s2-bank-k32/dictionary.json $OUT/explore/s2-bank.64k-k32.json
+}
 explore_bank() {  # 64K on seed 99's documents (explore/: not the table's), k = 32 and 8
     for k in 32 8; do
         $LCX eval dictionary -m $RUNS/s3-bank "${FOT[@]}" -o fot.local=256 -o fot.k=$k --dict-tokens 64K --samples 3 \
