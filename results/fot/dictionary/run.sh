@@ -112,9 +112,11 @@ s3_bank_80() {  # 40 more bank steps from s3-bank40 (80 in all, far over the bud
     $LCX train -m $RUNS/s3-bank40 "${FOT[@]}" -o fot.local=256 -o fot.d=32 -o fot.bank=128 -o fot.bank_k=32 "${TASK[@]}" \
         --seq-len 512 --batch-size 32 --warmup 2 --steps 40 --lr 1e-3 --save-every 10 --out $RUNS/s3-bank80 --overwrite
     cp $RUNS/s3-bank80/metrics.jsonl $OUT/explore/s3-bank80.metrics.jsonl
-    $LCX eval dictionary -m $RUNS/s3-bank80 "${FOT[@]}" -o fot.local=256 -o fot.k=32 --dict-tokens 64K --samples 3 \
-        --seed 99 --label "s3-bank80 k=32" --out $RUNS/eval-s3-bank80-k32
-    cp $RUNS/eval-s3-bank80-k32/dictionary.json $OUT/explore/s3-bank80.64k-k32.json
+    for k in 32 8; do
+        $LCX eval dictionary -m $RUNS/s3-bank80 "${FOT[@]}" -o fot.local=256 -o fot.k=$k --dict-tokens 64K --samples 3 \
+            --seed 99 --label "s3-bank80 k=$k" --out $RUNS/eval-s3-bank80-k$k
+        cp $RUNS/eval-s3-bank80-k$k/dictionary.json $OUT/explore/s3-bank80.64k-k$k.json
+    done
 }
 explore_bank() {  # 64K on seed 99's documents (explore/: not the table's), k = 32 and 8
     for k in 32 8; do
