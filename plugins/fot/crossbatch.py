@@ -144,21 +144,20 @@ def local_attention(query, key, value, lay: Layout, scaling: float) -> torch.Ten
     return out.view(B, k, H, L, -1).permute(0, 1, 3, 2, 4).reshape(B, T, H, -1)
 
 
-def at_position_zero(key: torch.Tensor, lay: Layout, inv_freq: torch.Tensor | None) -> torch.Tensor:
-    """Keys (B, Hkv, T, D) rotated at their in-context positions -> (B, Hkv, k, L, D) as if at position 0."""
-    B, Hkv, _, D = key.shape
-    kc = key.to(torch.float32).view(B, Hkv, lay.contexts, lay.local, D)
+def at_position_zero(kc: torch.Tensor, inv_freq: torch.Tensor | None) -> torch.Tensor:
+    """Context keys (..., L, D) rotated at their in-context positions 0..L-1 -> as if at position 0."""
     if inv_freq is None:
         return kc
-    return rotate(kc, -torch.arange(lay.local, device=key.device), inv_freq)
+    return rotate(kc, -torch.arange(kc.shape[-2], device=kc.device), inv_freq)
 
 
 def bank_update(bank: tuple[torch.Tensor, torch.Tensor] | None, key: torch.Tensor, value: torch.Tensor, lay: Layout,
                 inv_freq: torch.Tensor | None, contexts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The bank after a forward of ``key``/``value`` (B, Hkv, T, D): its newest ``contexts`` contexts, keys at
     position 0 and values, (Hkv, contexts * L, D) each, detached; the forward's own contexts last, row by row."""
-    B, Hkv = key.shape[:2]
-    k0 = at_position_zero(key.detach(), lay, inv_freq).transpose(0, 1).reshape(Hkv, -1, key.shape[-1])
+    B, Hkv, _, D = key.shape
+    kc = key.detach().to(torch.float32).view(B, Hkv, lay.contexts, lay.local, D)
+    k0 = at_position_zero(kc, inv_freq).transpose(0, 1).reshape(Hkv, -1, D)
     v = value.detach().to(torch.float32).transpose(0, 1).reshape(Hkv, -1, value.shape[-1])
     if bank is not None:
         k0, v = torch.cat([bank[0], k0], 1), torch.cat([bank[1], v], 1)
@@ -208,16 +207,13 @@ def memory_attention(query, key, value, lay: Layout, inv_freq: torch.Tensor | No
     local = local.masked_fill(~causal, float("-inf"))
     # memory keys at "position 0" and the query at the positions mode's distance
     pos = torch.arange(L, device=query.device)
-    if inv_freq is not None:
-        k0 = at_position_zero(key, lay, inv_freq)  # (B, Hkv, k, L, D)
-        if positions == "first":
-            q_rel = q
-        elif positions == "fixed":
-            q_rel = rotate(q, (fixed_distance or L) - pos, inv_freq)
-        else:
-            q_rel = rotate(q, -pos, inv_freq)
+    k0 = at_position_zero(kc, inv_freq)  # (B, Hkv, k, L, D)
+    if inv_freq is None or positions == "first":
+        q_rel = q
+    elif positions == "fixed":
+        q_rel = rotate(q, (fixed_distance or L) - pos, inv_freq)
     else:
-        k0, q_rel = kc, q
+        q_rel = rotate(q, -pos, inv_freq)
     # (row, context) pairs with the same number of sources are computed as one batch
     dev = query.device
     groups: dict[int, list[tuple[int, int, list]]] = {}
