@@ -35,6 +35,17 @@ init() {
         --overwrite
 }
 log() { mkdir -p $OUT/logs && cp $RUNS/$1/metrics.jsonl $OUT/logs/$1.metrics.jsonl; }
+explore64k() {  # explore64k MODEL K: 64K on seed 99's 3 documents (explore/: not the table's), kNN k = K
+    $LCX eval dictionary -m $RUNS/$1 "${FOT[@]}" -o fot.local=256 -o fot.k=$2 --dict-tokens 64K --samples 3 \
+        --seed 99 --label "$1 k=$2" --out $RUNS/eval-$1-k$2
+    cp $RUNS/eval-$1-k$2/dictionary.json $OUT/explore/$1.64k-k$2.json
+}
+bank_train() {  # bank_train FROM TO STEPS SAVE_EVERY: d = 32 plus a bank of the last ${BANK:-128} contexts of earlier
+                # steps (no gradient), each query attending to its top-32 bank keys (fot.bank, fot.bank_k)
+    $LCX train -m $RUNS/$1 "${FOT[@]}" -o fot.local=256 -o fot.d=32 -o fot.bank=${BANK:-128} -o fot.bank_k=32 "${TASK[@]}" \
+        --seq-len 512 --batch-size 32 --warmup 2 --steps $3 --lr 1e-3 --save-every $4 --out $RUNS/$2 --overwrite
+    cp $RUNS/$2/metrics.jsonl $OUT/explore/$2.metrics.jsonl
+}
 warmup() {
     $LCX train -m $RUNS/init "${FOT[@]}" -o fot.local=40 "${TASK[@]}" --seq-len 80 --batch-size 64 --warmup 50 \
         --steps 900 --lr 3e-3 --out $RUNS/warmup --overwrite
@@ -70,12 +81,8 @@ s3_topk() {  # from s3: 80 more steps at d = 32 with each query attending to its
         --batch-size 32 --warmup 5 --steps 80 --lr 1e-3 --out $RUNS/s3-topk32 --overwrite
     log s3-topk32
 }
-explore_topk() {  # 64K on seed 99's documents (explore/: not the table's), k = 32 and 8 at evaluation
-    for k in 32 8; do
-        $LCX eval dictionary -m $RUNS/s3-topk32 "${FOT[@]}" -o fot.local=256 -o fot.k=$k --dict-tokens 64K --samples 3 \
-            --seed 99 --label "s3-topk32 k=$k" --out $RUNS/eval-s3-topk32-k$k
-        cp $RUNS/eval-s3-topk32-k$k/dictionary.json $OUT/explore/s3-topk32.64k-k$k.json
-    done
+explore_topk() {  # 64K on seed 99's documents, k = 32 and 8
+    for k in 32 8; do explore64k s3-topk32 $k; done
 }
 s3_near() {  # from s3: 40 steps at d = 32 on documents where half of the keys are near misses (each keeps 2 of an
             # earlier key's 4 symbols in place: task:dictionary:near=0.5), ~12 min on one thread
@@ -85,53 +92,27 @@ s3_near() {  # from s3: 40 steps at d = 32 on documents where half of the keys a
 }
 s3_bank() {  # from s3: d = 32 plus a bank of the last 128 contexts of earlier steps (32K keys, no gradient), each
             # query attending to its top-32 bank keys as kNN retrieval hands them at 64K (fot.bank, fot.bank_k)
-    $LCX train -m $RUNS/s3 "${FOT[@]}" -o fot.local=256 -o fot.d=32 -o fot.bank=${BANK:-128} -o fot.bank_k=32 "${TASK[@]}" \
-        --seq-len 512 --batch-size 32 --warmup 2 --steps ${BANK_STEPS:-20} --lr 1e-3 --save-every 5 \
-        --out $RUNS/s3-bank --overwrite
-    cp $RUNS/s3-bank/metrics.jsonl $OUT/explore/s3-bank.metrics.jsonl
+    bank_train s3 s3-bank ${BANK_STEPS:-20} 5
 }
 s3_bank_more() {  # 20 more bank steps from s3-bank (over the 45-minute budget: does the trend go on?)
-    $LCX train -m $RUNS/s3-bank "${FOT[@]}" -o fot.local=256 -o fot.d=32 -o fot.bank=128 -o fot.bank_k=32 "${TASK[@]}" \
-        --seq-len 512 --batch-size 32 --warmup 2 --steps 20 --lr 1e-3 --save-every 5 --out $RUNS/s3-bank40 --overwrite
-    cp $RUNS/s3-bank40/metrics.jsonl $OUT/explore/s3-bank40.metrics.jsonl
-    $LCX eval dictionary -m $RUNS/s3-bank40 "${FOT[@]}" -o fot.local=256 -o fot.k=32 --dict-tokens 64K --samples 3 \
-        --seed 99 --label "s3-bank40 k=32" --out $RUNS/eval-s3-bank40-k32
-    cp $RUNS/eval-s3-bank40-k32/dictionary.json $OUT/explore/s3-bank40.64k-k32.json
+    bank_train s3-bank s3-bank40 20 5
+    explore64k s3-bank40 32
 }
 s2_bank() {  # in place of s3: from s2, d = 32 with the bank from the first step, 40 steps (warmup + s1 + s2 + this
             # stay inside the 45-minute budget: s3's 80 dense steps are skipped), then 64K on seed 99's documents
-    $LCX train -m $RUNS/s2 "${FOT[@]}" -o fot.local=256 -o fot.d=32 -o fot.bank=128 -o fot.bank_k=32 "${TASK[@]}" \
-        --seq-len 512 --batch-size 32 --warmup 2 --steps ${BANK_STEPS:-40} --lr 1e-3 --save-every 5 \
-        --out $RUNS/s2-bank --overwrite
-    cp $RUNS/s2-bank/metrics.jsonl $OUT/explore/s2-bank.metrics.jsonl
-    $LCX eval dictionary -m $RUNS/s2-bank "${FOT[@]}" -o fot.local=256 -o fot.k=32 --dict-tokens 64K --samples 3 \
-        --seed 99 --label "s2-bank k=32" --out $RUNS/eval-s2-bank-k32
-    cp $RUNS/eval-s2-bank-k32/dictionary.json $OUT/explore/s2-bank.64k-k32.json
+    bank_train s2 s2-bank ${BANK_STEPS:-40} 5
+    explore64k s2-bank 32
 }
 s3_bank_80() {  # 40 more bank steps from s3-bank40 (80 in all, far over the budget): can the bank reach 90% at 64K?
-    $LCX train -m $RUNS/s3-bank40 "${FOT[@]}" -o fot.local=256 -o fot.d=32 -o fot.bank=128 -o fot.bank_k=32 "${TASK[@]}" \
-        --seq-len 512 --batch-size 32 --warmup 2 --steps 40 --lr 1e-3 --save-every 10 --out $RUNS/s3-bank80 --overwrite
-    cp $RUNS/s3-bank80/metrics.jsonl $OUT/explore/s3-bank80.metrics.jsonl
-    for k in 32 8; do
-        $LCX eval dictionary -m $RUNS/s3-bank80 "${FOT[@]}" -o fot.local=256 -o fot.k=$k --dict-tokens 64K --samples 3 \
-            --seed 99 --label "s3-bank80 k=$k" --out $RUNS/eval-s3-bank80-k$k
-        cp $RUNS/eval-s3-bank80-k$k/dictionary.json $OUT/explore/s3-bank80.64k-k$k.json
-    done
+    bank_train s3-bank40 s3-bank80 40 10
+    for k in 32 8; do explore64k s3-bank80 $k; done
 }
 explore_bank() {  # 64K on seed 99's documents (explore/: not the table's), k = 32 and 8
-    for k in 32 8; do
-        $LCX eval dictionary -m $RUNS/s3-bank "${FOT[@]}" -o fot.local=256 -o fot.k=$k --dict-tokens 64K --samples 3 \
-            --seed 99 --label "s3-bank k=$k" --out $RUNS/eval-s3-bank-k$k
-        cp $RUNS/eval-s3-bank-k$k/dictionary.json $OUT/explore/s3-bank.64k-k$k.json
-    done
+    for k in 32 8; do explore64k s3-bank $k; done
 }
 explore_s3() {  # 64K on seed 99's documents (3, ~3 min each): s3 at k = 1 and 4 (k = 32: explore/s3.64k.json),
                 # s3 with memory in layer 1 only, s3-near50 at k = 32; then what kNN ranks first (retrieved.py)
-    for k in 1 4; do
-        $LCX eval dictionary -m $RUNS/s3 "${FOT[@]}" -o fot.local=256 -o fot.k=$k --dict-tokens 64K --samples 3 \
-            --seed 99 --label "s3 k=$k" --out $RUNS/eval-s3-k$k
-        cp $RUNS/eval-s3-k$k/dictionary.json $OUT/explore/s3.64k-k$k.json
-    done
+    for k in 1 4; do explore64k s3 $k; done
     $LCX eval dictionary -m $RUNS/s3 --method fot -o fot.memory_layers=1 -o fot.local=256 -o fot.k=32 --dict-tokens 64K \
         --samples 3 --seed 99 --label "s3 layer1" --out $RUNS/eval-s3-layer1
     cp $RUNS/eval-s3-layer1/dictionary.json $OUT/explore/s3.64k-layer1.json
