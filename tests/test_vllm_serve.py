@@ -1,10 +1,12 @@
 """`lcx serve` on SmolLM2-135M, for real (vLLM on CPU): same tokens as lcx's Hugging Face path,
 several LoRA adapters at once, concurrent requests kept apart, bad requests answered with 4xx.
 
-Servers: the bare model with two q/k LoRA adapters (the shape an smt adapter has) and prompts up to 2x
-the model's window, started once for its test class; the model with YaRN x4 (`rope`), the model behind
-`vanilla`'s truncating middleware, `streaming` and `fot` (with a document memory and a LoRA adapter)
-inside vLLM's attention, and plain `vllm serve` with the plugin, one test each.
+Servers, one per test (or per test class), each stopped when its tests end: the model with YaRN x4 (`rope`) and
+two q/k LoRA adapters (the shape an smt adapter has: the two methods combined, so that one pair of 2x-window
+generations checks both), the model behind `vanilla`'s truncating middleware, `streaming`, `fot` (with a
+document memory and a LoRA adapter) and `focusllm` inside vLLM's attention, and plain `vllm serve` with the
+plugin.  Each 2x-window parity costs a 16K-token generation on both sides (~1-2 min each on 2 cores): the
+servers are few, and the prompts that check isolation are short.
 """
 
 from __future__ import annotations
@@ -39,8 +41,17 @@ def _adapter(out: Path, seed: int, scale: float = 0.05) -> Path:
     return random_adapter(load_model(MODEL)[0], out, seed, scale=scale)
 
 
-def start_server(args: list[str], tmp: Path) -> ServerProcess:
-    return ServerProcess(MODEL, [*args, "--export-dir", str(tmp / "export")], tmp / "serve.log")
+def serve_with(args: list[str], tmp: Path, references):
+    """(server, references()): the HF references first, then the server (started afterwards, not alongside:
+    its start, mostly single-threaded imports, stalls the references' two-thread forwards about as much as
+    it overlaps them; measured, the overlap saved nothing)."""
+    refs = references()
+    return ServerProcess(MODEL, [*args, "--export-dir", str(tmp / "export")], tmp / "serve.log"), refs
+
+
+#: The rope method the LoRA server applies under its adapters (and plain `vllm serve`'s sidecar names).
+ROPE = {"rope": {"type": "yarn", "factor": 4}}
+ROPE_ARGS = [x for k, v in ROPE["rope"].items() for x in ("-o", f"rope.{k}={v}")]
 
 
 @pytest.fixture(scope="module")
@@ -93,25 +104,34 @@ def hf_tokens(ids: torch.Tensor, methods=(), options=None, adapter=None, max_new
 
 
 class TestLoraServer:
-    """The bare model with two q/k LoRA adapters and prompts up to 2x the window: one server for the
-    class, stopped when its tests end (not idle beside the other servers until the module ends)."""
+    """YaRN x4 (`rope`) with two q/k LoRA adapters under it, prompts up to 2x the window: one server for the
+    class, stopped when its tests end (not idle beside the other servers until the module ends).  Every
+    answer is compared with lcx's path applying the same rope and adapter; the 2x-window passkey prompt is
+    read by adapter a1, its HF reference computed before the server starts."""
+
+    LONG_KEY = 71234
 
     @pytest.fixture(scope="class")
     @classmethod
-    def lora_server(cls, adapters, tmp_path_factory):
-        s = start_server([*(f"--adapter={n}={p}" for n, p in adapters.items()), "--max-model-len", str(LONG + 64)],
-                         tmp_path_factory.mktemp("lora"))
+    def lora_server(cls, adapters, tok, tmp_path_factory):
+        ids = build_prompt_ids(tok, LONG, 0.5, cls.LONG_KEY)
+        s, want = serve_with(["--method", "rope", *ROPE_ARGS, *(f"--adapter={n}={p}" for n, p in adapters.items()),
+                              "--max-model-len", str(LONG + 64)], tmp_path_factory.mktemp("lora"),
+                             lambda: hf_tokens(ids, ["rope"], ROPE, adapter=adapters["a1"]))
+        s.long = (ids, want)
         yield s
         assert s.close() == 0
 
-    def test_ready_line_names_the_adapters(self, lora_server):
-        assert lora_server.ready["adapters"] == ["a1", "a2"] and lora_server.ready["max_model_len"] == LONG + 64
+    def test_ready_line_names_the_method_and_the_adapters(self, lora_server):
+        r = lora_server.ready
+        # the adapters' own sidecars name smt (what `lcx train --method smt` writes)
+        assert r["methods"] == ["rope", "smt"] and r["adapters"] == ["a1", "a2"] and r["max_model_len"] == LONG + 64
 
     def test_each_request_is_answered_by_the_adapter_it_names(self, lora_server, adapters, tok):
         ids = tok("One, two, three, four, five, six,", return_tensors="pt")["input_ids"][0]
         got = {name: lora_server.complete(name, ids.tolist(), 16) for name in (MODEL, "a1", "a2")}
-        want = {MODEL: hf_tokens(ids, max_new_tokens=16),
-                **{n: hf_tokens(ids, adapter=p, max_new_tokens=16) for n, p in adapters.items()}}
+        want = {MODEL: hf_tokens(ids, ["rope"], ROPE, max_new_tokens=16),
+                **{n: hf_tokens(ids, ["rope"], ROPE, adapter=p, max_new_tokens=16) for n, p in adapters.items()}}
         assert got == want
         assert len({tuple(t) for t in got.values()}) == 3  # the names do route to different adapters
 
@@ -125,27 +145,29 @@ class TestLoraServer:
         with ThreadPoolExecutor(len(jobs)) as pool:
             got = list(pool.map(lambda j: lora_server.complete(j[0], j[1], 8), jobs))
         paths = {MODEL: None, **adapters}
-        want = [hf_tokens(torch.tensor(ids), adapter=paths[name]) for name, ids in jobs]
+        want = [hf_tokens(torch.tensor(ids), ["rope"], ROPE, adapter=paths[name]) for name, ids in jobs]
         assert got == want
 
-    def test_adapter_at_twice_the_window_equals_the_hf_path(self, lora_server, adapters, tok):
-        ids = build_prompt_ids(tok, LONG, 0.5, 48213)
-        assert lora_server.complete("a1", ids.tolist(), NEW) == hf_tokens(ids, adapter=adapters["a1"])
+    def test_rope_and_adapter_at_twice_the_window_equal_the_hf_path(self, lora_server, tok):
+        ids, want = lora_server.long
+        got = lora_server.complete("a1", ids.tolist(), NEW)
+        assert got == want
+        assert str(self.LONG_KEY) in tok.decode(got)  # YaRN x4 finds the key at 16K: a real answer
 
     @pytest.mark.parametrize("order_seed", [0, 1, 2])
     def test_concurrent_requests_each_get_their_own_passkey(self, lora_server, tok, order_seed):
+        """8 passkey prompts of 1K tokens, half of them naming a1, sent at once in a shuffled order: each answer
+        is its own key, never another's.  The keys sit at depth 0.85-0.95, where YaRN x4 finds them at 1K
+        (at depths 0.2-0.5 it answers "the pass key is ..." for either model)."""
         rng = random.Random(order_seed)
         keys = rng.sample(range(10000, 99999), 8)
-        jobs = [(MODEL if i % 2 == 0 else "a1", build_prompt_ids(tok, 1024, rng.random(), k).tolist(), k)
+        jobs = [(MODEL if i % 2 == 0 else "a1", build_prompt_ids(tok, 1024, rng.uniform(0.85, 0.95), k).tolist(), k)
                 for i, k in enumerate(keys)]
         rng.shuffle(jobs)  # arrival order differs per round
         with ThreadPoolExecutor(len(jobs)) as pool:
             answers = list(pool.map(lambda j: tok.decode(lora_server.complete(j[0], j[1], NEW)), jobs))
-        for (model, _, key), text in zip(jobs, answers):
-            others = [str(k) for k in keys if k != key]
-            assert not any(o in text for o in others), (key, text)
-            if model == MODEL:  # the bare model finds a passkey in a 1K prompt (the random adapter may not)
-                assert str(key) in text, (key, text)
+        for (_, _, key), text in zip(jobs, answers):
+            assert str(key) in text and not any(str(k) in text for k in keys if k != key), (key, text)
 
     def test_bad_requests_get_4xx_and_the_server_keeps_serving(self, lora_server, tok):
         status, out = lora_server.post("/v1/completions", {"model": MODEL, "prompt": [100] * (LONG + 100), "max_tokens": 4})
@@ -158,8 +180,11 @@ class TestLoraServer:
         status, out = lora_server.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4, "lcx": "fast"})
         assert status == 400 and "'lcx' must map method names to their options" in out["error"]["message"]
         status, out = lora_server.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4,
+                                                           "lcx": {"streaming": {"window": 64}}})
+        assert status == 400 and f"model '{MODEL}' applies rope; options for 'streaming'" in out["error"]["message"]
+        status, out = lora_server.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4,
                                                            "lcx": {"rope": {"factor": 8}}})
-        assert status == 400 and f"model '{MODEL}' applies no lcx method; options for 'rope'" in out["error"]["message"]
+        assert status == 400 and "rope.factor=8.0 differs from the server's rope.factor=4.0" in out["error"]["message"]
         status, out = lora_server.post("/v1/completions", {"model": "a1", "prompt": "hi", "max_tokens": 4,
                                                            "lcx": {"smt": {"beta": 0}}})
         assert status == 400 and "smt.beta=0.0 differs from the server's smt.beta=1.0" in out["error"]["message"]
@@ -168,63 +193,58 @@ class TestLoraServer:
         assert lora_server.complete("a1", ids.tolist(), 4, lcx={"smt": {}}) == lora_server.complete("a1", ids.tolist(), 4)
 
 
-def test_rope_server_equals_the_hf_rope_method_at_twice_the_window(tmp_path_factory, tok):
-    s = start_server(["--method", "rope", "-o", "rope.type=yarn", "-o", "rope.factor=4"], tmp_path_factory.mktemp("rope"))
-    try:
-        assert s.ready["methods"] == ["rope"] and s.ready["max_model_len"] == 4 * WINDOW
-        ids = build_prompt_ids(tok, LONG, 0.5, 71234)
-        got = s.complete(MODEL, ids.tolist(), NEW)
-    finally:
-        assert s.close() == 0
-    assert got == hf_tokens(ids, ["rope"], {"rope": {"type": "yarn", "factor": "4"}})
-    assert "71234" in tok.decode(got)  # YaRN x4 finds the key at 16K: the served answer is a real answer
-
-
 def test_vanilla_server_truncates_as_the_hf_path_does_at_twice_the_window(tmp_path_factory, tok):
     """`vanilla` is served by lcx's request middleware: the 2x-window prompt reaches vLLM cut to its start
     and end, the same tokens lcx's plan feeds the model; the key sits in the kept start, so it is found."""
-    s = start_server(["--method", "vanilla"], tmp_path_factory.mktemp("vanilla"))
+    ids = build_prompt_ids(tok, LONG, 0.1, 52817)
+    text = tok.decode(ids)
+    text_ids = tok(text, return_tensors="pt")["input_ids"][0]
+
+    def references():
+        want = hf_tokens(ids, ["vanilla"])
+        # a text that tokenizes back to the same ids needs no second reference
+        return want, want if torch.equal(text_ids, ids) else hf_tokens(text_ids, ["vanilla"])
+
+    s, (want, want_text) = serve_with(["--method", "vanilla"], tmp_path_factory.mktemp("vanilla"), references)
     try:
         assert s.ready["methods"] == ["vanilla"]
-        ids = build_prompt_ids(tok, LONG, 0.1, 52817)
         got = s.complete(MODEL, ids.tolist(), NEW)
-        text = tok.decode(ids)
         as_text = s.complete(MODEL, text, NEW)  # a text prompt is tokenized by the middleware, then cut
         status, out = s.post("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": WINDOW})
     finally:
         assert s.close() == 0
-    assert got == hf_tokens(ids, ["vanilla"])
+    assert got == want
     assert "52817" in tok.decode(got)
-    text_ids = tok(text, return_tensors="pt")["input_ids"][0]
-    # a text that tokenizes back to the same ids needs no second reference
-    assert as_text == (got if torch.equal(text_ids, ids) else hf_tokens(text_ids, ["vanilla"]))
+    assert as_text == want_text
     assert status == 400 and f"max_new_tokens={WINDOW} leaves no room in a window of {WINDOW}" in out["error"]["message"]
 
 
 def test_streaming_server_equals_the_hf_path_and_keeps_concurrent_requests_apart(tmp_path_factory, tok):
     """`streaming` runs inside vLLM's attention (lcx.integrations.vllm_attention): at 2x the window the
-    served tokens equal lcx's streaming path; 8 concurrent requests, shuffled, those of 3,000 tokens longer than
+    served tokens equal lcx's streaming path; 8 concurrent requests, shuffled, those of 1,500 tokens longer than
     sinks + window (each evicting its own keys), passkeys in their recent windows, each get their own key
-    (the per-request state is keyed and reset per request).  A 2,048-token recent window (not the default
-    ~7.7K) makes the 2x-window prompt cost both sides about a third of the default's, and the 3,000-token
-    prompts evict."""
-    opts = {"sinks": 4, "chunk": 512, "window": 2048}
-    s = start_server(["--method", "streaming", *(x for k, v in opts.items() for x in ("-o", f"streaming.{k}={v}")),
-                      "--max-model-len", str(LONG + 64)], tmp_path_factory.mktemp("streaming"))
+    (the per-request state is keyed and reset per request).  A 1,024-token recent window (not the default
+    ~7.7K) makes the 2x-window prompt cheaper on both sides, and the 1,500-token prompts evict."""
+    opts = {"sinks": 4, "chunk": 512, "window": 1024}
+    ids = build_prompt_ids(tok, LONG, 0.5, 60413)
+    rng = random.Random(3)
+    keys = rng.sample(range(10000, 99999), 8)
+    jobs = [(build_prompt_ids(tok, rng.choice([600, 1500]), rng.uniform(0.55, 0.9), k).tolist(), k) for k in keys]
+    rng.shuffle(jobs)
+    s, want = serve_with(["--method", "streaming", *(x for k, v in opts.items() for x in ("-o", f"streaming.{k}={v}")),
+                          "--max-model-len", str(LONG + 64)], tmp_path_factory.mktemp("streaming"),
+                         lambda: hf_tokens(ids, ["streaming"], {"streaming": opts}))
     try:
         assert s.ready["methods"] == ["streaming"]
-        ids = build_prompt_ids(tok, LONG, 0.5, 60413)
         got = s.complete(MODEL, ids.tolist(), NEW)
-        rng = random.Random(3)
-        keys = rng.sample(range(10000, 99999), 8)
-        jobs = [(build_prompt_ids(tok, rng.choice([1024, 3000]), rng.uniform(0.55, 0.9), k).tolist(), k) for k in keys]
-        rng.shuffle(jobs)
         with ThreadPoolExecutor(len(jobs)) as pool:
             answers = list(pool.map(lambda j: tok.decode(s.complete(MODEL, j[0], NEW)), jobs))
     finally:
         assert s.close() == 0
     assert "lcx: streaming answers vLLM's attention" in s.log_path.read_text()  # not vLLM's own attention
-    assert got == hf_tokens(ids, ["streaming"], {"streaming": opts})
+    assert got == want
+    evicting = [len(j) > opts["sinks"] + opts["window"] for j, _ in jobs]
+    assert any(evicting) and not all(evicting)  # both kinds were sent
     for (_, key), text in zip(jobs, answers):
         assert str(key) in text and not any(str(k) in text for k in keys if k != key), (key, text)
 
@@ -256,33 +276,40 @@ def test_fot_server_with_a_document_memory_equals_the_hf_path_for_concurrent_req
     r = CliRunner().invoke(main, ["memory", "build", "-m", MODEL, *(x for k, v in opts.items() for x in ("-o", f"{k}={v}")),
                                   "--out", str(tmp / "mem"), *map(str, docs)])
     assert r.exit_code == 0, r.output
-    s = start_server(["--method", "fot", *(x for k, v in opts.items() for x in ("-o", f"fot.{k}={v}")),
-                      "--memory", str(tmp / "mem"), "--adapter", f"lora={lora}", "--max-model-len", str(LONG + 64)],
-                     tmp)
+    mem = tmp / "mem"
+    ids = build_prompt_ids(tok, LONG, 0.5, 38127)
+    rng = random.Random(4)
+    jobs = [build_prompt_ids(tok, rng.choice([800, 1600]), rng.uniform(0.1, 0.9), k).tolist()
+            for k in rng.sample(range(10000, 99999), 6)]
+    question = tok("What is the pass key? The pass key is")["input_ids"]
+    jobs += [question] * 2  # read from the documents
+    rng.shuffle(jobs)
+
+    def references():
+        fot = (["fot"], {"fot": opts})
+        return {"long": hf_tokens(ids, *fot, memory=mem),
+                "short": {MODEL: hf_tokens(torch.tensor(counting), *fot, memory=mem, max_new_tokens=16),
+                          "lora": hf_tokens(torch.tensor(counting), *fot, adapter=lora, memory=mem, max_new_tokens=16)},
+                "jobs": [hf_tokens(torch.tensor(j), *fot, memory=mem) for j in jobs],
+                "without memory": hf_tokens(torch.tensor(question), *fot)}
+
+    s, want = serve_with(["--method", "fot", *(x for k, v in opts.items() for x in ("-o", f"fot.{k}={v}")),
+                          "--memory", str(mem), "--adapter", f"lora={lora}", "--max-model-len", str(LONG + 64)],
+                         tmp, references)
     try:
-        ids = build_prompt_ids(tok, LONG, 0.5, 38127)
         got = s.complete(MODEL, ids.tolist(), NEW)
         short = {name: s.complete(name, counting, 16) for name in (MODEL, "lora")}
-        rng = random.Random(4)
-        jobs = [build_prompt_ids(tok, rng.choice([1000, 2500]), rng.uniform(0.1, 0.9), k).tolist()
-                for k in rng.sample(range(10000, 99999), 6)]
-        question = tok("What is the pass key? The pass key is")["input_ids"]
-        jobs += [question] * 2  # read from the documents
-        rng.shuffle(jobs)
         with ThreadPoolExecutor(len(jobs)) as pool:
             answers = list(pool.map(lambda j: s.complete(MODEL, j, NEW), jobs))
     finally:
         assert s.close() == 0
     assert "lcx: fot answers vLLM's attention" in s.log_path.read_text()
-    mem = tmp / "mem"
-    assert got == hf_tokens(ids, ["fot"], {"fot": opts}, memory=mem)
-    assert short == {MODEL: hf_tokens(torch.tensor(counting), ["fot"], {"fot": opts}, memory=mem, max_new_tokens=16),
-                     "lora": hf_tokens(torch.tensor(counting), ["fot"], {"fot": opts}, adapter=lora, memory=mem,
-                                       max_new_tokens=16)}
+    assert got == want["long"]
+    assert short == want["short"]
     assert short["lora"] != short[MODEL]  # the adapter is applied
-    assert answers == [hf_tokens(torch.tensor(j), ["fot"], {"fot": opts}, memory=mem) for j in jobs]
-    asked = answers[jobs.index(question)]
-    assert asked != hf_tokens(torch.tensor(question), ["fot"], {"fot": opts})  # the memory was read
+    assert sum(len(j) > opts["local"] for j in jobs) == 6  # their own memory is in use
+    assert answers == want["jobs"]
+    assert answers[jobs.index(question)] != want["without memory"]  # the memory was read
 
 
 def test_focusllm_server_equals_the_hf_path_and_keeps_concurrent_requests_apart(tmp_path_factory, tok):
@@ -299,21 +326,27 @@ def test_focusllm_server_equals_the_hf_path_and_keeps_concurrent_requests_apart(
     from lcx.models import load_model
 
     opts = {"refresh": 0}  # chunk 2048, local 2048, fragment 512
+    focus = (["focusllm"], {"focusllm": opts})
     tmp = tmp_path_factory.mktemp("focusllm")
     lora = random_adapter(load_model(MODEL)[0], tmp / "cand", 2, scale=0.5, roles=("q", "k", "v", "o"),
                           methods=[{"name": "focusllm", "options": {}}])
-    s = start_server(["--method", "focusllm", *(x for k, v in opts.items() for x in ("-o", f"focusllm.{k}={v}")),
-                      f"--adapter=cand={lora}"], tmp)
+    mid = build_prompt_ids(tok, 4500, 0.3, 51846)  # two chunks of candidates (2,048 + 404 tokens)
+    ids = build_prompt_ids(tok, LONG, 0.95, 27094)  # the key among the local tokens: read, not summarised
+    rng = random.Random(5)
+    keys = rng.sample(range(10000, 99999), 8)
+    jobs = [(build_prompt_ids(tok, rng.choice([1500, 3000]), 0.9, k).tolist(), k) for k in keys]  # 0 or 1 chunk
+    rng.shuffle(jobs)
+
+    def references():
+        return {"adapted": {MODEL: hf_tokens(mid, *focus), "cand": hf_tokens(mid, *focus, adapter=lora)},
+                "long": hf_tokens(ids, *focus), "jobs": [hf_tokens(torch.tensor(j), *focus) for j, _ in jobs]}
+
+    s, want = serve_with(["--method", "focusllm", *(x for k, v in opts.items() for x in ("-o", f"focusllm.{k}={v}")),
+                          f"--adapter=cand={lora}"], tmp, references)
     try:
         assert s.ready["methods"] == ["focusllm"] and s.ready["adapters"] == ["cand"]
-        mid = build_prompt_ids(tok, 4500, 0.3, 51846)  # two chunks of candidates (2,048 + 404 tokens)
         adapted = {name: s.complete(name, mid.tolist(), NEW) for name in (MODEL, "cand")}
-        ids = build_prompt_ids(tok, LONG, 0.95, 27094)  # the key among the local tokens: read, not summarised
         got = s.complete(MODEL, ids.tolist(), NEW)
-        rng = random.Random(5)
-        keys = rng.sample(range(10000, 99999), 8)
-        jobs = [(build_prompt_ids(tok, rng.choice([1500, 3000]), 0.9, k).tolist(), k) for k in keys]  # 0 or 1 chunk
-        rng.shuffle(jobs)
         with ThreadPoolExecutor(len(jobs)) as pool:
             answers = list(pool.map(lambda j: s.complete(MODEL, j[0], NEW), jobs))
         status, bad = s.post("/v1/completions", {"model": MODEL, "prompt": ids.tolist(), "max_tokens": WINDOW})
@@ -325,14 +358,13 @@ def test_focusllm_server_equals_the_hf_path_and_keeps_concurrent_requests_apart(
     assert "lcx: focusllm answers vLLM's attention" in s.log_path.read_text()
     assert not left  # each request's candidate file was deleted with its state
     assert status == 400 and f"max_new_tokens={WINDOW:,} is over the limit" in bad["error"]["message"], bad
-    assert got == hf_tokens(ids, ["focusllm"], {"focusllm": opts})
+    assert got == want["long"]
     assert "27094" in tok.decode(got)
-    assert answers == [hf_tokens(torch.tensor(j), ["focusllm"], {"focusllm": opts}) for j, _ in jobs]
+    assert answers == want["jobs"]
     texts = [tok.decode(a) for a in answers]
     assert not any(str(k) in text for (_, key), text in zip(jobs, texts) for k in keys if k != key)
     assert sum(str(key) in text for (_, key), text in zip(jobs, texts)) >= 4  # real answers (5 of 8 when written)
-    assert adapted == {MODEL: hf_tokens(mid, ["focusllm"], {"focusllm": opts}),
-                       "cand": hf_tokens(mid, ["focusllm"], {"focusllm": opts}, adapter=lora)}
+    assert adapted == want["adapted"]
     assert adapted["cand"] != adapted[MODEL]
 
 
@@ -351,7 +383,7 @@ def test_plain_vllm_serve_applies_the_sidecar_through_the_plugin(tmp_path, tok):
     d.mkdir()
     for f in resolve_model_path(MODEL).iterdir():
         (d / f.name).symlink_to(f.resolve())
-    rope = {"type": "yarn", "factor": 4}
+    rope = ROPE["rope"]
     (d / "lcx.json").write_text(json.dumps({"methods": [{"name": "rope", "options": rope}]}))
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -378,5 +410,5 @@ def test_plain_vllm_serve_applies_the_sidecar_through_the_plugin(tmp_path, tok):
                 got = json.loads(r.read())["choices"][0]["token_ids"]
         finally:
             stop(proc)
-    assert got == hf_tokens(ids, ["rope"], {"rope": rope})
+    assert got == hf_tokens(ids, ["rope"], ROPE)
     assert got != hf_tokens(ids)  # the bare model answers otherwise: the sidecar was applied
