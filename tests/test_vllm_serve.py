@@ -41,12 +41,16 @@ def _adapter(out: Path, seed: int, scale: float = 0.05) -> Path:
     return random_adapter(load_model(MODEL)[0], out, seed, scale=scale)
 
 
+def start_server(args: list[str], tmp: Path) -> ServerProcess:
+    return ServerProcess(MODEL, [*args, "--export-dir", str(tmp / "export")], tmp / "serve.log")
+
+
 def serve_with(args: list[str], tmp: Path, references):
     """(server, references()): the HF references first, then the server (started afterwards, not alongside:
     its start, mostly single-threaded imports, stalls the references' two-thread forwards about as much as
     it overlaps them; measured, the overlap saved nothing)."""
     refs = references()
-    return ServerProcess(MODEL, [*args, "--export-dir", str(tmp / "export")], tmp / "serve.log"), refs
+    return start_server(args, tmp), refs
 
 
 #: The rope method the LoRA server applies under its adapters (and plain `vllm serve`'s sidecar names).
@@ -107,25 +111,30 @@ class TestLoraServer:
     """YaRN x4 (`rope`) with two q/k LoRA adapters under it, prompts up to 2x the window: one server for the
     class, stopped when its tests end (not idle beside the other servers until the module ends).  Every
     answer is compared with lcx's path applying the same rope and adapter; the 2x-window passkey prompt is
-    read by adapter a1, its HF reference computed before the server starts."""
+    read by adapter a1."""
 
     LONG_KEY = 71234
 
     @pytest.fixture(scope="class")
     @classmethod
-    def lora_server(cls, adapters, tok, tmp_path_factory):
+    def long_prompt(cls, adapters, tok):
+        """The 2x-window passkey prompt and lcx's answer to it with rope and a1 (``lora_server`` asks for it:
+        computed before the server starts, as ``serve_with`` does for the other servers)."""
         ids = build_prompt_ids(tok, LONG, 0.5, cls.LONG_KEY)
-        s, want = serve_with(["--method", "rope", *ROPE_ARGS, *(f"--adapter={n}={p}" for n, p in adapters.items()),
-                              "--max-model-len", str(LONG + 64)], tmp_path_factory.mktemp("lora"),
-                             lambda: hf_tokens(ids, ["rope"], ROPE, adapter=adapters["a1"]))
-        s.long = (ids, want)
+        return ids, hf_tokens(ids, ["rope"], ROPE, adapter=adapters["a1"])
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def lora_server(cls, adapters, long_prompt, tmp_path_factory):
+        s = start_server(["--method", "rope", *ROPE_ARGS, *(f"--adapter={n}={p}" for n, p in adapters.items())],
+                         tmp_path_factory.mktemp("lora"))
         yield s
         assert s.close() == 0
 
     def test_ready_line_names_the_method_and_the_adapters(self, lora_server):
         r = lora_server.ready
-        # the adapters' own sidecars name smt (what `lcx train --method smt` writes)
-        assert r["methods"] == ["rope", "smt"] and r["adapters"] == ["a1", "a2"] and r["max_model_len"] == LONG + 64
+        # the adapters' own sidecars name smt (what `lcx train --method smt` writes); rope sets the length
+        assert r["methods"] == ["rope", "smt"] and r["adapters"] == ["a1", "a2"] and r["max_model_len"] == 4 * WINDOW
 
     def test_each_request_is_answered_by_the_adapter_it_names(self, lora_server, adapters, tok):
         ids = tok("One, two, three, four, five, six,", return_tensors="pt")["input_ids"][0]
@@ -148,8 +157,8 @@ class TestLoraServer:
         want = [hf_tokens(torch.tensor(ids), ["rope"], ROPE, adapter=paths[name]) for name, ids in jobs]
         assert got == want
 
-    def test_rope_and_adapter_at_twice_the_window_equal_the_hf_path(self, lora_server, tok):
-        ids, want = lora_server.long
+    def test_rope_and_adapter_at_twice_the_window_equal_the_hf_path(self, lora_server, long_prompt, tok):
+        ids, want = long_prompt
         got = lora_server.complete("a1", ids.tolist(), NEW)
         assert got == want
         assert str(self.LONG_KEY) in tok.decode(got)  # YaRN x4 finds the key at 16K: a real answer
@@ -170,7 +179,8 @@ class TestLoraServer:
             assert str(key) in text and not any(str(k) in text for k in keys if k != key), (key, text)
 
     def test_bad_requests_get_4xx_and_the_server_keeps_serving(self, lora_server, tok):
-        status, out = lora_server.post("/v1/completions", {"model": MODEL, "prompt": [100] * (LONG + 100), "max_tokens": 4})
+        status, out = lora_server.post("/v1/completions", {"model": MODEL, "prompt": [100] * (4 * WINDOW + 100),
+                                                           "max_tokens": 4})
         assert status == 400 and "maximum context length" in json.dumps(out)
         status, out = lora_server.post("/v1/completions", {"model": "no-such-adapter", "prompt": "hi", "max_tokens": 4})
         assert status == 404 and "no-such-adapter" in out["error"]["message"]
