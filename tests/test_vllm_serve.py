@@ -45,14 +45,6 @@ def start_server(args: list[str], tmp: Path) -> ServerProcess:
     return ServerProcess(MODEL, [*args, "--export-dir", str(tmp / "export")], tmp / "serve.log")
 
 
-def serve_with(args: list[str], tmp: Path, references):
-    """(server, references()): the HF references first, then the server (started afterwards, not alongside:
-    its start, mostly single-threaded imports, stalls the references' two-thread forwards about as much as
-    it overlaps them; measured, the overlap saved nothing)."""
-    refs = references()
-    return start_server(args, tmp), refs
-
-
 #: The rope method the LoRA server applies under its adapters (and plain `vllm serve`'s sidecar names).
 ROPE = {"rope": {"type": "yarn", "factor": 4}}
 ROPE_ARGS = [x for k, v in ROPE["rope"].items() for x in ("-o", f"rope.{k}={v}")]
@@ -119,7 +111,8 @@ class TestLoraServer:
     @classmethod
     def long_prompt(cls, adapters, tok):
         """The 2x-window passkey prompt and lcx's answer to it with rope and a1 (``lora_server`` asks for it:
-        computed before the server starts, as ``serve_with`` does for the other servers)."""
+        computed before the server starts, as every test here computes its references: a server starting
+        alongside stalls the references' two-thread forwards about as much as it overlaps them)."""
         ids = build_prompt_ids(tok, LONG, 0.5, cls.LONG_KEY)
         return ids, hf_tokens(ids, ["rope"], ROPE, adapter=adapters["a1"])
 
@@ -210,12 +203,10 @@ def test_vanilla_server_truncates_as_the_hf_path_does_at_twice_the_window(tmp_pa
     text = tok.decode(ids)
     text_ids = tok(text, return_tensors="pt")["input_ids"][0]
 
-    def references():
-        want = hf_tokens(ids, ["vanilla"])
-        # a text that tokenizes back to the same ids needs no second reference
-        return want, want if torch.equal(text_ids, ids) else hf_tokens(text_ids, ["vanilla"])
-
-    s, (want, want_text) = serve_with(["--method", "vanilla"], tmp_path_factory.mktemp("vanilla"), references)
+    want = hf_tokens(ids, ["vanilla"])
+    # a text that tokenizes back to the same ids needs no second reference
+    want_text = want if torch.equal(text_ids, ids) else hf_tokens(text_ids, ["vanilla"])
+    s = start_server(["--method", "vanilla"], tmp_path_factory.mktemp("vanilla"))
     try:
         assert s.ready["methods"] == ["vanilla"]
         got = s.complete(MODEL, ids.tolist(), NEW)
@@ -241,9 +232,9 @@ def test_streaming_server_equals_the_hf_path_and_keeps_concurrent_requests_apart
     keys = rng.sample(range(10000, 99999), 8)
     jobs = [(build_prompt_ids(tok, rng.choice([600, 1500]), rng.uniform(0.55, 0.9), k).tolist(), k) for k in keys]
     rng.shuffle(jobs)
-    s, want = serve_with(["--method", "streaming", *(x for k, v in opts.items() for x in ("-o", f"streaming.{k}={v}")),
-                          "--max-model-len", str(LONG + 64)], tmp_path_factory.mktemp("streaming"),
-                         lambda: hf_tokens(ids, ["streaming"], {"streaming": opts}))
+    want = hf_tokens(ids, ["streaming"], {"streaming": opts})
+    s = start_server(["--method", "streaming", *(x for k, v in opts.items() for x in ("-o", f"streaming.{k}={v}")),
+                      "--max-model-len", str(LONG + 64)], tmp_path_factory.mktemp("streaming"))
     try:
         assert s.ready["methods"] == ["streaming"]
         got = s.complete(MODEL, ids.tolist(), NEW)
@@ -295,17 +286,14 @@ def test_fot_server_with_a_document_memory_equals_the_hf_path_for_concurrent_req
     jobs += [question] * 2  # read from the documents
     rng.shuffle(jobs)
 
-    def references():
-        fot = (["fot"], {"fot": opts})
-        return {"long": hf_tokens(ids, *fot, memory=mem),
-                "short": {MODEL: hf_tokens(torch.tensor(counting), *fot, memory=mem, max_new_tokens=16),
-                          "lora": hf_tokens(torch.tensor(counting), *fot, adapter=lora, memory=mem, max_new_tokens=16)},
-                "jobs": [hf_tokens(torch.tensor(j), *fot, memory=mem) for j in jobs],
-                "without memory": hf_tokens(torch.tensor(question), *fot)}
-
-    s, want = serve_with(["--method", "fot", *(x for k, v in opts.items() for x in ("-o", f"fot.{k}={v}")),
-                          "--memory", str(mem), "--adapter", f"lora={lora}", "--max-model-len", str(LONG + 64)],
-                         tmp, references)
+    fot = (["fot"], {"fot": opts})
+    want = {"long": hf_tokens(ids, *fot, memory=mem),
+            "short": {MODEL: hf_tokens(torch.tensor(counting), *fot, memory=mem, max_new_tokens=16),
+                      "lora": hf_tokens(torch.tensor(counting), *fot, adapter=lora, memory=mem, max_new_tokens=16)},
+            "jobs": [hf_tokens(torch.tensor(j), *fot, memory=mem) for j in jobs],
+            "without memory": hf_tokens(torch.tensor(question), *fot)}
+    s = start_server(["--method", "fot", *(x for k, v in opts.items() for x in ("-o", f"fot.{k}={v}")),
+                      "--memory", str(mem), "--adapter", f"lora={lora}", "--max-model-len", str(LONG + 64)], tmp)
     try:
         got = s.complete(MODEL, ids.tolist(), NEW)
         short = {name: s.complete(name, counting, 16) for name in (MODEL, "lora")}
@@ -347,12 +335,10 @@ def test_focusllm_server_equals_the_hf_path_and_keeps_concurrent_requests_apart(
     jobs = [(build_prompt_ids(tok, rng.choice([1500, 3000]), 0.9, k).tolist(), k) for k in keys]  # 0 or 1 chunk
     rng.shuffle(jobs)
 
-    def references():
-        return {"adapted": {MODEL: hf_tokens(mid, *focus), "cand": hf_tokens(mid, *focus, adapter=lora)},
-                "long": hf_tokens(ids, *focus), "jobs": [hf_tokens(torch.tensor(j), *focus) for j, _ in jobs]}
-
-    s, want = serve_with(["--method", "focusllm", *(x for k, v in opts.items() for x in ("-o", f"focusllm.{k}={v}")),
-                          f"--adapter=cand={lora}"], tmp, references)
+    want = {"adapted": {MODEL: hf_tokens(mid, *focus), "cand": hf_tokens(mid, *focus, adapter=lora)},
+            "long": hf_tokens(ids, *focus), "jobs": [hf_tokens(torch.tensor(j), *focus) for j, _ in jobs]}
+    s = start_server(["--method", "focusllm", *(x for k, v in opts.items() for x in ("-o", f"focusllm.{k}={v}")),
+                      f"--adapter=cand={lora}"], tmp)
     try:
         assert s.ready["methods"] == ["focusllm"] and s.ready["adapters"] == ["cand"]
         adapted = {name: s.complete(name, mid.tolist(), NEW) for name in (MODEL, "cand")}
