@@ -1,7 +1,7 @@
 """Which memory entries win when the dictionary lookup fails at a large size?  A diagnostic, not a method.
 
     .venv/bin/python results/fot/dictionary/retrieved.py MODEL --dict-tokens 64K --samples 2 --seed 99 \
-        [--k 32] [--out FILE.json]
+        [--k 32] [--memory-layers all] [--out FILE.json]
 
 Scores `lcx eval dictionary`'s documents (same generator and seed, fot options local 256, memory in every
 layer) and, for the query window, records each layer's and head's kNN search for the four positions that
@@ -39,17 +39,19 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=2)
     ap.add_argument("--seed", type=int, default=99)
     ap.add_argument("--k", type=int, default=32)
+    ap.add_argument("--memory-layers", default="all", help="fot.memory_layers: all, or e.g. 1 (the l1 models)")
     ap.add_argument("--out")
     a = ap.parse_args()
     (n,) = token_counts(a.dict_tokens)
     if n % 256:
         sys.exit(f"--dict-tokens must be a multiple of 256 (the query window must be one forward pass), got {n}")
-    options = ("fot.w=1", "fot.memory_layers=all", "fot.local=256", f"fot.k={a.k}")
+    options = ("fot.w=1", f"fot.memory_layers={a.memory_layers}", "fot.local=256", f"fot.k={a.k}")
 
     state: dict = {"layer": 0, "record": False, "found": {}}
     memory_scores = fot_attention._memory_scores
 
     def recording(qm, stores, k, dense):  # memory_attention calls it once per memory layer, in layer order
+        # (state["layer"] counts memory layers: with --memory-layers 1, "layer 0" is model layer 1)
         if state["record"]:
             state["found"][state["layer"]] = [(store.search(qm[h], k)[1], store.positions)
                                              for h, store in enumerate(stores)]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # FoT's dictionary lookup (appendix F, issue 5), scaled to this CPU machine.
-#   bash results/fot/dictionary/run.sh              # every step, in order (~43 min of fot training, ~35 min of evaluation)
+#   bash results/fot/dictionary/run.sh              # every step, in order (~43 + 28 min of fot training, ~45 min of evaluation)
 #   bash results/fot/dictionary/run.sh eval_s3      # chosen steps
 # A 4-layer llama (hidden 128, 4 heads, ~0.8M parameters, the task's 68-token vocabulary) trained from
 # scratch by `lcx train` with fot crossbatch memory attention in every layer, the paper's loss (queried
@@ -14,6 +14,9 @@
 #   s3:     from s2, d = 32, batch 32, 80 steps, lr 1e-3
 #   s4:     from s3, rows of two 512-token documents (task:dictionary:512, --seq-len 1024, w = 3), each context
 #           seeing the one before it and 31 contexts of other rows; 30 steps, lr 1e-3, 2 threads (6.1 min)
+#   l1_s1, l1_s2, l1_s3: s1-s3 again from the warmup model with memory attention in layer 1 only
+#   l1_bank: from l1_s3, 20 steps against a bank of earlier steps' contexts at lr 2e-4 (the goal's model:
+#            warmup + l1_s1-s3 + l1_bank is ~39 min of steps)
 # Baseline without memory: the same model, curriculum and step counts with plain attention (`--method
 # vanilla`, the whole 80- / 512-token document in one window).
 # Evaluation: `lcx eval dictionary`, kNN memory (k = 32, exact search), 256 query tokens (25 queries) after
@@ -107,6 +110,38 @@ s3_bank_80() {  # 40 more bank steps from s3-bank40 (80 in all, far over the bud
     bank_train s3-bank40 s3-bank80 40 10
     for k in 32 8; do explore64k s3-bank80 $k; done
 }
+# l1: one memory layer (layer 1, where the all-layer models do their lookup: "Memory layers at inference" in
+# results/README.md).  Memory attention in layers 0, 2 and 3 costs ~3/4 of a d = 32 step and is not used.
+# The same curriculum from the same warmup model, every stage with fot.memory_layers=1, then 20 steps
+# against a bank of the last 256 contexts of earlier steps (64K entries, as many as a 64K dictionary) at
+# lr 2e-4: at 1e-3 the bank's keys, computed by earlier steps' weights, go stale within the 4 steps they are
+# kept and distract less than a fresh memory does (l1_bank_lr1e3: 64K 0.79 after 40 steps).
+L1=(--method fot -o fot.w=1 -o fot.memory_layers=1 -o fot.local=256)
+l1_stage() {  # l1_stage FROM TO D BATCH WARMUP STEPS LR [extra lcx train options]
+    local from=$1 to=$2 d=$3 batch=$4 warm=$5 steps=$6 lr=$7; shift 7
+    $LCX train -m $RUNS/$from "${L1[@]}" -o fot.d=$d "${TASK[@]}" "$@" --seq-len 512 --batch-size $batch \
+        --warmup $warm --steps $steps --lr $lr --out $RUNS/$to --overwrite
+    log $to
+}
+l1_s1() { l1_stage warmup l1-s1 1 16 20 150 1e-3; }
+l1_s2() { l1_stage l1-s1 l1-s2 16 16 10 150 1e-3; }
+l1_s3() { l1_stage l1-s2 l1-s3 32 32 5 80 1e-3; }
+l1_bank() { l1_stage l1-s3 l1-bank 32 32 2 20 2e-4 -o fot.bank=256 -o fot.bank_k=32 --save-every 10; }
+l1_bank_lr1e3() {  # explored first: the same bank at lr 1e-3, 40 steps (over the budget with l1_s1-s3)
+    l1_stage l1-s3 l1-bank-lr1e3 32 32 2 40 1e-3 -o fot.bank=256 -o fot.bank_k=32 --save-every 10
+    l1_bank_lr1e3_explore
+}
+l1_explore() {  # l1_explore MODEL K: 64K on seed 99's 3 documents, memory in layer 1
+    $LCX eval dictionary -m $RUNS/$1 "${L1[@]}" -o fot.k=$2 --dict-tokens 64K --samples 3 --seed 99 \
+        --label "$1 k=$2" --out $RUNS/eval-$1-k$2
+    cp $RUNS/eval-$1-k$2/dictionary.json $OUT/explore/$1.64k-k$2.json
+}
+explore_l1() {  # 64K on seed 99's documents: l1-s3 (k = 32, 8), l1-bank (k = 32, 8, 4); what l1-s3's search ranks first
+    for k in 32 8; do l1_explore l1-s3 $k; done
+    for k in 32 8 4; do l1_explore l1-bank $k; done
+    .venv/bin/python $OUT/retrieved.py $RUNS/l1-s3 --memory-layers 1 --dict-tokens 64K --samples 2 --seed 99 \
+        --out $OUT/explore/l1-s3.64k-retrieved.json > /dev/null
+}
 explore_bank() {  # 64K on seed 99's documents (explore/: not the table's), k = 32 and 8
     for k in 32 8; do explore64k s3-bank $k; done
 }
@@ -140,11 +175,17 @@ eval_s1() { evaluate_fot s1 1 512,1K,4K,16K; }  # 64K left out for time: 0.27 at
 eval_s2() { evaluate_fot s2 16; }
 eval_s3() { evaluate_fot s3 32; }
 eval_s4() { OMP_NUM_THREADS=2 evaluate_fot s4 "16, 2-document rows"; }
+eval_l1() {  # the l1 model after its bank steps; 128K too, now that a 64K document takes ~35 s
+    $LCX eval dictionary -m $RUNS/l1-bank "${L1[@]}" -o fot.k=32 --dict-tokens $SIZES,128K --samples $SAMPLES \
+        --label "fot l1 (memory in layer 1, d = 32, + 20 bank steps)" --out $OUT
+}
+l1_bank_lr1e3_explore() { for k in 32 8 4; do l1_explore l1-bank-lr1e3 $k; done; }
 eval_baseline() {
     $LCX eval dictionary -m $RUNS/baseline --method vanilla -o vanilla.head_fraction=0 --dict-tokens $SIZES \
         --samples $SAMPLES --label "no memory (plain attention, window 512)" --out $OUT
 }
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(init warmup s1 s2 s3 s4 baseline eval_s1 eval_s2 eval_s3 eval_s4 eval_baseline)
+[ ${#steps[@]} -eq 0 ] && steps=(init warmup s1 s2 s3 s4 l1_s1 l1_s2 l1_s3 l1_bank baseline
+                                  eval_s1 eval_s2 eval_s3 eval_s4 eval_l1 eval_baseline)
 for s in "${steps[@]}"; do echo "== $s"; "$s"; done
