@@ -16,7 +16,7 @@
 #           seeing the one before it and 31 contexts of other rows; 30 steps, lr 1e-3, 2 threads (6.1 min)
 #   l1_s1, l1_s2, l1_s3: s1-s3 again from the warmup model with memory attention in layer 1 only
 #   l1_bank: from l1_s3, 20 steps against a bank of earlier steps' contexts at lr 2e-4 (the goal's model:
-#            warmup + l1_s1-s3 + l1_bank is ~39 min of steps)
+#            warmup + l1_s1-s3 + l1_bank is ~26 min of steps, quiet)
 # Baseline without memory: the same model, curriculum and step counts with plain attention (`--method
 # vanilla`, the whole 80- / 512-token document in one window).
 # Evaluation: `lcx eval dictionary`, kNN memory (k = 32, exact search), 256 query tokens (25 queries) after
