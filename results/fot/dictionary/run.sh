@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # FoT's dictionary lookup (appendix F, issue 5), scaled to this CPU machine.
-#   bash results/fot/dictionary/run.sh              # every step, in order (~43 + 28 min of fot training, ~45 min of evaluation)
+#   bash results/fot/dictionary/run.sh              # every step, in order (~60 min of fot training, ~55 min of evaluation)
 #   bash results/fot/dictionary/run.sh eval_s3      # chosen steps
 # A 4-layer llama (hidden 128, 4 heads, ~0.8M parameters, the task's 68-token vocabulary) trained from
 # scratch by `lcx train` with fot crossbatch memory attention in every layer, the paper's loss (queried
