@@ -127,6 +127,10 @@ l1_s1() { l1_stage warmup l1-s1 1 16 20 150 1e-3; }
 l1_s2() { l1_stage l1-s1 l1-s2 16 16 10 150 1e-3; }
 l1_s3() { l1_stage l1-s2 l1-s3 32 32 5 80 1e-3; }
 l1_bank() { l1_stage l1-s3 l1-bank 32 32 2 20 2e-4 -o fot.bank=256 -o fot.bank_k=32 --save-every 10; }
+keep_l1() {  # the l1-bank model (4.3 MB) committed as model/, to evaluate without training it
+    mkdir -p $OUT/model
+    cp $RUNS/l1-bank/{config.json,generation_config.json,lcx.json,model.safetensors,train_config.json} $OUT/model/
+}
 l1_bank_lr1e3() {  # explored first: the same bank at lr 1e-3, 40 steps (over the budget with l1_s1-s3)
     l1_stage l1-s3 l1-bank-lr1e3 32 32 2 40 1e-3 -o fot.bank=256 -o fot.bank_k=32 --save-every 10
     l1_bank_lr1e3_explore
@@ -186,6 +190,6 @@ eval_baseline() {
 }
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(init warmup s1 s2 s3 s4 l1_s1 l1_s2 l1_s3 l1_bank baseline
+[ ${#steps[@]} -eq 0 ] && steps=(init warmup s1 s2 s3 s4 l1_s1 l1_s2 l1_s3 l1_bank keep_l1 baseline
                                   eval_s1 eval_s2 eval_s3 eval_s4 eval_l1 eval_baseline)
 for s in "${steps[@]}"; do echo "== $s"; "$s"; done
