@@ -38,10 +38,13 @@ init() {
         --overwrite
 }
 log() { mkdir -p $OUT/logs && cp $RUNS/$1/metrics.jsonl $OUT/logs/$1.metrics.jsonl; }
-explore64k() {  # explore64k MODEL K: 64K on seed 99's 3 documents (explore/: not the table's), kNN k = K
-    $LCX eval dictionary -m $RUNS/$1 "${FOT[@]}" -o fot.local=256 -o fot.k=$2 --dict-tokens 64K --samples 3 \
-        --seed 99 --label "$1 k=$2" --out $RUNS/eval-$1-k$2
-    cp $RUNS/eval-$1-k$2/dictionary.json $OUT/explore/$1.64k-k$2.json
+explore64k() {  # explore64k MODEL K [METHOD OPTIONS...]: 64K on seed 99's 3 documents (explore/: not the
+                # table's), kNN k = K; options default to memory in every layer, local 256
+    local m=$1 k=$2; shift 2
+    local opts=("$@"); [ ${#opts[@]} -eq 0 ] && opts=("${FOT[@]}" -o fot.local=256)
+    $LCX eval dictionary -m $RUNS/$m "${opts[@]}" -o fot.k=$k --dict-tokens 64K --samples 3 \
+        --seed 99 --label "$m k=$k" --out $RUNS/eval-$m-k$k
+    cp $RUNS/eval-$m-k$k/dictionary.json $OUT/explore/$m.64k-k$k.json
 }
 bank_train() {  # bank_train FROM TO STEPS SAVE_EVERY: d = 32 plus a bank of the last ${BANK:-128} contexts of earlier
                 # steps (no gradient), each query attending to its top-32 bank keys (fot.bank, fot.bank_k)
@@ -135,11 +138,7 @@ l1_bank_lr1e3() {  # explored first: the same bank at lr 1e-3, 40 steps (over th
     l1_stage l1-s3 l1-bank-lr1e3 32 32 2 40 1e-3 -o fot.bank=256 -o fot.bank_k=32 --save-every 10
     l1_bank_lr1e3_explore
 }
-l1_explore() {  # l1_explore MODEL K: 64K on seed 99's 3 documents, memory in layer 1
-    $LCX eval dictionary -m $RUNS/$1 "${L1[@]}" -o fot.k=$2 --dict-tokens 64K --samples 3 --seed 99 \
-        --label "$1 k=$2" --out $RUNS/eval-$1-k$2
-    cp $RUNS/eval-$1-k$2/dictionary.json $OUT/explore/$1.64k-k$2.json
-}
+l1_explore() { explore64k "$1" "$2" "${L1[@]}"; }  # l1_explore MODEL K: explore64k, memory in layer 1
 explore_l1() {  # 64K on seed 99's documents: l1-s3 (k = 32, 8), l1-bank (k = 32, 8, 4); what l1-s3's search ranks first
     for k in 32 8; do l1_explore l1-s3 $k; done
     for k in 32 8 4; do l1_explore l1-bank $k; done
