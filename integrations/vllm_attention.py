@@ -262,6 +262,46 @@ class _Window:
 WINDOW_SLACK = 0.25
 
 
+class HeadsStore:
+    """One request's memory in one fot memory layer, every KV head in one pair of buffers: keys at position
+    0 (Hkv, N, D) and values (Hkv, N, Dv), searched exactly by one batched matmul.  It answers what the
+    ``torch`` backend's stores, one per KV head, answer (``memory_attention`` takes either), with one
+    append and one search per request and layer instead of one per head: a served decode step evicts and
+    reads one token per request and layer, where those calls cost more than their arithmetic.  No
+    positions or document ids (a served request reads neither); ``max_entries`` drops the oldest entries,
+    as the stores' cap does."""
+
+    def __init__(self, max_entries: int = 0) -> None:
+        self.max_entries = max_entries
+        self.keys: _Window | None = None
+        self.values: _Window | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.keys is None else len(self.keys)
+
+    def add(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if self.keys is None:
+            self.keys, self.values = _Window(keys[:, :0].float()), _Window(values[:, :0])
+        self.keys.append(keys.float())
+        self.values.append(values)
+        over = len(self.keys) - self.max_entries if self.max_entries else 0
+        if over > 0:
+            self.keys.drop_front(over)
+            self.values.drop_front(over)
+
+    def search_heads(self, q: torch.Tensor, k: int, dense: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries q (Hkv, Q, D), head h's against head h's keys: inner products (Hkv, Q, W) and values,
+        (Hkv, Q, W, Dv) for the top ``k`` (W = min(k, N)), or (Hkv, N, Dv) for every key when ``dense``."""
+        keys, values = self.keys.view(), self.values.view().float()
+        scores = torch.bmm(q, keys.transpose(1, 2))
+        if dense:
+            return scores, values
+        top = scores.topk(min(k, keys.shape[1]), dim=-1)
+        Hkv, Q, W = top.indices.shape
+        idx = top.indices.reshape(Hkv, Q * W, 1).expand(-1, -1, values.shape[-1])
+        return top.values, torch.gather(values, 1, idx).view(Hkv, Q, W, -1)
+
+
 class StreamingServed(ServedAttention):
     """lcx's streaming: sinks + recent window, sinks re-rotated (``SinkWindowLayer``).  A layer's recent
     keys and the current update's ("pending") share one ``_Window``, with room before them for the
@@ -310,8 +350,9 @@ class StreamingServed(ServedAttention):
 
 
 class FoTServed(ServedAttention):
-    """lcx's fot at inference: a local window per layer, a kNN memory per memory layer and KV head
-    (``FoTLayer`` eviction, ``memory_attention`` itself)."""
+    """lcx's fot at inference: a local window per layer, a kNN memory per memory layer (``FoTLayer`` eviction,
+    ``memory_attention`` itself): with the ``torch`` backend one ``HeadsStore`` holding every KV head, else
+    (FAISS, or a shared document memory) one store per KV head, as on lcx's own path."""
 
     name = "fot"
 
@@ -332,9 +373,13 @@ class FoTServed(ServedAttention):
             if int(module.layer_idx) in self.memory_layers:
                 from lcx.memory import UnionStore, make_store
 
-                layer, own = int(module.layer_idx), lambda: make_store(self.m.store_config())
-                d["memory"] = {(0, h): UnionStore(self.shared[(layer, h)], own()) if (layer, h) in self.shared
-                               else own() for h in range(like.shape[0])}
+                layer, config = int(module.layer_idx), self.m.store_config()
+                if config.kind == "torch" and not any(key[0] == layer for key in self.shared):
+                    d["memory"] = {0: HeadsStore(config.max_entries)}  # exact search, every head at once
+                else:
+                    own = lambda: make_store(config)  # noqa: E731
+                    d["memory"] = {(0, h): UnionStore(self.shared[(layer, h)], own()) if (layer, h) in self.shared
+                                   else own() for h in range(like.shape[0])}
         L, n = len(d["keys"]), end - start
         if L + n > self.m.local:  # FoTLayer.update: evict before the update's forward
             overflow = min(L, L + n - self.m.local)

@@ -332,3 +332,34 @@ def test_a_window_buffer_holds_what_cat_and_slicing_would_and_stays_small():
             ref = ref[:, drop:]
             assert torch.equal(win.view(), ref), step
             assert win.buf.shape[1] <= front + int((50 + 30) * (1 + WINDOW_SLACK)) + 16
+
+
+@pytest.mark.parametrize("cap", [0, 40])
+def test_a_heads_store_answers_what_one_torch_store_per_head_answers(cap):
+    """`HeadsStore` (a served fot request's memory in one layer, every KV head in one buffer) against the
+    `torch` backend's stores, one per head, fed the same entries in pieces: the same top-k scores and values
+    and the same dense keys, also after its FIFO cap drops the oldest; `memory_attention` gives the same
+    output from either."""
+    from lcx.integrations.vllm_attention import HeadsStore
+    from lcx.memory import make_store
+    from lcx.plugins.fot.attention import _memory_scores, memory_attention
+
+    torch.manual_seed(cap)
+    heads, per_head = HeadsStore(cap), [make_store(kind="torch", max_entries=cap) for _ in range(3)]
+    for n in (5, 1, 1, 30, 17):
+        k, v = torch.randn(3, n, 8), torch.randn(3, n, 6)
+        heads.add(k, v)
+        for h, store in enumerate(per_head):
+            store.add(k[h], v[h], torch.arange(n))
+    assert len(heads) == len(per_head[0]) == (min(54, cap) if cap else 54)
+    q = torch.randn(3, 7, 8)
+    for dense in (False, True):
+        got, want = heads.search_heads(q, 4, dense), _memory_scores(q, per_head, 4, dense)
+        torch.testing.assert_close(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1])
+    query, key, value = torch.randn(1, 6, 5, 8), torch.randn(1, 3, 9, 8), torch.randn(1, 3, 9, 6)
+    mask, shift, inv = torch.zeros(1, 1, 5, 9), torch.full((1, 5), -3.0, dtype=torch.float64), torch.rand(4)
+    a = memory_attention(query, key, value, mask, {0: heads}, shift, inv, 0.3, 4, False, 2)
+    b = memory_attention(query, key, value, mask, {(0, h): s for h, s in enumerate(per_head)}, shift, inv, 0.3, 4, False, 2)
+    torch.testing.assert_close(a, b)
+    assert not torch.equal(a, memory_attention(query, key, value, mask, {0: HeadsStore()}, shift, inv, 0.3, 4, False, 2))

@@ -25,7 +25,7 @@ def memory_attention(
     key: torch.Tensor,  # (B, Hkv, S, D) local keys
     value: torch.Tensor,  # (B, Hkv, S, Dv)
     mask: torch.Tensor,  # additive (B|1, 1, T, S)
-    memory: dict[tuple[int, int], MemoryStore],  # (row, kv head) -> store of un-rotated keys
+    memory: dict,  # (row, kv head) -> store of un-rotated keys, or row -> one store of all its KV heads
     q_shift: torch.Tensor,  # (B, T) rotation that takes each query to its memory-relative position
     inv_freq: torch.Tensor | None,
     scaling: float,
@@ -35,7 +35,9 @@ def memory_attention(
 ) -> torch.Tensor:
     """(B, T, H, Dv): each query head's softmax over its local keys (under ``mask``) joined with its KV head's
     top-``k`` memory keys (``dense``: every memory key).  All KV heads of a row are computed together (the G
-    query heads of KV head h are rows g * c + i of a (Hkv, G * c, D) block); only the search runs per store."""
+    query heads of KV head h are rows g * c + i of a (Hkv, G * c, D) block); the search runs per store, or once
+    per row where ``memory[row]`` holds all the row's KV heads (a store with ``search_heads``, as lcx's served
+    fot keeps: ``lcx.integrations.vllm_attention.HeadsStore``)."""
     B, H, T, D = query.shape
     Hkv, S = key.shape[1], key.shape[2]
     G = H // Hkv  # query heads per KV head
@@ -43,18 +45,21 @@ def memory_attention(
     out = torch.empty(B, T, H, value.shape[-1], dtype=query.dtype, device=query.device)
     for b in range(B):
         m = mask[b if mask.shape[0] > 1 else 0, 0].expand(T, S)
-        stores = [memory[(b, h)] for h in range(Hkv)]
+        heads = memory.get(b)  # one store of every KV head of the row, or None
+        stores = [memory[(b, h)] for h in range(Hkv)] if heads is None else None
+        empty = not len(heads) if heads is not None else not any(len(st) for st in stores)
         kl, vl = key[b].float(), value[b].float()  # (Hkv, S, D), (Hkv, S, Dv)
         for s in range(0, T, block):
             e = min(s + block, T)
             c = e - s
             q = query[b, :, s:e].float().reshape(Hkv, G * c, D)  # row g * c + i: query i of head h * G + g
             local = torch.baddbmm(m[s:e].repeat(G, 1), q, kl.transpose(1, 2), alpha=scaling)  # (Hkv, G*c, S)
-            if not any(len(st) for st in stores):
+            if empty:
                 o = torch.bmm(local.softmax(-1), vl)  # (Hkv, G*c, Dv)
             else:
                 qm = q_rel[b, :, s:e].float().reshape(Hkv, G * c, D)
-                mem, mv = _memory_scores(qm, stores, k, dense)  # (Hkv, G*c, W), values (Hkv, [G*c,] W, Dv)
+                # (Hkv, G*c, W), values (Hkv, [G*c,] W, Dv)
+                mem, mv = heads.search_heads(qm, k, dense) if heads is not None else _memory_scores(qm, stores, k, dense)
                 joint = torch.cat([local, mem * scaling], dim=-1).softmax(-1)
                 pl, pm = joint[..., :S], joint[..., S:]
                 mem_out = torch.bmm(pm, mv) if dense else (pm[..., None, :] @ mv)[..., 0, :]

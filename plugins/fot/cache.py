@@ -69,8 +69,13 @@ class FoTLayer(SubsetCacheLayer):
 def add_to_memory(memory: dict[tuple[int, int], MemoryStore], row: int, keys: torch.Tensor, values: torch.Tensor,
                   positions: torch.Tensor, inv_freq: torch.Tensor, doc_id: int) -> None:
     """Keys (H, n, D) of one batch row, rotated at RoPE ``positions``, un-rotated to "position 0" and added
-    with their values to ``memory[(row, h)]`` per KV head."""
+    with their values to ``memory[(row, h)]`` per KV head, or to ``memory[row]`` when one store holds all
+    the row's heads (``memory_attention`` reads either)."""
     k0 = rotate(keys, -positions, inv_freq)
+    heads = memory.get(row)
+    if heads is not None:
+        heads.add(k0, values)
+        return
     for h in range(keys.shape[0]):
         memory[(row, h)].add(k0[h], values[h], positions, doc_id)
 
