@@ -145,7 +145,7 @@ class ServedAttention:
         layer_idx = int(module.layer_idx)
         scale = float(getattr(module, "scaling", query.shape[-1] ** -0.5))
         out = query.new_zeros(query.shape[2], query.shape[1], query.shape[3])
-        at = 0
+        at, batch = 0, []
         for s in seqs:
             req = self.requests.get(s.key)
             if req is None:
@@ -162,10 +162,29 @@ class ServedAttention:
             if st is None:
                 st = req.layers[layer_idx] = _Layer(info=req.info)
             sl = slice(at, at + s.length)
-            out[sl] = self._sequence(st, module, query[0, :, sl], key[0, :, sl], value[0, :, sl], s,
-                                     scale).transpose(0, 1)
+            if s.length == 1 and (s.prompt is None or s.start >= s.prompt) and self.batches(st):
+                self.complete(st, module)  # a generated token: an update of its own, read with the others below
+                self.begin(st, module, s.start, s.start + 1, key[0, :, sl])
+                batch.append((st, at, s.start))
+            else:
+                out[sl] = self._sequence(st, module, query[0, :, sl], key[0, :, sl], value[0, :, sl], s,
+                                         scale).transpose(0, 1)
             at += s.length
+        if batch:
+            self.read_batch(module, query[0], key[0], value[0], batch, scale, out)
         return out.reshape(out.shape[0], -1)
+
+    def batches(self, st: _Layer) -> bool:
+        """Whether this request's generated token in this layer is read by ``read_batch`` with the other
+        requests' (False: by ``read``, one request at a time)."""
+        return False
+
+    def read_batch(self, module, query, key, value, batch: list[tuple[_Layer, int, int]], scale: float,
+                   out: torch.Tensor) -> None:
+        """One generated token per request of ``batch`` ((state, its row in the flattened tokens, its
+        position); each update already begun): write each one's attention output into ``out[row]`` (H, Dv).
+        query (H, N, D), key/value (Hkv, N, D): the whole step's tokens."""
+        raise NotImplementedError
 
     def _sequence(self, st: _Layer, module, q, k, v, s: Seq, scale: float) -> torch.Tensor:
         if s.prompt is None and s.length == 1:  # no prompt length: one token is a generated token
@@ -349,10 +368,67 @@ class StreamingServed(ServedAttention):
         return _sdpa(q, keys, values, _causal_tail(q.shape[1], keys.shape[1], q.device), scale)
 
 
+class _Rings:
+    """One layer's local windows of every served fot request in one pool: keys (slots, Hkv, W, D), values
+    (slots, Hkv, W, Dv), and the position each row holds (slots, W; -1: none).  A request owns a slot (the
+    same in every layer); its token at position p sits in row p mod W, W being the most a window ever holds
+    (max(local, chunk)).  A window's tokens are consecutive positions, so they never share a row and nothing
+    moves as the window slides; the rows are out of order, which attention does not see (its mask comes from
+    the positions).  A decode step reads every request's window in one batched op over a range of slots."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.pos: torch.Tensor | None = None
+
+    def slots(self) -> int:
+        return 0 if self.pos is None else self.pos.shape[0]
+
+    def ensure(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Room for ``slot`` (grown by a quarter at least: amortised copies), its rows emptied; k/v (Hkv, n, D)
+        give the shapes."""
+        have = self.slots()
+        if slot >= have:
+            n = max(slot + 1, have + max(1, have // 4))
+            grown = [k.new_zeros(n, k.shape[0], self.width, k.shape[-1]), v.new_zeros(n, v.shape[0], self.width, v.shape[-1]),
+                     torch.full((n, self.width), -1, dtype=torch.long, device=k.device)]
+            if have:
+                for new, old in zip(grown, (self.k, self.v, self.pos)):
+                    new[:have] = old
+            self.k, self.v, self.pos = grown
+        self.pos[slot] = -1
+
+    def _spans(self, start: int, n: int) -> list[tuple[int, int, int]]:
+        """Positions [start, start + n) as (first row, row end, offset in the n) pieces: at most two."""
+        r = start % self.width
+        if r + n <= self.width:
+            return [(r, r + n, 0)]
+        return [(r, self.width, 0), (0, r + n - self.width, self.width - r)]
+
+    def write(self, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        for a, b, o in self._spans(start, k.shape[1]):
+            self.k[slot, :, a:b] = k[:, o:o + b - a]
+            self.v[slot, :, a:b] = v[:, o:o + b - a]
+            self.pos[slot, a:b] = torch.arange(start + o, start + o + b - a, device=self.pos.device)
+
+    def take(self, slot: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values (Hkv, n, D) at positions [start, start + n), in order; their rows are emptied."""
+        spans = self._spans(start, n)
+        keys = [self.k[slot, :, a:b] for a, b, _ in spans]
+        values = [self.v[slot, :, a:b] for a, b, _ in spans]
+        keys, values = (keys[0], values[0]) if len(spans) == 1 else (torch.cat(keys, 1), torch.cat(values, 1))
+        for a, b, _ in spans:
+            self.pos[slot, a:b] = -1
+        return keys, values
+
+
 class FoTServed(ServedAttention):
     """lcx's fot at inference: a local window per layer, a kNN memory per memory layer (``FoTLayer`` eviction,
-    ``memory_attention`` itself): with the ``torch`` backend one ``HeadsStore`` holding every KV head, else
-    (FAISS, or a shared document memory) one store per KV head, as on lcx's own path."""
+    ``memory_attention`` itself).  Windows live in one ``_Rings`` pool per layer, so that a decode step reads
+    all its requests' generated tokens together (``read_batch``); memories are one ``HeadsStore`` per request
+    and memory layer with the ``torch`` backend, else (FAISS, or a shared document memory) one store per KV
+    head, as on lcx's own path."""
 
     name = "fot"
 
@@ -362,58 +438,142 @@ class FoTServed(ServedAttention):
         self.memory_layers: set[int] | None = None
         #: (layer, KV head) -> a document memory every request reads (``lcx serve --memory``), never writes
         self.shared = shared or {}
+        self.rings: dict[int, _Rings] = {}  # layer -> every request's window
+        self.free: list[int] = []  # slots of finished requests
+        self.taken = 0  # slots ever handed out
+
+    def start_request(self, req, s):
+        if "slot" in req.info:  # a request recomputed from its start keeps its slot
+            return
+        if not self.free:
+            self.free.append(self.taken)
+            self.taken += 1
+        req.info["slot"] = self.free.pop()
+
+    def end_request(self, req):
+        slot = req.info.pop("slot", None)
+        if slot is not None:
+            self.free.append(slot)
 
     def begin(self, st, module, start, end, like):
         super().begin(st, module, start, end, like)
         d = st.data
         if not d:
-            d.update(keys=_Window(like), values=_Window(like), local_start=0, memory=None)
+            layer = int(module.layer_idx)
+            rings = self.rings.setdefault(layer, _Rings(max(self.m.local, self.chunk)))
+            rings.ensure(st.info["slot"], like, like)
+            d.update(rings=rings, slot=st.info["slot"], count=0, local_start=0, memory=None)
             if self.memory_layers is None:
                 self.memory_layers = set(self.m.layers_of(int(module.config.num_hidden_layers)))
-            if int(module.layer_idx) in self.memory_layers:
+            if layer in self.memory_layers:
                 from lcx.memory import UnionStore, make_store
 
-                layer, config = int(module.layer_idx), self.m.store_config()
+                config = self.m.store_config()
                 if config.kind == "torch" and not any(key[0] == layer for key in self.shared):
                     d["memory"] = {0: HeadsStore(config.max_entries)}  # exact search, every head at once
                 else:
                     own = lambda: make_store(config)  # noqa: E731
                     d["memory"] = {(0, h): UnionStore(self.shared[(layer, h)], own()) if (layer, h) in self.shared
                                    else own() for h in range(like.shape[0])}
-        L, n = len(d["keys"]), end - start
-        if L + n > self.m.local:  # FoTLayer.update: evict before the update's forward
-            overflow = min(L, L + n - self.m.local)
+        L, n = d["count"], end - start
+        overflow = min(L, L + n - self.m.local)
+        if overflow > 0:  # FoTLayer.update: evict before the update's forward
+            keys, values = d["rings"].take(d["slot"], d["local_start"], overflow)
             if d["memory"] is not None:
                 from lcx.plugins.fot.cache import add_to_memory
 
                 pos = torch.arange(d["local_start"], d["local_start"] + overflow)
-                add_to_memory(d["memory"], 0, d["keys"].view()[:, :overflow], d["values"].view()[:, :overflow],
-                              pos, self.inv_freq(module), 0)
-            d["keys"].drop_front(overflow)
-            d["values"].drop_front(overflow)
+                add_to_memory(d["memory"], 0, keys, values, pos, self.inv_freq(module), 0)
+            d["count"] -= overflow
             d["local_start"] += overflow
+
+    def _shift(self, positions: torch.Tensor, local_start: torch.Tensor) -> torch.Tensor:
+        """(R, n) float64 rotation of queries at ``positions`` (R, n) to where memory sits, for windows starting
+        at ``local_start`` (R, 1)."""
+        return self.m.query_shift(positions, local_start).to(torch.float64)
 
     def read(self, st, module, q, k, v, pos, scale):
         from lcx.plugins.fot.attention import memory_attention
 
         d = st.data
-        d["keys"].append(k)
-        d["values"].append(v)
-        keys, values = d["keys"].view(), d["values"].view()
-        n, S = q.shape[1], keys.shape[1]
-        allowed = _causal_tail(n, S, q.device)
+        rings, slot, n = d["rings"], d["slot"], q.shape[1]
+        rings.write(slot, pos, k, v)
+        d["count"] += n
+        keys, values, held = rings.k[slot], rings.v[slot], rings.pos[slot]
+        q_index = torch.arange(pos, pos + n, device=q.device)
+        allowed = (held >= 0) & (held[None, :] <= q_index[:, None])  # (n, W): the window, causally
         memory = d["memory"]
         if memory is None or not any(len(s) for s in memory.values()):
             return _sdpa(q, keys, values, allowed, scale)
-        q_index = torch.arange(pos, pos + n, device=q.device)[None]
-        shift = self.m.query_shift(q_index, torch.tensor([[d["local_start"]]], device=q.device))
-        mask = torch.zeros(n, S, device=q.device)
-        if allowed is not None:
-            mask.masked_fill_(~allowed, float("-inf"))
-        mask = mask[None, None]
-        out = memory_attention(q[None], keys[None], values[None], mask, memory, shift.to(torch.float64),
-                               self.inv_freq(module), scale, self.m.k, self.m.dense, self.m.block)
+        mask = torch.zeros(allowed.shape, device=q.device).masked_fill_(~allowed, float("-inf"))[None, None]
+        shift = self._shift(q_index[None], torch.tensor([[d["local_start"]]], device=q.device))
+        out = memory_attention(q[None], keys[None], values[None], mask, memory, shift, self.inv_freq(module), scale,
+                               self.m.k, self.m.dense, self.m.block)
         return out[0].transpose(0, 1)
+
+    def batches(self, st):
+        return bool(st.data) and not self.m.dense  # dense memories differ in size per request: read one by one
+
+    def read_batch(self, module, query, key, value, batch, scale, out):
+        """Every request's generated token at once: its key/value written into its window's row, then one
+        attention over the range of slots they span (joint with each request's top-k memory keys in memory
+        layers; the memory search itself runs per request), as ``memory_attention`` computes it."""
+        from lcx.plugins.fot.attention import _memory_scores
+
+        dev = query.device
+        states = [st.data for st, _, _ in batch]
+        rings = states[0]["rings"]
+        slots = torch.tensor([d["slot"] for d in states], device=dev)
+        rows = torch.tensor([at for _, at, _ in batch], device=dev)
+        pos = torch.tensor([p for _, _, p in batch], device=dev)
+        col = pos % rings.width
+        rings.k[slots, :, col] = key[:, rows].transpose(0, 1)
+        rings.v[slots, :, col] = value[:, rows].transpose(0, 1)
+        rings.pos[slots, col] = pos
+        for d in states:
+            d["count"] += 1
+        lo, hi = int(slots.min()), int(slots.max()) + 1
+        if hi - lo <= 2 * len(batch):  # a range of slots: views, no copies (slots without a token here ride along)
+            sel, keys, values, held = slots - lo, rings.k[lo:hi], rings.v[lo:hi], rings.pos[lo:hi]
+        else:
+            sel, keys, values, held = torch.arange(len(batch), device=dev), rings.k[slots], rings.v[slots], rings.pos[slots]
+        R, (H, _, D), Hkv = keys.shape[0], query.shape, keys.shape[1]
+        G = H // Hkv
+        q = query.new_zeros(R, H, D)
+        q[sel] = query[:, rows].transpose(0, 1)
+        q = q.view(R, Hkv, G, D)
+        allowed = (held >= 0) & (held <= pos.new_zeros(R).index_copy_(0, sel, pos)[:, None])  # (R, W): causal
+        allowed[sel.new_ones(R, dtype=torch.bool).index_fill_(0, sel, False)] = True  # riders: any keys, no NaN
+        memories = [d["memory"] for d in states]
+        found = []
+        if memories[0] is not None and any(len(s) for m in memories for s in m.values()):
+            local_start = torch.tensor([[d["local_start"]] for d in states], device=dev)
+            q_rel = rotate(q[sel].float(), self._shift(pos[:, None], local_start)[..., None], self.inv_freq(module))
+            for i, m in enumerate(memories):
+                heads = m.get(0)
+                if heads is not None:
+                    found.append(heads.search_heads(q_rel[i], self.m.k, False) if len(heads) else None)
+                elif any(len(s) for s in m.values()):
+                    found.append(_memory_scores(q_rel[i], [m[(0, h)] for h in range(Hkv)], self.m.k, False))
+                else:
+                    found.append(None)
+        if not any(f is not None for f in found):
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None, None, :], scale=scale)
+        else:
+            W = max(f[0].shape[-1] for f in found if f is not None)
+            mem = q.new_full((R, Hkv, G, W), float("-inf"), dtype=torch.float32)
+            mv = q.new_zeros(R, Hkv, G, W, values.shape[-1], dtype=torch.float32)
+            for i, f in zip(sel.tolist(), found):
+                if f is not None:
+                    mem[i, ..., :f[0].shape[-1]] = f[0]
+                    mv[i, ..., :f[0].shape[-1], :] = f[1]
+            kl, vl = keys.float(), values.float()
+            local = torch.matmul(q.float(), kl.transpose(-1, -2)).mul_(scale)
+            local.masked_fill_(~allowed[:, None, None, :], float("-inf"))
+            joint = torch.cat([local, mem * scale], dim=-1).softmax(-1)
+            S = kl.shape[2]
+            o = torch.matmul(joint[..., :S], vl) + (joint[..., S:][..., None, :] @ mv)[..., 0, :]
+        out[rows] = o[sel].reshape(len(batch), H, -1).to(out.dtype)
 
 
 class FocusServed(ServedAttention):
@@ -571,8 +731,8 @@ def served_from_env() -> ServedAttention | None:
 
 def request_state_bytes(spec: dict[str, Any], config: dict[str, Any], window: int, max_model_len: int) -> int:
     """An upper bound on the state one served request holds in the worker (float32 keys and values):
-    streaming's sinks + recent window + one update per layer; fot's local window + one update per layer,
-    and in memory layers its own memory, at most every token of a ``max_model_len`` request."""
+    streaming's sinks + recent window + one update per layer; fot's local window per layer, and in memory
+    layers its own memory, at most every token of a ``max_model_len`` request, with the buffers' spare rows."""
     from lcx.registry import registry
 
     m = registry().get(spec["name"]).from_options(**(spec.get("options") or {}))
@@ -586,9 +746,11 @@ def request_state_bytes(spec: dict[str, Any], config: dict[str, Any], window: in
         return layers * (2 * m.sinks + int(recent * (1 + WINDOW_SLACK)) + 16) * per_token
     if spec["name"] == "focusllm":  # every token vLLM reads (the rewritten prompt: within the window)
         return layers * (int(min(window, max_model_len) * (1 + WINDOW_SLACK)) + 16) * per_token
-    chunk = m.chunk or m.local
-    window = int((m.local + chunk) * (1 + WINDOW_SLACK)) + 16  # a _Window's buffer
-    return (layers * window + len(m.layers_of(layers)) * max_model_len) * per_token
+    # a slot of each layer's _Rings (pools grow by a quarter: up to that much more per request)
+    window = int(max(m.local, m.chunk or m.local) * (1 + WINDOW_SLACK))
+    entries = max_model_len  # in each memory layer: a HeadsStore's buffer (torch), or per head a store's (doubling)
+    memory = entries + max(16, int(entries * WINDOW_SLACK)) if m.store_config().kind == "torch" else 2 * entries
+    return (layers * window + len(m.layers_of(layers)) * memory) * per_token
 
 
 def __getattr__(name: str) -> Any:

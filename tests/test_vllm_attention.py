@@ -67,9 +67,10 @@ def _hf(model, prompt: list[int], new: int, method: str = "streaming", opts=None
 
 
 def _served(engine: FakeEngine, prompts: dict[int, list[int]], forced: dict[int, list[int]],
-            rng: random.Random, avoid_single: bool = False) -> dict[int, torch.Tensor]:
-    """Prefill every prompt in random pieces (several requests per step, in random order), then decode them
-    together, feeding the ``forced`` tokens (the HF path's answer); returns each request's logits per step."""
+            rng: random.Random, avoid_single: bool = False, decode_share: float = 0.7) -> dict[int, torch.Tensor]:
+    """Prefill every prompt in random pieces (several requests per step, in random order), then decode them,
+    a random subset of the requests per step (vLLM's requests finish and join at different times), feeding
+    the ``forced`` tokens (the HF path's answer); returns each request's logits per step."""
     done = {k: 0 for k in prompts}
     out: dict[int, list[torch.Tensor]] = {k: [] for k in prompts}
     while any(done[k] < len(p) for k, p in prompts.items()):
@@ -87,11 +88,16 @@ def _served(engine: FakeEngine, prompts: dict[int, list[int]], forced: dict[int,
         for (k, toks, pos, _), row in zip(work, engine.step(work)):
             if pos + len(toks) == len(prompts[k]):
                 out[k].append(row)
-    for i in range(len(next(iter(forced.values()))) - 1):
-        work = [(k, [forced[k][i]], len(prompts[k]) + i, len(prompts[k])) for k in prompts]
+    fed = {k: 0 for k in prompts}
+    while any(i < len(forced[k]) - 1 for k, i in fed.items()):
+        work = [(k, [forced[k][i]], len(prompts[k]) + i, len(prompts[k])) for k, i in fed.items()
+                if i < len(forced[k]) - 1 and rng.random() < decode_share]
+        if not work:
+            continue
         rng.shuffle(work)
         for (k, _, _, _), row in zip(work, engine.step(work)):
             out[k].append(row)
+            fed[k] += 1
     return {k: torch.stack(v) for k, v in out.items()}
 
 
@@ -168,6 +174,26 @@ def test_served_fot_equals_lcx_fot_over_any_prefill_split_and_interleaving(opts,
         for i, st in served.requests[k].layers.items():
             held = {len(s) for s in st.data["memory"].values()} if st.data["memory"] else {0}
             assert held == ({max(0, total - opts["local"])} if i in layers else {0}), (k, i, held)
+
+
+def test_served_fot_requests_that_finish_hand_their_window_slot_to_the_next():
+    """Windows live in one pool per layer, a slot per request (`_Rings`): requests that finish free their
+    slot and later ones take it (its old rows must not leak in); with 7 requests, decode steps see scattered
+    slots (read as a copy) as well as ranges (read in place, idle slots riding along)."""
+    from lcx.registry import registry
+
+    rng = random.Random(5)
+    served = FoTServed(registry().get("fot").from_options(**FOT))
+    engine = FakeEngine(tiny_model("llama"), served)
+    for wave in range(3):
+        prompts = {100 * wave + i: [rng.randrange(3, 120) for _ in range(rng.choice([10, 30, 60, 90]))]
+                   for i in range(7 - 3 * wave)}
+        want = {k: _hf(tiny_model("llama"), p, 6, "fot", FOT) for k, p in prompts.items()}
+        got = _served(engine, prompts, {k: w[0] for k, w in want.items()}, rng, decode_share=0.3)
+        for k in prompts:
+            torch.testing.assert_close(got[k], want[k][1], atol=1e-4, rtol=1e-4)
+            served.release(k)
+    assert served.taken == 7 and sorted(served.free) == list(range(7))
 
 
 @pytest.mark.parametrize("dense", [False, True])

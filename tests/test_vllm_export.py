@@ -307,11 +307,12 @@ def test_the_state_of_served_memory_methods_bounds_the_requests_run_at_once(mode
     recent = 2 * 4 + int((window - 4) * (1 + WINDOW_SLACK)) + 16
     assert request_state_bytes(spec, config, window, 4096) == config["num_hidden_layers"] * recent * per
     fot = {"name": "fot", "options": {"local": 32, "chunk": 8, "memory_layers": "1"}}
-    local = int(40 * (1 + WINDOW_SLACK)) + 16  # local 32 + chunk 8 in a window buffer with its spare rows
-    assert request_state_bytes(fot, config, window, 4096) == (config["num_hidden_layers"] * local + 4096) * per
+    local = int(32 * (1 + WINDOW_SLACK))  # a pool slot of local 32 (pools grow by a quarter at most)
+    memory = 4096 + int(4096 * WINDOW_SLACK)  # every token of the request in a HeadsStore, with its spare rows
+    assert request_state_bytes(fot, config, window, 4096) == (config["num_hidden_layers"] * local + memory) * per
     exp = export_for_vllm(str(model_dir), ["fot"], {"fot": fot["options"]}, out=tmp_path / "x", max_model_len=4096,
                           state_gib=0.01)
-    assert exp.max_concurrent == int(0.01 * 2**30 // ((config["num_hidden_layers"] * local + 4096) * per)) > 1
+    assert exp.max_concurrent == int(0.01 * 2**30 // ((config["num_hidden_layers"] * local + memory) * per)) > 1
     cmd = vllm_command(exp, "127.0.0.1", 8000, "m", "float32", None)
     assert cmd[cmd.index("--max-num-seqs") + 1] == str(exp.max_concurrent)
     assert "--max-num-seqs" not in vllm_command(export_for_vllm(str(model_dir), ["rope"], out=tmp_path / "r"),
