@@ -493,7 +493,7 @@ class FoTServed(ServedAttention):
         return self.m.query_shift(positions, local_start).to(torch.float64)
 
     def read(self, st, module, q, k, v, pos, scale):
-        from lcx.plugins.fot.attention import memory_attention
+        from lcx.plugins.fot.attention import memory_attention, row_entries
 
         d = st.data
         rings, slot, n = d["rings"], d["slot"], q.shape[1]
@@ -503,7 +503,7 @@ class FoTServed(ServedAttention):
         q_index = torch.arange(pos, pos + n, device=q.device)
         allowed = (held >= 0) & (held[None, :] <= q_index[:, None])  # (n, W): the window, causally
         memory = d["memory"]
-        if memory is None or not any(len(s) for s in memory.values()):
+        if memory is None or not row_entries(memory, 0, k.shape[0]):
             return _sdpa(q, keys, values, allowed, scale)
         mask = torch.zeros(allowed.shape, device=q.device).masked_fill_(~allowed, float("-inf"))[None, None]
         shift = self._shift(q_index[None], torch.tensor([[d["local_start"]]], device=q.device))
@@ -518,7 +518,7 @@ class FoTServed(ServedAttention):
         """Every request's generated token at once: its key/value written into its window's row, then one
         attention over the range of slots they span (joint with each request's top-k memory keys in memory
         layers; the memory search itself runs per request), as ``memory_attention`` computes it."""
-        from lcx.plugins.fot.attention import _memory_scores
+        from lcx.plugins.fot.attention import row_entries, row_search
 
         dev = query.device
         states = [st.data for st, _, _ in batch]
@@ -545,18 +545,12 @@ class FoTServed(ServedAttention):
         allowed = (held >= 0) & (held <= pos.new_zeros(R).index_copy_(0, sel, pos)[:, None])  # (R, W): causal
         allowed[sel.new_ones(R, dtype=torch.bool).index_fill_(0, sel, False)] = True  # riders: any keys, no NaN
         memories = [d["memory"] for d in states]
-        found = []
-        if memories[0] is not None and any(len(s) for m in memories for s in m.values()):
+        found = []  # per request of the batch: its memory's top-k scores and values, None when it is empty
+        if memories[0] is not None and any(row_entries(m, 0, Hkv) for m in memories):
             local_start = torch.tensor([[d["local_start"]] for d in states], device=dev)
             q_rel = rotate(q[sel].float(), self._shift(pos[:, None], local_start)[..., None], self.inv_freq(module))
-            for i, m in enumerate(memories):
-                heads = m.get(0)
-                if heads is not None:
-                    found.append(heads.search_heads(q_rel[i], self.m.k, False) if len(heads) else None)
-                elif any(len(s) for s in m.values()):
-                    found.append(_memory_scores(q_rel[i], [m[(0, h)] for h in range(Hkv)], self.m.k, False))
-                else:
-                    found.append(None)
+            found = [row_search(m, 0, q_rel[i], self.m.k, False) if row_entries(m, 0, Hkv) else None
+                     for i, m in enumerate(memories)]
         if not any(f is not None for f in found):
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None, None, :], scale=scale)
         else:

@@ -45,9 +45,7 @@ def memory_attention(
     out = torch.empty(B, T, H, value.shape[-1], dtype=query.dtype, device=query.device)
     for b in range(B):
         m = mask[b if mask.shape[0] > 1 else 0, 0].expand(T, S)
-        heads = memory.get(b)  # one store of every KV head of the row, or None
-        stores = [memory[(b, h)] for h in range(Hkv)] if heads is None else None
-        empty = not len(heads) if heads is not None else not any(len(st) for st in stores)
+        empty = not row_entries(memory, b, Hkv)
         kl, vl = key[b].float(), value[b].float()  # (Hkv, S, D), (Hkv, S, Dv)
         for s in range(0, T, block):
             e = min(s + block, T)
@@ -58,14 +56,28 @@ def memory_attention(
                 o = torch.bmm(local.softmax(-1), vl)  # (Hkv, G*c, Dv)
             else:
                 qm = q_rel[b, :, s:e].float().reshape(Hkv, G * c, D)
-                # (Hkv, G*c, W), values (Hkv, [G*c,] W, Dv)
-                mem, mv = heads.search_heads(qm, k, dense) if heads is not None else _memory_scores(qm, stores, k, dense)
+                mem, mv = row_search(memory, b, qm, k, dense)  # (Hkv, G*c, W), values (Hkv, [G*c,] W, Dv)
                 joint = torch.cat([local, mem * scaling], dim=-1).softmax(-1)
                 pl, pm = joint[..., :S], joint[..., S:]
                 mem_out = torch.bmm(pm, mv) if dense else (pm[..., None, :] @ mv)[..., 0, :]
                 o = torch.bmm(pl, vl) + mem_out
             out[b, s:e] = o.view(H, c, -1).transpose(0, 1).to(out.dtype)
     return out
+
+
+def row_entries(memory: dict, row: int, kv_heads: int) -> int:
+    """How many entries the memory of batch row ``row`` holds (its fullest KV head's)."""
+    heads = memory.get(row)
+    return len(heads) if heads is not None else max(len(memory[(row, h)]) for h in range(kv_heads))
+
+
+def row_search(memory: dict, row: int, qm: torch.Tensor, k: int, dense: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row ``row``'s memory searched with queries qm (Hkv, Q, D), each KV head's against its own keys:
+    ``_memory_scores``'s answer, from one store per KV head or from one holding them all (``search_heads``)."""
+    heads = memory.get(row)
+    if heads is not None:
+        return heads.search_heads(qm, k, dense)
+    return _memory_scores(qm, [memory[(row, h)] for h in range(qm.shape[0])], k, dense)
 
 
 def _memory_scores(qm: torch.Tensor, stores: list[MemoryStore], k: int,
