@@ -153,7 +153,8 @@ def test_without_prompt_lengths_one_token_prompt_pieces_are_the_only_difference(
     dict(FOT),  # chunk = local (FoT's windows), positions=first
     dict(FOT, chunk=8, positions="fixed", memory_layers="1"),  # sliding local context, one memory layer
     dict(FOT, chunk=10, positions="none", dense=True),
-], ids=["first", "fixed-chunk8", "none-dense"])
+    dict(FOT, chunk=8, max_entries=30),  # a memory cap: the oldest entries go
+], ids=["first", "fixed-chunk8", "none-dense", "capped"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_served_fot_equals_lcx_fot_over_any_prefill_split_and_interleaving(opts, seed):
     from lcx.registry import registry
@@ -173,7 +174,9 @@ def test_served_fot_equals_lcx_fot_over_any_prefill_split_and_interleaving(opts,
         total = len(p) + 8 - 1  # the last generated token is never fed back
         for i, st in served.requests[k].layers.items():
             held = {len(s) for s in st.data["memory"].values()} if st.data["memory"] else {0}
-            assert held == ({max(0, total - opts["local"])} if i in layers else {0}), (k, i, held)
+            entries = max(0, total - opts["local"])
+            entries = min(entries, opts["max_entries"]) if opts.get("max_entries") else entries
+            assert held == ({entries} if i in layers else {0}), (k, i, held)
 
 
 def test_served_fot_requests_that_finish_hand_their_window_slot_to_the_next():
@@ -379,13 +382,15 @@ def test_a_heads_store_answers_what_one_torch_store_per_head_answers(cap):
             store.add(k[h], v[h], torch.arange(n))
     assert len(heads) == len(per_head[0]) == (min(54, cap) if cap else 54)
     q = torch.randn(3, 7, 8)
-    for dense in (False, True):
-        got, want = heads.search_heads(q, 4, dense), _memory_scores(q, per_head, 4, dense)
-        torch.testing.assert_close(got[0], want[0])
-        torch.testing.assert_close(got[1], want[1])
+    got, want = heads.search_heads(q, 4, False), _memory_scores(q, per_head, 4, False)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
     query, key, value = torch.randn(1, 6, 5, 8), torch.randn(1, 3, 9, 8), torch.randn(1, 3, 9, 6)
     mask, shift, inv = torch.zeros(1, 1, 5, 9), torch.full((1, 5), -3.0, dtype=torch.float64), torch.rand(4)
-    a = memory_attention(query, key, value, mask, {0: heads}, shift, inv, 0.3, 4, False, 2)
-    b = memory_attention(query, key, value, mask, {(0, h): s for h, s in enumerate(per_head)}, shift, inv, 0.3, 4, False, 2)
-    torch.testing.assert_close(a, b)
-    assert not torch.equal(a, memory_attention(query, key, value, mask, {0: HeadsStore()}, shift, inv, 0.3, 4, False, 2))
+    for dense in (False, True):  # (with a cap, the pool's rows are a ring: dense keys in another order)
+        a = memory_attention(query, key, value, mask, {0: heads}, shift, inv, 0.3, 4, dense, 2)
+        b = memory_attention(query, key, value, mask, {(0, h): s for h, s in enumerate(per_head)}, shift, inv, 0.3, 4,
+                             dense, 2)
+        torch.testing.assert_close(a, b)
+        assert not torch.equal(a, memory_attention(query, key, value, mask, {0: HeadsStore()}, shift, inv, 0.3, 4,
+                                                   dense, 2))
