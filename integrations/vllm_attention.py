@@ -518,7 +518,7 @@ class FoTServed(ServedAttention):
         """Every request's generated token at once: its key/value written into its window's row, then one
         attention over the range of slots they span (joint with each request's top-k memory keys in memory
         layers; the memory search itself runs per request), as ``memory_attention`` computes it."""
-        from lcx.plugins.fot.attention import row_entries, row_search
+        from lcx.plugins.fot.attention import joint_softmax, row_entries, row_search
 
         dev = query.device
         states = [st.data for st, _, _ in batch]
@@ -545,12 +545,13 @@ class FoTServed(ServedAttention):
         allowed = (held >= 0) & (held <= pos.new_zeros(R).index_copy_(0, sel, pos)[:, None])  # (R, W): causal
         allowed[sel.new_ones(R, dtype=torch.bool).index_fill_(0, sel, False)] = True  # riders: any keys, no NaN
         memories = [d["memory"] for d in states]
+        sizes = [row_entries(m, 0, Hkv) if m is not None else 0 for m in memories]
         found = []  # per request of the batch: its memory's top-k scores and values, None when it is empty
-        if memories[0] is not None and any(row_entries(m, 0, Hkv) for m in memories):
+        if any(sizes):
             local_start = torch.tensor([[d["local_start"]] for d in states], device=dev)
             q_rel = rotate(q[sel].float(), self._shift(pos[:, None], local_start)[..., None], self.inv_freq(module))
-            found = [row_search(m, 0, q_rel[i], self.m.k, False) if row_entries(m, 0, Hkv) else None
-                     for i, m in enumerate(memories)]
+            found = [row_search(m, 0, q_rel[i], self.m.k, False) if n else None
+                     for i, (m, n) in enumerate(zip(memories, sizes))]
         if not any(f is not None for f in found):
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None, None, :], scale=scale)
         else:
@@ -564,9 +565,7 @@ class FoTServed(ServedAttention):
             kl, vl = keys.float(), values.float()
             local = torch.matmul(q.float(), kl.transpose(-1, -2)).mul_(scale)
             local.masked_fill_(~allowed[:, None, None, :], float("-inf"))
-            joint = torch.cat([local, mem * scale], dim=-1).softmax(-1)
-            S = kl.shape[2]
-            o = torch.matmul(joint[..., :S], vl) + (joint[..., S:][..., None, :] @ mv)[..., 0, :]
+            o = joint_softmax(local, vl, mem * scale, mv, False)
         out[rows] = o[sel].reshape(len(batch), H, -1).to(out.dtype)
 
 

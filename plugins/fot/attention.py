@@ -57,12 +57,20 @@ def memory_attention(
             else:
                 qm = q_rel[b, :, s:e].float().reshape(Hkv, G * c, D)
                 mem, mv = row_search(memory, b, qm, k, dense)  # (Hkv, G*c, W), values (Hkv, [G*c,] W, Dv)
-                joint = torch.cat([local, mem * scaling], dim=-1).softmax(-1)
-                pl, pm = joint[..., :S], joint[..., S:]
-                mem_out = torch.bmm(pm, mv) if dense else (pm[..., None, :] @ mv)[..., 0, :]
-                o = torch.bmm(pl, vl) + mem_out
+                o = joint_softmax(local, vl, mem * scaling, mv, dense)
             out[b, s:e] = o.view(H, c, -1).transpose(0, 1).to(out.dtype)
     return out
+
+
+def joint_softmax(local: torch.Tensor, local_values: torch.Tensor, mem: torch.Tensor, mem_values: torch.Tensor,
+                  dense: bool) -> torch.Tensor:
+    """One softmax over scaled local scores (..., Q, S) and memory scores (..., Q, W) together: the local
+    values (..., S, Dv) weighted by the first part plus the memory values by the second, each query's own
+    (..., Q, W, Dv), or shared by the queries when ``dense`` (..., W, Dv)."""
+    joint = torch.cat([local, mem], dim=-1).softmax(-1)
+    pl, pm = joint[..., :local.shape[-1]], joint[..., local.shape[-1]:]
+    mem_out = torch.matmul(pm, mem_values) if dense else (pm[..., None, :] @ mem_values)[..., 0, :]
+    return torch.matmul(pl, local_values) + mem_out
 
 
 def row_entries(memory: dict, row: int, kv_heads: int) -> int:
