@@ -73,29 +73,41 @@ class PrefixReuse:
 @torch.no_grad()
 def prefill(run: Run, plan: Plan, include_last: bool = False,
             on_window: Callable[[int, int], None] | None = None,
-            reuse: PrefixReuse | None = None, shared: int = 0) -> Any:
+            reuse: PrefixReuse | None = None, shared: int = 0, progress: bool = False) -> Any:
     """Create the run's memory and feed the plan's windows into it: all but the last (which
     generation feeds), or all of them with ``include_last`` (building a memory).
-    ``on_window(start, end)`` runs after each window (progress, timing).  With ``reuse``, the windows
-    inside the first ``shared`` tokens come from, or go to, its snapshot (:class:`PrefixReuse`)."""
+    ``on_window(start, end)`` runs after each window (progress, timing); ``progress`` shows a bar over
+    the tokens fed (on stderr, gone when they are in).  With ``reuse``, the windows inside the first
+    ``shared`` tokens come from, or go to, its snapshot (:class:`PrefixReuse`)."""
     model = run.model
     windows = plan.windows if include_last else plan.windows[:-1]
     done, cache = reuse.restore(run, plan, windows) if reuse is not None else (0, new_memory(run, plan))
     pos = position_ids_from_mask(plan.attention_mask)
-    for i in range(done, len(windows)):
-        s, e = windows[i]
-        model(
-            input_ids=plan.input_ids[:, s:e],
-            attention_mask=plan.attention_mask[:, :e],
-            position_ids=pos[:, s:e],
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        if reuse is not None and shared:
-            reuse.offer(run, plan, windows, i + 1, shared, cache)
-        if on_window is not None:
-            on_window(s, e)
+    bar = None
+    if progress and done < len(windows):
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=windows[-1][1] - windows[done][0], desc="reading the prompt", unit="tok", leave=False)
+    try:
+        for i in range(done, len(windows)):
+            s, e = windows[i]
+            model(
+                input_ids=plan.input_ids[:, s:e],
+                attention_mask=plan.attention_mask[:, :e],
+                position_ids=pos[:, s:e],
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            if reuse is not None and shared:
+                reuse.offer(run, plan, windows, i + 1, shared, cache)
+            if on_window is not None:
+                on_window(s, e)
+            if bar is not None:
+                bar.update(e - s)
+    finally:
+        if bar is not None:
+            bar.close()
     return cache
 
 
@@ -134,12 +146,14 @@ def generate(
     max_new_tokens: int = 32,
     reuse: PrefixReuse | None = None,
     shared: int = 0,
+    progress: bool = False,
     **generate_kwargs: Any,
 ) -> torch.Tensor:
     """Generate ``max_new_tokens`` after a (possibly very long) prompt; returns only the new tokens (B, N).
-    ``reuse``/``shared``: feed leading windows other prompts share once (:class:`PrefixReuse`)."""
+    ``reuse``/``shared``: feed leading windows other prompts share once (:class:`PrefixReuse`);
+    ``progress``: a bar while the prompt's windows are read (methods that read it window by window)."""
     plan = make_plan(run, input_ids, attention_mask, max_new_tokens)
-    cache = prefill(run, plan, reuse=reuse, shared=shared)
+    cache = prefill(run, plan, reuse=reuse, shared=shared, progress=progress)
     kwargs = dict(do_sample=False, pad_token_id=_pad_id(run.model))
     kwargs.update(generate_kwargs)
     out = run.model.generate(

@@ -77,3 +77,24 @@ def test_passkey_grid_answers_the_same_with_reuse(tmp_path):
         reused = passkey.evaluate(gen, tok, cfg, progress=False)
     assert [s["output"] for s in plain["samples"]] == [s["output"] for s in reused["samples"]]
     assert gen.reuse.reused > 0  # each cell's second key started from the first key's filler
+
+
+def test_a_progress_bar_counts_the_tokens_read_window_by_window_and_changes_no_answer(capsys):
+    """``progress=True`` (what `lcx generate` and `lcx eval passkey` pass): a bar over the windows the prompt is
+    read in, on stderr; generation feeds the last window itself, and windows taken from a snapshot are not read."""
+    model = tiny_model("llama")
+    prompts = _prompts()  # 290 tokens: windows of 16, the last one [288, 290)
+    with lcx.attach(model, ["fot"], local=32, chunk=16, k=4) as run:
+        quiet = generate(run, prompts[0], max_new_tokens=4)
+        assert "reading the prompt" not in capsys.readouterr().err
+        shown = generate(run, prompts[0], max_new_tokens=4, progress=True)
+        assert "reading the prompt" in (err := capsys.readouterr().err) and "/288 [" in err
+        reuse = PrefixReuse()
+        generate(run, prompts[1], max_new_tokens=4, reuse=reuse, shared=200)
+        capsys.readouterr()
+        generate(run, prompts[2], max_new_tokens=4, reuse=reuse, shared=200, progress=True)
+        assert "/96 [" in capsys.readouterr().err  # 12 windows (192 tokens) restored, 6 read
+    assert torch.equal(quiet, shown)
+    with lcx.attach(model, ["rope"], factor=2) as run:  # read at once by generation: no bar
+        generate(run, prompts[0], max_new_tokens=2, progress=True)
+    assert "reading the prompt" not in capsys.readouterr().err

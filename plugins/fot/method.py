@@ -246,8 +246,9 @@ class FoT(Method):
 
     # ------------------------------------------------------------------ multi-document memory
     @torch.no_grad()
-    def ingest(self, run, input_ids: torch.Tensor, doc_id: int) -> int:
-        """Add a whole document (1, T) to the multi-document memory; returns its token count.
+    def ingest(self, run, input_ids: torch.Tensor, doc_id: int, progress: bool = False) -> int:
+        """Add a whole document (1, T) to the multi-document memory; returns its token count (``progress``:
+        a bar over its windows).
 
         The document is encoded on its own (its windows see only its own earlier windows), then its
         entries join the shared memory: a document's entries never depend on what was indexed before
@@ -260,7 +261,7 @@ class FoT(Method):
         run.state["doc_ids"] = [doc_id]
         try:
             plan = make_plan(run, input_ids, None, 0)
-            cache = prefill(run, plan, include_last=True)
+            cache = prefill(run, plan, include_last=True, progress=progress)
             for layer in cache.layers:  # flush the last local window into memory too
                 if isinstance(layer, FoTLayer) and layer.memory is not None and layer.keys.shape[-2]:
                     layer._to_memory(layer.keys, layer.values, layer.cumulative_length - layer.keys.shape[-2])

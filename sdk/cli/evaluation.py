@@ -49,7 +49,8 @@ def eval_passkey(model, methods, options, adapter, trust_remote_code, lengths, d
     try:
         cfg = passkey.PasskeyConfig(lengths=lengths, depths=depths, samples=samples, seed=seed)
         journal = _passkey_journal(out / "passkey.samples.jsonl", model, s.run, adapter, cfg, resume)
-        result = passkey.evaluate(_passkey_generator(s.run), s.tokenizer, cfg, progress=not as_json, journal=journal)
+        result = passkey.evaluate(_passkey_generator(s.run, progress=not as_json), s.tokenizer, cfg,
+                                  progress=not as_json, journal=journal)
         label = "+".join(m.name for m in s.run.methods) or "no method"
         result = {"model": model, **s.run.describe(), "methods_label": label,
                   "adapter": str(adapter) if adapter else None, **result}
@@ -64,13 +65,14 @@ def eval_passkey(model, methods, options, adapter, trust_remote_code, lengths, d
         click.echo(f"wrote {js} and {png}")
 
 
-def _passkey_generator(run):
+def _passkey_generator(run, progress: bool = False):
     """Greedy generation for a passkey grid: the filler before a cell's needle, the same for each of its keys,
-    is fed once and its memory reused (methods that keep all per-prompt state in their cache; same tokens)."""
+    is fed once and its memory reused (methods that keep all per-prompt state in their cache; same tokens).
+    ``progress``: a bar over each prompt's windows as they are read (a 128K prompt takes minutes)."""
     from lcx.generation import PrefixReuse, generate
 
     def gen(ids, n, shared):
-        return generate(run, ids, max_new_tokens=n, reuse=gen.reuse, shared=shared)
+        return generate(run, ids, max_new_tokens=n, reuse=gen.reuse, shared=shared, progress=progress)
 
     gen.reuse = PrefixReuse()
     return gen
@@ -193,7 +195,8 @@ def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, 
             stem = "+".join(m.name for m in run.methods) or "none"
             stem = re.sub(r"[^A-Za-z0-9_.+@-]", "_", stem + (f"@{Path(adapter).name}" if adapter else ""))
             journal = _passkey_journal(out / f"compare-passkey.{stem}.samples.jsonl", model, run, adapter, cfg, resume)
-            return passkey.evaluate(_passkey_generator(run), tok, cfg, progress=not as_json, journal=journal)
+            return passkey.evaluate(_passkey_generator(run, progress=not as_json), tok, cfg, progress=not as_json,
+                                    journal=journal)
     else:
         if not data:
             raise LcxError("ppl needs documents: give --data PATH (e.g. ../shared/data/books)")

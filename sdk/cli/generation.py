@@ -62,7 +62,7 @@ def generate_cmd(model, methods, options, adapter, trust_remote_code, input_file
         if not as_json:
             kwargs["streamer"] = TextStreamer(s.tokenizer, skip_prompt=True, skip_special_tokens=True)
         t0 = time.perf_counter()
-        new = generate(s.run, ids, max_new_tokens=max_new_tokens, **kwargs)
+        new = generate(s.run, ids, max_new_tokens=max_new_tokens, progress=not as_json, **kwargs)
         dt = time.perf_counter() - t0
         plan = s.run.state.get("plan")
         if as_json:

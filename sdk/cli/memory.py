@@ -49,7 +49,7 @@ def memory_build(model, methods, options, out, overwrite, docs):
         listed = []
         for i, d in enumerate(tqdm(list(iter_documents([str(p) for p in docs])), desc="indexing", unit="doc")):
             ids = s.tokenizer(d["text"], add_special_tokens=False, return_tensors="pt")["input_ids"]
-            listed.append({"doc_id": i, "source": d["source"], "tokens": fot.ingest(s.run, ids, i)})
+            listed.append({"doc_id": i, "source": d["source"], "tokens": fot.ingest(s.run, ids, i, progress=True)})
         stores = fot.stores_for_saving()
         save_memory(stores, out, {"model": base_identity(s.model), "method": s.run.describe()["methods"][0],
                                   "documents": listed})
