@@ -21,11 +21,10 @@ import shlex
 import statistics
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 
-from serve_throughput import prompts  # bench/serve_throughput.py (scripts here run as `python bench/NAME.py`)
+from serve_throughput import prompts, run_vllm  # bench/serve_throughput.py (scripts here run as `python bench/NAME.py`)
 
 OUT = Path(__file__).parent / "results"
 FOT = "--method fot -o fot.local=1024 -o fot.chunk=256 -o fot.memory_layers=6,7,8,14,15,17,18,19,20,21,22,23"
@@ -56,21 +55,16 @@ def start_marks(log: Path, t0: float) -> dict[str, float]:
 def measure(model: str, label: str, args: list[str], tok, requests: int, length: int, new: int, work: Path) -> dict:
     from lcx.integrations.vllm import ServerProcess
 
-    vllm_args = args[args.index("--") + 1:] if "--" in args else []
-    lcx_args = args[:args.index("--")] if "--" in args else args
     slug = re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-")
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    server = ServerProcess(model, ["--export-dir", str(work / slug), "--max-model-len", str(length + new + 64),
-                                   *lcx_args, *(["--", *vllm_args] if vllm_args else [])], work / f"{slug}.log")
+    # lcx's options first: a configuration's own may end with `-- VLLM_ARGS`
+    server = ServerProcess(model, ["--export-dir", str(work / slug), "--max-model-len", str(length + new + 64), *args],
+                           work / f"{slug}.log")
     ready = time.time() - t0
 
     def batch(seed: int, n: int) -> float:
-        ps = prompts(tok, requests, length, seed)
-        t = time.perf_counter()
-        with ThreadPoolExecutor(len(ps)) as pool:
-            list(pool.map(lambda p: server.complete(model, p[0], n, min_tokens=n, ignore_eos=True), ps))
-        return time.perf_counter() - t
+        return run_vllm(server, model, prompts(tok, requests, length, seed), n)[0]
 
     try:
         batch(1, 1)  # warm-up: the first requests pay one-off costs

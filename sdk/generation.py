@@ -6,6 +6,7 @@ import copy
 from typing import Any, Callable
 
 import torch
+from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from lcx.composition import Run
@@ -83,11 +84,8 @@ def prefill(run: Run, plan: Plan, include_last: bool = False,
     windows = plan.windows if include_last else plan.windows[:-1]
     done, cache = reuse.restore(run, plan, windows) if reuse is not None else (0, new_memory(run, plan))
     pos = position_ids_from_mask(plan.attention_mask)
-    bar = None
-    if progress and done < len(windows):
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=windows[-1][1] - windows[done][0], desc="reading the prompt", unit="tok", leave=False)
+    fed = sum(e - s for s, e in windows[done:])
+    bar = tqdm(total=fed, desc="reading the prompt", unit="tok", leave=False, disable=not progress or not fed)
     try:
         for i in range(done, len(windows)):
             s, e = windows[i]
@@ -103,11 +101,9 @@ def prefill(run: Run, plan: Plan, include_last: bool = False,
                 reuse.offer(run, plan, windows, i + 1, shared, cache)
             if on_window is not None:
                 on_window(s, e)
-            if bar is not None:
-                bar.update(e - s)
+            bar.update(e - s)
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     return cache
 
 
