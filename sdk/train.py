@@ -285,6 +285,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, progr
                     ids = windows[rows]["input_ids"]
                     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
                 batch = run.hook.lcx_sample(run=run, batch=batch, step=step) or batch
+                batch = {k: v.to(accel.device) if torch.is_tensor(v) else v for k, v in batch.items()}
                 with accel.autocast():  # bf16 autocast when --bf16 (a no-op otherwise)
                     terms = _loss_terms(run, ddp_model, batch)
                 loss = sum(terms.values()) / cfg.grad_accum

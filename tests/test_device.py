@@ -86,6 +86,7 @@ STACKS = [
     ("fot", {"local": 32, "chunk": 16, "k": 4}),
     ("fot", {"local": 32, "chunk": 16, "k": 4, "dense": True}),
     ("fot", {"local": 32, "chunk": 16, "k": 4, "backend": "faiss-flat"}),
+    ("fot", {"local": 32, "chunk": 16, "k": 4, "backend": "faiss-gpu"}),  # its index on the GPU on both sides
     ("focusllm", {"chunk": 48, "local": 32, "fragment": 8}),
     ("rope+streaming", {"rope": {"factor": 2}, "streaming": {"sinks": 2, "window": 40, "chunk": 16}}),
 ]
@@ -100,7 +101,9 @@ def _attach(model, stack, opts):
 @pytest.mark.parametrize("stack,opts", STACKS, ids=[f"{s}-{i}" for i, (s, _) in enumerate(STACKS)])
 def test_a_method_on_the_gpu_gives_the_cpu_logits_and_tokens(stack, opts):
     if opts.get("backend", "").startswith("faiss"):
-        pytest.importorskip("faiss")
+        faiss = pytest.importorskip("faiss")
+        if opts["backend"] == "faiss-gpu" and not (hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus()):
+            pytest.skip("needs faiss built with CUDA (pip install 'lcx[gpu]')")
     torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 250, (1, 300), generator=g)  # past the tiny model's 128-token window
@@ -150,3 +153,34 @@ def test_lcx_eval_passkey_runs_on_the_gpu(tmp_path):
     assert r.exit_code == 0, r.output
     res = json.loads(Path(tmp_path / "pk" / "passkey.json").read_text())
     assert len(res["samples"]) == 2 and res["samples"][0]["tokens"] > 1024
+
+
+TRAIN_STACKS = [
+    ("vanilla", {}),
+    ("focusllm", {"focusllm": {"chunk": 16, "local": 24, "fragment": 8, "train_chunks": "16,32"}}),
+    ("fot", {"fot": {"local": 16, "w": 1, "d": 2, "memory_layers": "1"}}),
+    ("smt", {"smt": {"budget": 32, "window": 8}}),
+]
+
+
+@needs_cuda
+@pytest.mark.parametrize("method,options", TRAIN_STACKS, ids=[m for m, _ in TRAIN_STACKS])
+def test_lcx_train_on_the_gpu_gives_the_cpu_losses(tmp_path, monkeypatch, method, options):
+    """accelerate puts the model on the GPU when there is one: every loss stage's batch follows it, and the
+    first steps' losses are the CPU's (fp32, TF32 off)."""
+    from lcx.train import TrainConfig, train
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model_dir = make_tiny_model_dir(tmp_path / "tiny", hidden_size=128, intermediate_size=256)
+    (tmp_path / "doc.txt").write_text("the pass key is 4821. remember it. " * 60)
+    seq = {"fot": 32, "smt": 256}.get(method, 120)
+    losses = {}
+    for where in ("target", "cpu"):
+        if where == "cpu":
+            monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        out = train(TrainConfig(model=str(model_dir), data=[str(tmp_path / "doc.txt")], out=str(tmp_path / where),
+                                methods=[method], options=options, seq_len=seq, steps=2, batch_size=2, lr=1e-3,
+                                save_every=0, seed=1), progress=False)
+        losses[where] = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+        assert (out / "adapter_model.safetensors").exists()
+    assert losses["target"] == pytest.approx(losses["cpu"], rel=1e-3, abs=1e-4), losses
