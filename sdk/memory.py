@@ -17,7 +17,7 @@ Backends (``make_store(kind, ...)``):
 An entry cap (``max_entries``) evicts the oldest entries first (FIFO: FoT's
 memory is a sliding history; the oldest context is the least relevant).  Eviction
 removes them from the index in place (flat: compacted; IVF: by id, lists kept, no
-retraining); only HNSW, which cannot delete, is rebuilt.
+retraining); HNSW and faiss-gpu, which cannot delete, are rebuilt from the kept entries.
 Stores save to safetensors (vectors + metadata) + JSON, with a sha256 of the
 tensor file checked on load.
 
@@ -259,7 +259,8 @@ class FaissStore(MemoryStore):
         if c.kind == "faiss-gpu":
             if not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() == 0:
                 raise LcxError("memory backend 'faiss-gpu' needs faiss with CUDA and a GPU "
-                               "(pip install 'lcx[gpu]' on a GPU machine); use 'faiss-flat' on CPU")
+                               "(pip install 'lcx[gpu]', then let faiss-gpu replace faiss-cpu: README, GPU); "
+                               "use 'torch' or 'faiss-flat' without one")
             self._gpu_res = faiss.StandardGpuResources()
             return faiss.index_cpu_to_gpu(self._gpu_res, 0, faiss.IndexFlatIP(d))
         if c.kind == "faiss-hnsw":
@@ -286,13 +287,14 @@ class FaissStore(MemoryStore):
         import faiss
 
         kind = self.config.kind
-        if self.index is None or kind == "faiss-hnsw" or (kind == "faiss-ivf" and not self.index.is_trained):
+        # HNSW graphs and FAISS's GPU indexes have no removal: those are rebuilt from the kept entries
+        if self.index is None or kind in ("faiss-hnsw", "faiss-gpu") or (kind == "faiss-ivf" and not self.index.is_trained):
             return self._rebuild()
         self._index_add(added)
         if kind == "faiss-ivf":  # ids are kept: remove the oldest by id, remember the offset
             self.index.remove_ids(faiss.IDSelectorRange(self._id_base, self._id_base + n))
             self._id_base += n
-        else:  # flat (CPU or GPU): removal compacts, ids stay entry indices
+        else:  # flat: removal compacts, ids stay entry indices
             self.index.remove_ids(faiss.IDSelectorRange(0, n))
 
     def _rebuild(self) -> None:

@@ -97,8 +97,49 @@ def test_bad_arguments():
     with pytest.raises(LcxError, match="k must be > 0"):
         s.search(torch.randn(1, 4), 0)
     assert s.search(torch.randn(2, 4), 3)[1].shape == (2, 0)  # empty memory: nothing to return
-    with pytest.raises(LcxError, match="faiss with CUDA"):
-        make_store(kind="faiss-gpu").add(torch.randn(3, 4), torch.randn(3, 4), torch.arange(3))
+    if not _faiss_has_a_gpu():
+        with pytest.raises(LcxError, match="faiss with CUDA"):
+            make_store(kind="faiss-gpu").add(torch.randn(3, 4), torch.randn(3, 4), torch.arange(3))
+
+
+def _faiss_has_a_gpu() -> bool:
+    try:
+        import faiss
+    except ImportError:
+        return False
+    return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
+
+
+@pytest.mark.skipif(not _faiss_has_a_gpu(), reason="needs faiss built with CUDA and a GPU (pip install 'lcx[gpu]')")
+def test_faiss_gpu_equals_torch_exact_through_adds_evictions_copies_and_save_load(tmp_path):
+    """faiss-gpu (IndexFlatIP on the GPU) is exact search: the entries torch finds, with its scores, after
+    many adds past the cap (removal from the GPU index in place), in a deep copy, and after save/load."""
+    import copy
+
+    keys, values, q = _data(1000)
+    g, t = make_store(kind="faiss-gpu", max_entries=300), make_store(kind="torch", max_entries=300)
+    for i in range(0, 1000, 50):
+        for x in (g, t):
+            x.add(keys[i:i + 50], values[i:i + 50], torch.arange(i, i + 50), doc_id=i // 500)
+    assert len(g) == 300 and g.evicted == 700 and g.index.ntotal == 300
+
+    def same(a, b):
+        (sa, ia), (sb, ib) = a.search(q, 8), b.search(q, 8)
+        assert torch.equal(a.positions[ia], b.positions[ib])
+        torch.testing.assert_close(sa, sb, atol=1e-4, rtol=1e-5)
+
+    same(g, t)
+    c = copy.deepcopy(g)
+    c.add(keys[:10] * 5, values[:10], torch.arange(1000, 1010))  # the copy has its own GPU index
+    same(g, t)
+    assert c.search(keys[:1] * 5, 1)[1].item() == len(c) - 10 and c.index is not g.index
+    save_memory({(0, 0): g}, tmp_path / "mem", {"model": {"model_type": "llama"}})
+    loaded, _ = load_memory(tmp_path / "mem")
+    assert loaded[(0, 0)].config.kind == "faiss-gpu"
+    same(loaded[(0, 0)], t)
+    g.clear(doc_id=1)
+    t.clear(doc_id=1)
+    same(g, t)
 
 
 @pytest.mark.parametrize("kind,extra", [("faiss-flat", {}), ("faiss-ivf", {"nlist": 8, "nprobe": 8, "ivf_train": 64}),
