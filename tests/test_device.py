@@ -184,3 +184,21 @@ def test_lcx_train_on_the_gpu_gives_the_cpu_losses(tmp_path, monkeypatch, method
         losses[where] = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
         assert (out / "adapter_model.safetensors").exists()
     assert losses["target"] == pytest.approx(losses["cpu"], rel=1e-3, abs=1e-4), losses
+
+
+@needs_cuda
+def test_lcx_analyze_distraction_on_the_gpu_gives_the_cpu_shares(tmp_path):
+    """FoT's distraction measure feeds crossbatch batches of its own making: they follow the model."""
+    m = make_tiny_model_dir(tmp_path / "m")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i, word in enumerate(["alpha", "beta", "gamma"]):
+        (docs / f"{i}.txt").write_text(f"{word} {i} " * 60)
+    shares = {}
+    for dev in ("cpu", TARGET):
+        r = CliRunner().invoke(main, ["analyze", "distraction", "-m", str(m), "-d", str(docs), "-o", "local=16",
+                                      "-o", "memory_layers=1", "--ds", "1,2,3", "--batches", "2", "--device", dev,
+                                      "--out", str(tmp_path / dev), "--json"])
+        assert r.exit_code == 0, r.output
+        shares[dev] = json.loads(r.output)["positive_share"]
+    assert shares[TARGET] == pytest.approx(shares["cpu"], rel=1e-4)

@@ -17,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from lcx.errors import LcxError
+from lcx.generation import model_device
 from lcx.io import pyplot, save_figure
 from lcx.plugins.fot import crossbatch
 
@@ -49,7 +50,8 @@ def measure(run: Any, documents: list[tuple[str, list[int]]], ds: list[int], n_b
                        f"give more documents or smaller --ds")
     layers = fot.layer_indices(run)
     run.state.pop("memory", None)  # a training-style forward: no inference memory
-    data = batches(documents, fot.local, n_batches)
+    device = model_device(run.model)
+    data = [ids.to(device) for ids in batches(documents, fot.local, n_batches)]
     per_d: dict[str, dict[str, float]] = {}
     bar = tqdm(total=len(ds) * len(data), desc="distraction", disable=not progress)
     for d in ds:
@@ -58,7 +60,7 @@ def measure(run: Any, documents: list[tuple[str, list[int]]], ds: list[int], n_b
         for ids in data:
             run.state["crossbatch"], run.state["crossbatch_probe"] = lay, {}
             try:
-                run.model(input_ids=ids, position_ids=crossbatch.chunk_positions(ids.shape[0], lay))
+                run.model(input_ids=ids, position_ids=crossbatch.chunk_positions(ids.shape[0], lay).to(device))
                 probe = run.state["crossbatch_probe"]
             finally:
                 run.state.pop("crossbatch", None)
