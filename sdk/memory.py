@@ -211,6 +211,23 @@ class TorchStore(MemoryStore):
         return top.values, top.indices
 
 
+def _faiss_gpu_missing(faiss: Any) -> str:
+    """Why faiss-gpu cannot run here, and the fix."""
+    from importlib import metadata
+
+    if hasattr(faiss, "StandardGpuResources"):
+        return "memory backend 'faiss-gpu': faiss has CUDA but sees no GPU here; use 'torch' or 'faiss-flat'"
+    try:
+        gpu = metadata.version("faiss-gpu")
+    except metadata.PackageNotFoundError:
+        return ("memory backend 'faiss-gpu' needs faiss built with CUDA (pip install 'lcx[gpu]', then "
+                "pip uninstall -y faiss-cpu && pip install --force-reinstall --no-deps faiss-gpu); "
+                "use 'torch' or 'faiss-flat' without one")
+    return (f"memory backend 'faiss-gpu': faiss-gpu {gpu} is installed but faiss-cpu's module is the one "
+            "imported (both install 'faiss'); pip uninstall -y faiss-cpu && pip install --force-reinstall "
+            "--no-deps faiss-gpu")
+
+
 class FaissStore(MemoryStore):
     """FAISS index over the keys; entry i of the store is row i of the index.
 
@@ -258,9 +275,7 @@ class FaissStore(MemoryStore):
             return faiss.IndexFlatIP(d)
         if c.kind == "faiss-gpu":
             if not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() == 0:
-                raise LcxError("memory backend 'faiss-gpu' needs faiss with CUDA and a GPU "
-                               "(pip install 'lcx[gpu]', then let faiss-gpu replace faiss-cpu: README, GPU); "
-                               "use 'torch' or 'faiss-flat' without one")
+                raise LcxError(_faiss_gpu_missing(faiss))
             self._gpu_res = faiss.StandardGpuResources()
             return faiss.index_cpu_to_gpu(self._gpu_res, 0, faiss.IndexFlatIP(d))
         if c.kind == "faiss-hnsw":

@@ -98,8 +98,30 @@ def test_bad_arguments():
         s.search(torch.randn(1, 4), 0)
     assert s.search(torch.randn(2, 4), 3)[1].shape == (2, 0)  # empty memory: nothing to return
     if not _faiss_has_a_gpu():
-        with pytest.raises(LcxError, match="faiss with CUDA"):
+        with pytest.raises(LcxError, match="faiss built with CUDA|sees no GPU"):
             make_store(kind="faiss-gpu").add(torch.randn(3, 4), torch.randn(3, 4), torch.arange(3))
+
+
+def test_faiss_gpu_without_cuda_says_which_install_step_is_missing(monkeypatch):
+    """faiss-cpu and faiss-gpu both install the module 'faiss': the error names the step a user missed."""
+    from importlib import metadata
+    from types import SimpleNamespace
+
+    from lcx.memory import _faiss_gpu_missing
+
+    def version(installed):
+        def v(name):
+            if name not in installed:
+                raise metadata.PackageNotFoundError(name)
+            return installed[name]
+        return v
+
+    cpu_build = SimpleNamespace()
+    monkeypatch.setattr(metadata, "version", version({"faiss-cpu": "1.15.1"}))
+    assert "needs faiss built with CUDA (pip install 'lcx[gpu]', then pip uninstall -y faiss-cpu" in _faiss_gpu_missing(cpu_build)
+    monkeypatch.setattr(metadata, "version", version({"faiss-cpu": "1.15.1", "faiss-gpu": "1.15.1"}))
+    assert "faiss-gpu 1.15.1 is installed but faiss-cpu's module is the one imported" in _faiss_gpu_missing(cpu_build)
+    assert "sees no GPU" in _faiss_gpu_missing(SimpleNamespace(StandardGpuResources=object))
 
 
 def _faiss_has_a_gpu() -> bool:
