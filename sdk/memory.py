@@ -303,7 +303,8 @@ class FaissStore(MemoryStore):
 
         kind = self.config.kind
         # HNSW graphs and FAISS's GPU indexes have no removal: those are rebuilt from the kept entries
-        if self.index is None or kind in ("faiss-hnsw", "faiss-gpu") or (kind == "faiss-ivf" and not self.index.is_trained):
+        untrained_ivf = kind == "faiss-ivf" and self.index is not None and not self.index.is_trained
+        if self.index is None or kind in ("faiss-hnsw", "faiss-gpu") or untrained_ivf:
             return self._rebuild()
         self._index_add(added)
         if kind == "faiss-ivf":  # ids are kept: remove the oldest by id, remember the offset

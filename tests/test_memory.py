@@ -118,7 +118,8 @@ def test_faiss_gpu_without_cuda_says_which_install_step_is_missing(monkeypatch):
 
     cpu_build = SimpleNamespace()
     monkeypatch.setattr(metadata, "version", version({"faiss-cpu": "1.15.1"}))
-    assert "needs faiss built with CUDA (pip install 'lcx[gpu]', then pip uninstall -y faiss-cpu" in _faiss_gpu_missing(cpu_build)
+    missing = _faiss_gpu_missing(cpu_build)
+    assert "needs faiss built with CUDA (pip install 'lcx[gpu]', then pip uninstall -y faiss-cpu" in missing
     monkeypatch.setattr(metadata, "version", version({"faiss-cpu": "1.15.1", "faiss-gpu": "1.15.1"}))
     assert "faiss-gpu 1.15.1 is installed but faiss-cpu's module is the one imported" in _faiss_gpu_missing(cpu_build)
     assert "sees no GPU" in _faiss_gpu_missing(SimpleNamespace(StandardGpuResources=object))
