@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Idempotent setup: virtual environment, CPU torch, lcx with all extras, the real model.
+# Idempotent setup: virtual environment, CPU torch, lcx with its serve and dev extras (gpu is for CUDA machines), the real model.
 # Re-running is fast: the install step is skipped while pyproject.toml is unchanged,
 # and `lcx models pull` is a no-op when the model is already converted.
 set -euo pipefail
