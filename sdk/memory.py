@@ -211,6 +211,15 @@ class TorchStore(MemoryStore):
         return top.values, top.indices
 
 
+def faiss_gpu_available() -> bool:
+    """Whether the ``faiss-gpu`` backend can run here: faiss built with CUDA, and a GPU it sees."""
+    try:
+        import faiss
+    except ImportError:
+        return False
+    return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
+
+
 def _faiss_gpu_missing(faiss: Any) -> str:
     """Why faiss-gpu cannot run here, and the fix."""
     from importlib import metadata
@@ -274,7 +283,7 @@ class FaissStore(MemoryStore):
         if c.kind == "faiss-flat":
             return faiss.IndexFlatIP(d)
         if c.kind == "faiss-gpu":
-            if not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() == 0:
+            if not faiss_gpu_available():
                 raise LcxError(_faiss_gpu_missing(faiss))
             self._gpu_res = faiss.StandardGpuResources()
             return faiss.index_cpu_to_gpu(self._gpu_res, 0, faiss.IndexFlatIP(d))

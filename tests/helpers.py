@@ -47,3 +47,11 @@ class MethodsPlugin:
     def lcx_register_methods(self, register):
         for cls in self.classes:
             register(cls)
+
+
+def make_word_documents(folder: Path, words: tuple[str, ...] = ("alpha", "beta", "gamma")) -> Path:
+    """One short document per word (``{word} {i} `` repeated), as files 0.txt, 1.txt, ... in ``folder``."""
+    folder.mkdir(parents=True)
+    for i, word in enumerate(words):
+        (folder / f"{i}.txt").write_text(f"{word} {i} " * 60)
+    return folder

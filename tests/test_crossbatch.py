@@ -175,13 +175,9 @@ def test_analyze_distraction_cli(tmp_path):
     from click.testing import CliRunner
 
     from lcx.cli import main
-    from tests.helpers import make_tiny_model_dir
+    from tests.helpers import make_tiny_model_dir, make_word_documents
 
-    m = make_tiny_model_dir(tmp_path / "m")
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    for i, word in enumerate(["alpha", "beta", "gamma"]):
-        (docs / f"{i}.txt").write_text(f"{word} {i} " * 60)
+    m, docs = make_tiny_model_dir(tmp_path / "m"), make_word_documents(tmp_path / "docs")
     args = ["analyze", "distraction", "-m", str(m), "-d", str(docs), "-o", "local=16", "-o", "memory_layers=1",
             "--ds", "1,2,3", "--batches", "2", "--out", str(tmp_path / "dis"), "--json"]
     r = CliRunner().invoke(main, [*args, "--label", "a"])

@@ -19,9 +19,10 @@ import lcx
 from lcx.cli import main
 from lcx.errors import LcxError
 from lcx.generation import generate, tail_logits
+from lcx.memory import faiss_gpu_available
 from lcx.models import load_model, resolve_device
 from tests.conftest import tiny_model
-from tests.helpers import make_tiny_model_dir
+from tests.helpers import make_tiny_model_dir, make_word_documents
 
 import os
 
@@ -101,8 +102,8 @@ def _attach(model, stack, opts):
 @pytest.mark.parametrize("stack,opts", STACKS, ids=[f"{s}-{i}" for i, (s, _) in enumerate(STACKS)])
 def test_a_method_on_the_gpu_gives_the_cpu_logits_and_tokens(stack, opts):
     if opts.get("backend", "").startswith("faiss"):
-        faiss = pytest.importorskip("faiss")
-        if opts["backend"] == "faiss-gpu" and not (hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus()):
+        pytest.importorskip("faiss")
+        if opts["backend"] == "faiss-gpu" and not faiss_gpu_available():
             pytest.skip("needs faiss built with CUDA (pip install 'lcx[gpu]')")
     torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator().manual_seed(0)
@@ -189,11 +190,7 @@ def test_lcx_train_on_the_gpu_gives_the_cpu_losses(tmp_path, monkeypatch, method
 @needs_cuda
 def test_lcx_analyze_distraction_on_the_gpu_gives_the_cpu_shares(tmp_path):
     """FoT's distraction measure feeds crossbatch batches of its own making: they follow the model."""
-    m = make_tiny_model_dir(tmp_path / "m")
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    for i, word in enumerate(["alpha", "beta", "gamma"]):
-        (docs / f"{i}.txt").write_text(f"{word} {i} " * 60)
+    m, docs = make_tiny_model_dir(tmp_path / "m"), make_word_documents(tmp_path / "docs")
     shares = {}
     for dev in ("cpu", TARGET):
         r = CliRunner().invoke(main, ["analyze", "distraction", "-m", str(m), "-d", str(docs), "-o", "local=16",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lcx.errors import LcxError
-from lcx.memory import StoreConfig, load_memory, make_store, recall_at_k, save_memory
+from lcx.memory import StoreConfig, faiss_gpu_available, load_memory, make_store, recall_at_k, save_memory
 
 
 def _data(n=600, d=32, seed=0):
@@ -97,7 +97,7 @@ def test_bad_arguments():
     with pytest.raises(LcxError, match="k must be > 0"):
         s.search(torch.randn(1, 4), 0)
     assert s.search(torch.randn(2, 4), 3)[1].shape == (2, 0)  # empty memory: nothing to return
-    if not _faiss_has_a_gpu():
+    if not faiss_gpu_available():
         with pytest.raises(LcxError, match="faiss built with CUDA|sees no GPU"):
             make_store(kind="faiss-gpu").add(torch.randn(3, 4), torch.randn(3, 4), torch.arange(3))
 
@@ -125,15 +125,7 @@ def test_faiss_gpu_without_cuda_says_which_install_step_is_missing(monkeypatch):
     assert "sees no GPU" in _faiss_gpu_missing(SimpleNamespace(StandardGpuResources=object))
 
 
-def _faiss_has_a_gpu() -> bool:
-    try:
-        import faiss
-    except ImportError:
-        return False
-    return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
-
-
-@pytest.mark.skipif(not _faiss_has_a_gpu(), reason="needs faiss built with CUDA and a GPU (pip install 'lcx[gpu]')")
+@pytest.mark.skipif(not faiss_gpu_available(), reason="needs faiss built with CUDA and a GPU (pip install 'lcx[gpu]')")
 def test_faiss_gpu_equals_torch_exact_through_adds_evictions_copies_and_save_load(tmp_path):
     """faiss-gpu (IndexFlatIP on the GPU) is exact search: the entries torch finds, with its scores, after
     many adds past the cap (removal from the GPU index in place), in a deep copy, and after save/load."""
