@@ -31,10 +31,17 @@ random; the *continuation* term reads the training window's end as the local tok
 ``fragment`` tokens; the loss is the frozen decoder's next-token loss on the local tokens after them.
 Only the candidate position of each chunk carries autograd (its chunk is read without it), so a
 step costs one no-grad pass over the window plus a backward pass over the local tokens.
+
+That training predicts most local tokens with candidates that have not seen the tokens before them,
+while exact generation refreshes every candidate before each token.  ``fresh=N`` trains for what
+generation does: only the last N local tokens are predicted, token j with every candidate refreshed
+through the token before it (``fresh_candidates``: N candidate sets from one gated pass), and the
+earlier local tokens read the first set without autograd, as a prefill would.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -104,6 +111,20 @@ def _forward_group(model, group: ChunkGroup, ids: torch.Tensor, cache, gate, kee
     return last
 
 
+def _chunk_groups(spans: list[tuple[int, int]], parallel: int) -> list[ChunkGroup]:
+    """Chunks of equal length, ``parallel`` at a time (0 = all), as the groups decoded in one batch."""
+    by_length: dict[int, list[int]] = {}
+    for i, (s, e) in enumerate(spans):
+        by_length.setdefault(e - s, []).append(i)
+    step = parallel or len(spans)
+    return [ChunkGroup(members[g:g + step], 0) for members in by_length.values() for g in range(0, len(members), step)]
+
+
+def _group_rows(memory_ids: torch.Tensor, spans: list[tuple[int, int]], group: ChunkGroup, tail: torch.Tensor) -> torch.Tensor:
+    """The group's rows, chunk-major: [chunk ; tail] for each of its chunks."""
+    return torch.cat([torch.cat([memory_ids[:, spans[i][0]:spans[i][1]], tail], dim=1) for i in group.idx])
+
+
 def candidate_kv(model, memory_ids: torch.Tensor, fragment_ids: torch.Tensor, chunk: int, parallel: int,
                  gate=None, groups: list[ChunkGroup] | None = None,
                  grad: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -117,18 +138,68 @@ def candidate_kv(model, memory_ids: torch.Tensor, fragment_ids: torch.Tensor, ch
     """
     B = fragment_ids.shape[0]
     spans = chunk_spans(memory_ids.shape[1], chunk)
-    by_length: dict[int, list[int]] = {}
-    for i, (s, e) in enumerate(spans):
-        by_length.setdefault(e - s, []).append(i)
-    step = parallel or len(spans)
-    made = [ChunkGroup(members[g:g + step], 0) for members in by_length.values() for g in range(0, len(members), step)]
+    made = _chunk_groups(spans, parallel)
     per_chunk: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = [None] * len(spans)
     for group in made:
-        ids = torch.cat([torch.cat([memory_ids[:, spans[i][0]:spans[i][1]], fragment_ids], dim=1) for i in group.idx])
+        ids = _group_rows(memory_ids, spans, group, fragment_ids)
         _scatter(per_chunk, group, _forward_group(model, group, ids, None, gate, keep=groups is not None, grad=grad), B)
     if groups is not None:
         groups.extend(made)
     return _stack(per_chunk)
+
+
+def fresh_candidates(model, memory_ids: torch.Tensor, local_ids: torch.Tensor, fragment: int, chunk: int,
+                     parallel: int, gate=None, grad: bool = False) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """Training for exact generation: the candidates that exact refresh gives each of the last N local tokens.
+
+    ``local_ids`` (B, F + N - 1): the fragment (F tokens) then the N - 1 tokens fed after it.  Set j holds,
+    per chunk, the candidate of [chunk ; fragment ; the first j tokens after it] -- what ``refresh=1`` puts
+    in the decoder's slots before reading token F - 1 + j of ``local_ids`` (set 0: the prompt's).  One base
+    pass per chunk over [chunk ; local_ids] (no autograd), then the N candidate positions in one gated
+    pass: candidate j attends to the base keys before its position and to itself only, as it would after
+    j refreshes.  Returns per layer (keys, values) of shape (B, H_kv, N * n_chunks, D), set-major (set j
+    = columns j*n..(j+1)*n-1), keys rotated at each candidate's position in its chunk, and those
+    positions (N * n_chunks,)."""
+    B, m_local = local_ids.shape
+    N = m_local - fragment + 1
+    spans = chunk_spans(memory_ids.shape[1], chunk)
+    per_chunk: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = [None] * len(spans)
+    for group in _chunk_groups(spans, parallel):
+        ids = _group_rows(memory_ids, spans, group, local_ids)
+        R, m = ids.shape
+        pos = torch.arange(m, device=ids.device)[None].expand(R, -1)
+        with torch.no_grad(), _gated(gate, torch.zeros(R, m, device=ids.device)):
+            cache = model(input_ids=ids, position_ids=pos, past_key_values=DynamicCache(config=model.config),
+                          use_cache=True, logits_to_keep=1).past_key_values
+        first = m - N  # the candidate of set 0 sits at the fragment's last position
+        allowed = torch.zeros(N, m + N, dtype=torch.bool, device=ids.device)
+        for j in range(N):
+            allowed[j, :first + j] = True
+            allowed[j, m + j] = True
+        mask = _additive(allowed, model)
+        with torch.set_grad_enabled(grad), _gated(gate, torch.ones(R, N, device=ids.device)):
+            cache = model(input_ids=ids[:, first:], position_ids=pos[:, first:], past_key_values=cache,
+                          attention_mask=mask[None, None].expand(R, 1, -1, -1), use_cache=True,
+                          logits_to_keep=1).past_key_values
+        _scatter(per_chunk, group, [(l.keys[:, :, -N:], l.values[:, :, -N:]) for l in cache.layers], B)
+    layers = []
+    for layer in range(len(per_chunk[0])):  # chunk-major (chunk i, set j) -> set-major
+        k = torch.stack([c[layer][0] for c in per_chunk], dim=2).transpose(2, 3).flatten(2, 3)
+        v = torch.stack([c[layer][1] for c in per_chunk], dim=2).transpose(2, 3).flatten(2, 3)
+        layers.append((k, v))
+    lengths = torch.tensor([e - s + fragment for s, e in spans])
+    positions = (lengths[None, :] - 1 + torch.arange(N)[:, None]).flatten()
+    return layers, positions
+
+
+def _additive(allowed: torch.Tensor, model) -> torch.Tensor:
+    """A boolean (queries, keys) mask as the additive float mask every attention implementation takes."""
+    dtype = next(model.parameters()).dtype
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def _gated(gate, mask: torch.Tensor):
+    return gate.only(mask.to(torch.float32)) if gate is not None else contextlib.nullcontext()
 
 
 @torch.no_grad()
@@ -156,9 +227,12 @@ def _stack(per_chunk: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for l in range(n_layers)]
 
 
-def to_slots(cand: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor, run) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Re-rotate candidate ``i`` (rotated at ``positions[i]`` in its chunk) to slot ``i`` of the decoder."""
-    shift = torch.arange(len(positions)) - positions.cpu()  # rotate() moves it to the keys' device
+def to_slots(cand: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor, run,
+             slots: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Re-rotate candidate ``i`` (rotated at ``positions[i]`` in its chunk) to slot ``i`` of the decoder
+    (or to ``slots[i]``)."""
+    target = torch.arange(len(positions)) if slots is None else slots.cpu()
+    shift = target - positions.cpu()  # rotate() moves it to the keys' device
     return [(rotate(k, shift, families.rotary_inv_freq(run.model, run.family, layer)), v)
             for layer, (k, v) in enumerate(cand)]
 
@@ -201,14 +275,18 @@ class FocusLLM(Method):
                              "approximate, faster; 0 = never: the prompt's candidates, no chunk caches kept)")
     losses: str = option("continuation,repetition", "training: loss terms, comma-separated: continuation (the local "
                          "tokens are the window's end) and/or repetition (a span copied from the memory)")
+    fresh: int = option(0, "training: predict only the last N local tokens of each term, the way exact generation "
+                           "reads them: each with every candidate refreshed through the token before it (one "
+                           "candidate set per predicted token; the earlier local tokens run without gradient). "
+                           "0 = the paper's training: the candidates see the fragment, every later token is predicted")
     train_chunks: str = option("64,128,256,512,1024,2048", "training: chunk sizes, one drawn per step and loss term "
                                "(among those that fit the window and the training window)")
 
     def __post_init__(self) -> None:
-        if self.chunk <= 0 or self.local <= 0 or self.fragment <= 0 or self.parallel < 0 or self.refresh < 0:
-            raise ValueError(f"chunk, local and fragment must be > 0, parallel and refresh >= 0 (got chunk={self.chunk}, "
-                             f"local={self.local}, fragment={self.fragment}, parallel={self.parallel}, "
-                             f"refresh={self.refresh})")
+        if min(self.chunk, self.local, self.fragment) <= 0 or min(self.parallel, self.refresh, self.fresh) < 0:
+            raise ValueError(f"chunk, local and fragment must be > 0, parallel, refresh and fresh >= 0 (got "
+                             f"chunk={self.chunk}, local={self.local}, fragment={self.fragment}, "
+                             f"parallel={self.parallel}, refresh={self.refresh}, fresh={self.fresh})")
         if self.fragment > self.chunk:
             raise ValueError(f"fragment ({self.fragment}) must not be longer than the chunk ({self.chunk})")
         if self.fragment > self.local:
@@ -369,7 +447,7 @@ class FocusLLM(Method):
         memory, local = a copy of memory[s:s + l]."""
         def limit(c: int) -> int:
             hi = min(self.local, N - c) if term == "continuation" else min(c, (N - c) // 2)
-            return hi if hi >= 2 and c + min(self.fragment, c) <= window and -(-(N - 2) // c) + hi <= window else 0
+            return hi if hi >= 2 and c + min(self.fragment, c) + self.fresh <= window and -(-(N - 2) // c) + hi <= window else 0
 
         fits = [c for c in self._chunks if limit(c)]
         if not fits:
@@ -380,6 +458,10 @@ class FocusLLM(Method):
         hi = limit(c)
         l = rng.randint(max(2, hi // 4), hi)
         start = N - l if term == "continuation" else rng.randrange(0, N - l - l + 1)
+        if self.fresh:  # the last `fresh` tokens (at most half the local ones) predicted; the fragment ends before them
+            fresh = min(self.fresh, l // 2)
+            return TrainDraw(chunk=c, local=l, fragment=max(1, min(self.fragment, c, l - fresh)), memory=N - l,
+                             start=start, fresh=fresh)
         return TrainDraw(chunk=c, local=l, fragment=max(1, min(self.fragment, c, l // 2)), memory=N - l, start=start)
 
     def _check_trainable(self, run) -> None:
@@ -409,6 +491,9 @@ class FocusLLM(Method):
         terms = {}
         for term, d in draws.items():
             local = ids[:, d.start:d.start + d.local]
+            if d.fresh:
+                terms[term] = self._fresh_loss(run, model, gate, ids[:, :d.memory], local, d)
+                continue
             cand = candidate_kv(model, ids[:, :d.memory], local[:, :d.fragment], d.chunk, self.parallel, gate, grad=True)
             spans = chunk_spans(d.memory, d.chunk)
             lengths = torch.tensor([e - s + d.fragment for s, e in spans])
@@ -427,6 +512,45 @@ class FocusLLM(Method):
         return terms
 
 
+    def _fresh_loss(self, run, model, gate, memory, local, d: TrainDraw) -> torch.Tensor:
+        """``fresh`` training: the last N = ``d.fresh`` local tokens predicted as exact generation predicts
+        them.  The prompt is local[:t0 + 1] (t0 = l - N - 1), its fragment the F tokens ending at t0; token
+        t0 + j is read with candidate set j (refreshed through it) and the prompt tokens before t0 with set
+        0, without autograd (as a prefill would compute them)."""
+        l, N, F = d.local, d.fresh, d.fragment
+        t0 = l - N - 1
+        sets, positions = fresh_candidates(model, memory, local[:, t0 - F + 1:l - 1], F, d.chunk, self.parallel,
+                                           gate, grad=True)
+        n = len(positions) // N
+        sets = to_slots(sets, positions, run, slots=torch.arange(n).repeat(N))
+        B, dev = local.shape[0], local.device
+        prefix = [(k[:, :, :n].detach(), v[:, :, :n].detach()) for k, v in sets]
+        if t0:  # the prompt before its last token, reading set 0 (the prefill's candidates)
+            cache = DynamicCache(config=run.model.config)
+            for layer, (k, v) in enumerate(prefix):
+                cache.update(k, v, layer)
+            with torch.no_grad(), gate.only(torch.zeros(B, t0, device=dev)):
+                cache = model(input_ids=local[:, :t0], position_ids=torch.arange(n, n + t0, device=dev)[None].expand(B, -1),
+                              past_key_values=cache, attention_mask=torch.ones(B, n + t0, dtype=torch.long, device=dev),
+                              use_cache=True, logits_to_keep=1).past_key_values
+            prefix = [(layer.keys[:, :, n:], layer.values[:, :, n:]) for layer in cache.layers]
+        else:
+            prefix = [(k[:, :, :0], v[:, :, :0]) for k, v in prefix]
+        cache = DynamicCache(config=run.model.config)
+        for layer, ((k, v), (pk, pv)) in enumerate(zip(sets, prefix)):
+            cache.update(torch.cat([k, pk], 2), torch.cat([v, pv], 2), layer)
+        allowed = torch.zeros(N, N * n + t0 + N, dtype=torch.bool, device=dev)
+        for j in range(N):  # token t0 + j: candidate set j, the prompt before t0, the fed tokens t0..t0 + j
+            allowed[j, j * n:(j + 1) * n] = True
+            allowed[j, N * n:N * n + t0 + j + 1] = True
+        mask = _additive(allowed, model)
+        with gate.only(torch.zeros(B, N, device=dev)):
+            logits = model(input_ids=local[:, t0:l - 1], position_ids=torch.arange(n + t0, n + l - 1, device=dev)[None].expand(B, -1),
+                           past_key_values=cache, attention_mask=mask[None, None].expand(B, 1, -1, -1),
+                           use_cache=True).logits
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), local[:, t0 + 1:].flatten())
+
+
 @dataclass(frozen=True)
 class TrainDraw:
     """One loss term's draw for a training step (token counts; ``start`` is where the local tokens begin)."""
@@ -436,6 +560,7 @@ class TrainDraw:
     fragment: int
     memory: int
     start: int
+    fresh: int = 0  # predicted tokens with refreshed candidates (0: every local token after the fragment)
 
 
 @hookimpl

@@ -291,9 +291,67 @@ def test_the_loss_never_sees_the_tokens_it_predicts():
     assert not torch.isclose(first, second)  # the last token is a target: its loss term changes
 
 
+def _exact_generation_logits(peft, memory, local, t0, d, refresh=1):
+    """Teacher-forced exact generation (refresh=1) through the inference path: the prompt memory +
+    local[:t0 + 1], then each of the next tokens fed after its refresh; the logits of every step."""
+    from lcx.generation import prefill
+
+    opts = {**OPTS, "chunk": d.chunk, "local": t0 + 1, "fragment": d.fragment, "refresh": refresh}
+    out = []
+    with lcx.attach(peft, ["focusllm"], focusllm=opts) as run, torch.no_grad():
+        prompt = torch.cat([memory, local[:, :t0 + 1]], dim=1)
+        plan = make_plan(run, prompt, None, d.fresh)
+        cache = prefill(run, plan)
+        n = plan.info["candidates"]
+        feed = [plan.input_ids[:, n:]] + [local[:, t0 + j:t0 + j + 1] for j in range(1, d.fresh)]
+        at = n
+        for ids in feed:
+            pos = torch.arange(at, at + ids.shape[1])[None]
+            out.append(peft(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1])
+            at += ids.shape[1]
+        gen = run.state.get("focusllm_generation")
+        assert (gen["refreshes"] if refresh else 0) == (d.fresh - 1 if refresh else 0)
+    return torch.stack(out, dim=1)
+
+
+@pytest.mark.parametrize("parallel", [0, 1])
+def test_fresh_training_predicts_each_token_as_exact_generation_does(parallel):
+    """``fresh``: the training's logits for the last N local tokens equal those of exact generation
+    (refresh=1) teacher-forced through the inference path, and only the candidates' adapter gets gradients."""
+    peft = _trained_peft(seed=4).train()
+    ids = _ids(T=120, seed=11)
+    logits, got = [], {}
+    handle = peft.get_output_embeddings().register_forward_hook(lambda m, i, o: logits.append(o))
+    with _train_run(peft, fresh=5, parallel=parallel) as run:
+        batch = run.hook.lcx_sample(run=run, batch={"input_ids": ids}, step=2)
+        for term, d in batch["focusllm"].items():
+            peft.zero_grad()
+            loss = run.hook.lcx_loss(run=run, model=peft, batch={**batch, "focusllm": {term: d}})[0][term]
+            loss.backward()
+            grads = {n: p.grad for n, p in peft.named_parameters() if p.grad is not None}
+            got[term] = (d, logits[-1].detach(), loss.detach(), grads)
+    handle.remove()
+    for term, (d, out, loss, grads) in got.items():
+        assert d.fresh == min(5, d.local // 2) and d.fragment == min(8, d.chunk, d.local - d.fresh)
+        local = ids[:, d.start:d.start + d.local]
+        t0 = d.local - d.fresh - 1
+        assert out.shape[1] == d.fresh  # only the last N tokens are predicted
+        torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(out[0], local[0, t0 + 1:]))
+        want = _exact_generation_logits(peft, ids[:, :d.memory], local, t0, d)
+        torch.testing.assert_close(out, want, atol=2e-4, rtol=0)
+        assert grads and all("lora_" in n for n in grads)  # base weights: no gradient
+        assert any("k_proj" in n and g.abs().sum() > 0 for n, g in grads.items())
+        # the check can fail: read with the prompt's candidates (refresh=0), the later tokens differ
+        stale = _exact_generation_logits(peft, ids[:, :d.memory], local, t0, d, refresh=0)
+        torch.testing.assert_close(stale[:, 0], want[:, 0], atol=2e-4, rtol=0)
+        assert not torch.allclose(stale[:, 1:], want[:, 1:], atol=1e-3), term
+
+
 def test_bad_training_options_and_base_weights_are_refused():
     with pytest.raises(LcxError, match="losses must name one or both of continuation, repetition"):
         lcx.attach(tiny_model("llama"), ["focusllm"], focusllm={**OPTS, "losses": "continuation,copy"})
+    with pytest.raises(LcxError, match=r"parallel, refresh and fresh >= 0 \(got .*fresh=-2\)"):
+        lcx.attach(tiny_model("llama"), ["focusllm"], focusllm={**OPTS, "fresh": -2})
     with pytest.raises(LcxError, match="train_chunks must be positive integers"):
         lcx.attach(tiny_model("llama"), ["focusllm"], focusllm={**OPTS, "train_chunks": "64,big"})
     with lcx.attach(tiny_model("llama"), ["focusllm"], focusllm=OPTS) as run, pytest.raises(LcxError, match="has none"):
