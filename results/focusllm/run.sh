@@ -29,9 +29,29 @@ train() {  # the candidate adapter (q/k/v/o LoRA rank 8, gated to candidate posi
         --seq-len 8192 --steps ${FOCUSLLM_STEPS:-200} --lr 1e-3 --warmup 10 --save-every 10 \
         --out results/focusllm/adapter "${resume[@]}"
 }
+train_fresh() {  # the candidate adapter trained for exact generation (-o focusllm.fresh=128): only the last 128
+                 # tokens of each copied span are predicted, each with every candidate refreshed through the
+                 # token before it; repetition term only, 4K-token windows (a step is ~2x cheaper than 8K)
+    local resume=()
+    [ -d results/focusllm/adapter-fresh/checkpoints ] && resume=(--resume)
+    $LCX train -m smollm2-135m --method focusllm -o focusllm.fresh=128 -o focusllm.losses=repetition -o focusllm.train_chunks=512,1024,2048 \
+        $(printf -- "-d $BOOKS/%s.txt " "${TRAIN_BOOKS[@]}") --seq-len 4096 --steps ${FOCUSLLM_FRESH_STEPS:-150} \
+        --lr 1e-3 --warmup 10 --save-every 10 --out results/focusllm/adapter-fresh "${resume[@]}"
+}
 passkey_trained() {
     $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter --lengths $LENGTHS \
         --out results/focusllm/passkey-trained --resume
+}
+passkey_fresh() {  # the fresh-trained adapter (train_fresh) on the 16K grid (exact refresh; ~50 s a sample, 2 cores)
+    $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-fresh --lengths ${FRESH_LENGTHS:-16K} \
+        --out results/focusllm/passkey-fresh --resume
+}
+diagnose_fresh() {  # why passkey_fresh finds what it finds: the held-out copy loss, what the needle's candidate
+                    # knows on its own, where the question's queries look (~20 min on 2 cores)
+    .venv/bin/python results/focusllm/fresh-loss/fresh_loss.py
+    .venv/bin/python results/focusllm/passkey-ceiling/ceiling.py
+    .venv/bin/python results/focusllm/attention-share/share.py --adapter results/focusllm/adapter-fresh \
+        --out results/focusllm/attention-share/share-fresh.json
 }
 ppl_trained() {
     $LCX eval ppl -m smollm2-135m --adapter results/focusllm/adapter "${EVAL_BOOKS[@]}" --contexts 4K,8K,16K,32K \
@@ -48,5 +68,5 @@ compare16() {  # focusllm, training-free and with the trained adapter (focusllm@
 }
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(passkey_free ppl_free train passkey_trained ppl_trained)
+[ ${#steps[@]} -eq 0 ] && steps=(passkey_free ppl_free train passkey_trained ppl_trained train_fresh passkey_fresh diagnose_fresh)
 for s in "${steps[@]}"; do echo "== $s"; "$s"; done

@@ -4,6 +4,8 @@ needle, and on the needle itself when it lies among the local tokens — with th
 (training-free) and with the trained candidate adapter (results/focusllm/adapter), on the same prompts.
 
     .venv/bin/python results/focusllm/attention-share/share.py   # -> share.json beside it (~20 min, 1 core)
+    .venv/bin/python results/focusllm/attention-share/share.py --adapter results/focusllm/adapter-fresh \
+        --out results/focusllm/attention-share/share-fresh.json          # another trained adapter
 
 A probe method attached after focusllm records, in every layer's attention of the local window's forward
 (queries: the window's tokens; keys: [candidates ; local tokens], contiguous positions), the softmax of
@@ -12,6 +14,7 @@ the last QUERIES queries over all keys (causal); attention itself is computed un
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from dataclasses import dataclass
@@ -69,9 +72,21 @@ class CandidateShare(Method):
         return None
 
 
+def _shown(path: Path) -> str:
+    """The adapter's path from the repository root when it is inside it."""
+    try:
+        return str(path.resolve().relative_to(HERE.parents[2]))
+    except ValueError:
+        return str(path)
+
+
 def main() -> None:
-    out = {"queries": QUERIES, "model": MODEL, "adapter": str(ADAPTER.relative_to(HERE.parents[2])), "runs": {}}
-    for label, adapter in (("base projections", None), ("trained adapter", ADAPTER)):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--adapter", type=Path, default=ADAPTER, help="the trained candidate adapter (default: %(default)s)")
+    ap.add_argument("--out", type=Path, default=HERE / "share.json", help="JSON output (default: %(default)s)")
+    args = ap.parse_args()
+    out = {"queries": QUERIES, "model": MODEL, "adapter": _shown(args.adapter), "runs": {}}
+    for label, adapter in (("base projections", None), ("trained adapter", args.adapter)):
         model, tok = load_model(MODEL)
         if adapter is not None:
             model, _ = load_adapter(model, adapter)
@@ -97,8 +112,8 @@ def main() -> None:
                       file=sys.stderr, flush=True)
                 probe.case = None
         out["runs"][label] = rows
-    (HERE / "share.json").write_text(json.dumps(out, indent=1))
-    print(f"wrote {HERE / 'share.json'}")
+    args.out.write_text(json.dumps(out, indent=1))
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
