@@ -182,11 +182,12 @@ def fresh_candidates(model, memory_ids: torch.Tensor, local_ids: torch.Tensor, f
                           attention_mask=mask[None, None].expand(R, 1, -1, -1), use_cache=True,
                           logits_to_keep=1).past_key_values
         _scatter(per_chunk, group, [(l.keys[:, :, -N:], l.values[:, :, -N:]) for l in cache.layers], B)
-    layers = []
-    for layer in range(len(per_chunk[0])):  # chunk-major (chunk i, set j) -> set-major
-        k = torch.stack([c[layer][0] for c in per_chunk], dim=2).transpose(2, 3).flatten(2, 3)
-        v = torch.stack([c[layer][1] for c in per_chunk], dim=2).transpose(2, 3).flatten(2, 3)
-        layers.append((k, v))
+    n = len(spans)
+
+    def set_major(x: torch.Tensor) -> torch.Tensor:  # columns (chunk i, set j) -> (set j, chunk i)
+        return x.unflatten(2, (n, N)).transpose(2, 3).flatten(2, 3)
+
+    layers = [(set_major(k), set_major(v)) for k, v in _stack(per_chunk)]
     lengths = torch.tensor([e - s + fragment for s, e in spans])
     positions = (lengths[None, :] - 1 + torch.arange(N)[:, None]).flatten()
     return layers, positions
@@ -199,7 +200,16 @@ def _additive(allowed: torch.Tensor, model) -> torch.Tensor:
 
 
 def _gated(gate, mask: torch.Tensor):
-    return gate.only(mask.to(torch.float32)) if gate is not None else contextlib.nullcontext()
+    """``gate.only(mask)``, or nothing for a model without the candidate adapter."""
+    return gate.only(mask) if gate is not None else contextlib.nullcontext()
+
+
+def _kv_cache(config, kvs: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    """A cache holding the given per-layer (keys, values)."""
+    cache = DynamicCache(config=config)
+    for layer, (k, v) in enumerate(kvs):
+        cache.update(k, v, layer)
+    return cache
 
 
 @torch.no_grad()
@@ -497,9 +507,7 @@ class FocusLLM(Method):
             cand = candidate_kv(model, ids[:, :d.memory], local[:, :d.fragment], d.chunk, self.parallel, gate, grad=True)
             spans = chunk_spans(d.memory, d.chunk)
             lengths = torch.tensor([e - s + d.fragment for s, e in spans])
-            cache = DynamicCache(config=run.model.config)
-            for layer, (k, v) in enumerate(to_slots(cand, lengths - 1, run)):
-                cache.update(k, v, layer)
+            cache = _kv_cache(run.model.config, to_slots(cand, lengths - 1, run))
             n = len(spans)
             labels = local.clone()
             labels[:, :d.fragment] = -100
@@ -526,9 +534,7 @@ class FocusLLM(Method):
         B, dev = local.shape[0], local.device
         prefix = [(k[:, :, :n].detach(), v[:, :, :n].detach()) for k, v in sets]
         if t0:  # the prompt before its last token, reading set 0 (the prefill's candidates)
-            cache = DynamicCache(config=run.model.config)
-            for layer, (k, v) in enumerate(prefix):
-                cache.update(k, v, layer)
+            cache = _kv_cache(run.model.config, prefix)
             with torch.no_grad(), gate.only(torch.zeros(B, t0, device=dev)):
                 cache = model(input_ids=local[:, :t0], position_ids=torch.arange(n, n + t0, device=dev)[None].expand(B, -1),
                               past_key_values=cache, attention_mask=torch.ones(B, n + t0, dtype=torch.long, device=dev),
@@ -536,9 +542,8 @@ class FocusLLM(Method):
             prefix = [(layer.keys[:, :, n:], layer.values[:, :, n:]) for layer in cache.layers]
         else:
             prefix = [(k[:, :, :0], v[:, :, :0]) for k, v in prefix]
-        cache = DynamicCache(config=run.model.config)
-        for layer, ((k, v), (pk, pv)) in enumerate(zip(sets, prefix)):
-            cache.update(torch.cat([k, pk], 2), torch.cat([v, pv], 2), layer)
+        cache = _kv_cache(run.model.config, [(torch.cat([k, pk], 2), torch.cat([v, pv], 2))
+                                             for (k, v), (pk, pv) in zip(sets, prefix)])
         allowed = torch.zeros(N, N * n + t0 + N, dtype=torch.bool, device=dev)
         for j in range(N):  # token t0 + j: candidate set j, the prompt before t0, the fed tokens t0..t0 + j
             allowed[j, j * n:(j + 1) * n] = True

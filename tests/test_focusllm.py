@@ -310,7 +310,10 @@ def _exact_generation_logits(peft, memory, local, t0, d, refresh=1):
             out.append(peft(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1])
             at += ids.shape[1]
         gen = run.state.get("focusllm_generation")
-        assert (gen["refreshes"] if refresh else 0) == (d.fresh - 1 if refresh else 0)
+        if refresh:
+            assert gen["refreshes"] == d.fresh - 1  # every fed token after the prompt refreshed the candidates
+        else:
+            assert gen is None  # the prompt's candidates throughout
     return torch.stack(out, dim=1)
 
 

@@ -34,10 +34,11 @@ BOOKS = ROOT.parent / "shared" / "data" / "books"
 
 def draws(tok, windows: int, seq_len: int, seed: int) -> list[torch.Tensor]:
     rng = random.Random(seed)
+    books = [tok((BOOKS / f"{b}.txt").read_text(), add_special_tokens=False)["input_ids"]
+             for b in ("wells_invisible_man", "doyle_hound_of_the_baskervilles")]  # tokenized once
     out = []
     for i in range(windows):
-        book = ("wells_invisible_man", "doyle_hound_of_the_baskervilles")[i % 2]
-        ids = tok((BOOKS / f"{book}.txt").read_text(), add_special_tokens=False)["input_ids"]
+        ids = books[i % 2]
         s = rng.randrange(0, len(ids) - seq_len)
         out.append(torch.tensor(ids[s:s + seq_len])[None])
     return out
