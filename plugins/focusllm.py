@@ -27,7 +27,9 @@ Batches of several inputs need equal lengths without padding.
 Training (``lcx train --method focusllm``; only the candidate adapter trains, the base weights stay
 frozen): per step and loss term, a chunk size is drawn from ``train_chunks`` and a local size at
 random; the *continuation* term reads the training window's end as the local tokens, the
-*repetition* term a span copied from inside the memory.  The candidates see the local tokens' first
+*repetition* term a span copied from inside the memory, the *recall* term (with ``fresh``) the window's
+end followed by a short cue copied from the memory and what follows it there, as a question is followed
+by what a document said after the same words.  The candidates see the local tokens' first
 ``fragment`` tokens; the loss is the frozen decoder's next-token loss on the local tokens after them.
 Only the candidate position of each chunk carries autograd (its chunk is read without it), so a
 step costs one no-grad pass over the window plus a backward pass over the local tokens.
@@ -57,7 +59,9 @@ from lcx.method import Method, option
 from lcx.plan import Plan
 
 #: Training loss terms (``-o focusllm.losses``).
-LOSSES = ("continuation", "repetition")
+LOSSES = ("continuation", "repetition", "recall")
+#: The recall term's cue: how many copied tokens come before the predicted ones (drawn per step).
+RECALL_CUE = (4, 32)
 
 
 # ---------------------------------------------------------------------- chunking
@@ -284,7 +288,9 @@ class FocusLLM(Method):
     refresh: int = option(1, "generation: refresh every chunk's candidate every N new tokens (1 = exact; N > 1 = "
                              "approximate, faster; 0 = never: the prompt's candidates, no chunk caches kept)")
     losses: str = option("continuation,repetition", "training: loss terms, comma-separated: continuation (the local "
-                         "tokens are the window's end) and/or repetition (a span copied from the memory)")
+                         "tokens are the window's end), repetition (a span copied from the memory), recall (the "
+                         "window's end, then a 4-32 token cue copied from the memory: the fresh tokens that follow "
+                         "it there are predicted; needs fresh)")
     fresh: int = option(0, "training: predict only the last N local tokens of each term, the way exact generation "
                            "reads them: each with every candidate refreshed through the token before it (one "
                            "candidate set per predicted token; the earlier local tokens run without gradient). "
@@ -303,7 +309,10 @@ class FocusLLM(Method):
             raise ValueError(f"fragment ({self.fragment}) must not be longer than the local tokens ({self.local})")
         terms = [t.strip() for t in self.losses.split(",") if t.strip()]
         if not terms or set(terms) - set(LOSSES):
-            raise ValueError(f"losses must name one or both of {', '.join(LOSSES)}, got {self.losses!r}")
+            raise ValueError(f"losses must name one or more of {', '.join(LOSSES)}, got {self.losses!r}")
+        if "recall" in terms and not self.fresh:
+            raise ValueError("the recall loss predicts the tokens after its cue, the way exact generation reads them: "
+                             "set -o focusllm.fresh=N (e.g. 32)")
         try:
             chunks = sorted({int(c) for c in self.train_chunks.split(",") if c.strip()})
         except ValueError:
@@ -451,13 +460,17 @@ class FocusLLM(Method):
     def _draw(self, window: int, N: int, term: str, rng: random.Random) -> TrainDraw:
         """Chunk c from ``train_chunks`` (one chunk + its fragment within the window, at least one chunk of
         memory, candidates + local tokens within the window); local size l uniform in [hi / 4, hi] with
-        hi = ``local`` (continuation) or c (repetition: a span no longer than a chunk, so that one or two
+        hi = ``local`` (continuation, recall) or c (repetition: a span no longer than a chunk, so that one or two
         candidates hold it); fragment = min(``fragment``, c, l // 2), so at least half the local tokens are
         predicted.  Continuation: memory = the first N - l tokens, local = the last l.  Repetition: the same
-        memory, local = a copy of memory[s:s + l]."""
+        memory, local = a copy of memory[s:s + l].  Recall: local = the last l - m tokens, then a copy of
+        memory[s:s + m], m = cue + ``fresh`` (the fresh tokens predicted are the copy's after the cue;
+        the cue is 4-32 tokens, and at least 2 local tokens precede it)."""
+        least = RECALL_CUE[0] + self.fresh + 2 if term == "recall" else 2
+
         def limit(c: int) -> int:
-            hi = min(self.local, N - c) if term == "continuation" else min(c, (N - c) // 2)
-            return hi if hi >= 2 and c + min(self.fragment, c) + self.fresh <= window and -(-(N - 2) // c) + hi <= window else 0
+            hi = min(c, (N - c) // 2) if term == "repetition" else min(self.local, N - c)
+            return hi if hi >= least and c + min(self.fragment, c) + self.fresh <= window and -(-(N - 2) // c) + hi <= window else 0
 
         fits = [c for c in self._chunks if limit(c)]
         if not fits:
@@ -466,7 +479,11 @@ class FocusLLM(Method):
                            f"or smaller -o focusllm.train_chunks")
         c = rng.choice(fits)
         hi = limit(c)
-        l = rng.randint(max(2, hi // 4), hi)
+        l = rng.randint(max(least, hi // 4), hi)
+        if term == "recall":
+            m = rng.randint(RECALL_CUE[0], min(RECALL_CUE[1], l - self.fresh - 2)) + self.fresh
+            return TrainDraw(chunk=c, local=l, fragment=max(1, min(self.fragment, c, l - self.fresh)), memory=N - l,
+                             start=N - l, fresh=self.fresh, source=rng.randrange(0, N - l - m + 1), copied=m)
         start = N - l if term == "continuation" else rng.randrange(0, N - l - l + 1)
         if self.fresh:  # the last `fresh` tokens (at most half the local ones) predicted; the fragment ends before them
             fresh = min(self.fresh, l // 2)
@@ -501,6 +518,8 @@ class FocusLLM(Method):
         terms = {}
         for term, d in draws.items():
             local = ids[:, d.start:d.start + d.local]
+            if d.copied:  # recall: the local tokens end with a span of the memory
+                local = torch.cat([local[:, :d.local - d.copied], ids[:, d.source:d.source + d.copied]], 1)
             if d.fresh:
                 terms[term] = self._fresh_loss(run, model, gate, ids[:, :d.memory], local, d)
                 continue
@@ -566,6 +585,8 @@ class TrainDraw:
     memory: int
     start: int
     fresh: int = 0  # predicted tokens with refreshed candidates (0: every local token after the fragment)
+    source: int = 0  # recall: where in the memory the local tokens' last `copied` tokens come from
+    copied: int = 0
 
 
 @hookimpl

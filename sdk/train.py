@@ -60,6 +60,8 @@ class TrainConfig:
     full: list[str] = field(default_factory=list, metadata={
         "help": "modules trained fully (PEFT modules_to_save, e.g. k_proj,q_proj), or ['all']: every weight, "
                 "no LoRA, written as a whole model folder"})
+    init_adapter: str | None = field(default=None, metadata={
+        "help": "an lcx adapter whose weights the run starts from (same base model and rank; its roles)"})
     seed: int = field(default=0, metadata={"help": "seed for data order, init and sampling"})
     bf16: bool = field(default=False, metadata={"help": "bf16 autocast"})
     save_every: int = field(default=50, metadata={"help": "checkpoint every N steps (0 = only at the end)"})
@@ -80,6 +82,9 @@ class TrainConfig:
             raise LcxError(f"lr must be > 0, got {self.lr}")
         if self.schedule not in ("constant", "cosine"):
             raise LcxError(f"schedule must be constant or cosine, got {self.schedule!r}")
+        if self.init_adapter and (self.full or self.lora_roles):
+            raise LcxError(f"--init-adapter {self.init_adapter!r} brings its own LoRA modules and roles; drop "
+                           f"{'--full' if self.full else '--lora-targets'}")
 
 
 class Interrupted(LcxError):
@@ -217,6 +222,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, progr
     model.train()
     if cfg.full_model:  # from scratch / full fine-tuning: no adapter, every weight trains
         peft_model = model.requires_grad_(True)
+    elif cfg.init_adapter:
+        peft_model = _from_adapter(model, cfg)
     else:
         roles = tuple(cfg.lora_roles) if cfg.lora_roles else _method_roles(cfg.methods, registry())
         peft_model = add_adapter(model, roles=roles, rank=cfg.lora_rank, modules_to_save=cfg.full or None)
@@ -416,6 +423,18 @@ def _method_roles(methods: list[str], reg) -> tuple[str, ...]:
     return tuple(roles) or ("q", "k", "v", "o")
 
 
+def _from_adapter(model, cfg: TrainConfig):
+    """The adapter ``cfg.init_adapter`` loaded trainable onto ``model`` (its base model checked), in training mode."""
+    from lcx.adapters.peft_bridge import load_adapter
+
+    peft_model, _ = load_adapter(model, cfg.init_adapter, trainable=True)
+    rank = peft_model.peft_config["default"].r
+    if rank != cfg.lora_rank:
+        raise LcxError(f"--init-adapter {cfg.init_adapter!r} has LoRA rank {rank}, not --lora-rank {cfg.lora_rank}; "
+                       f"pass --lora-rank {rank}")
+    return peft_model.train()
+
+
 def _lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
     def f(step: int) -> float:
         if cfg.warmup and step < cfg.warmup:
@@ -433,7 +452,7 @@ def _prepare_out(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool) -> 
         if not (out / CHECKPOINTS).is_dir() or _latest_checkpoint(out / CHECKPOINTS) is None:
             raise LcxError(f"--resume: {str(out)!r} has no checkpoint to resume from; start without --resume")
         saved = json.loads((out / CONFIG).read_text())
-        for k in ("model", "methods", "options", "seq_len", "batch_size", "grad_accum", "seed", "lr", "lora_rank", "data",
+        for k in ("model", "methods", "options", "seq_len", "batch_size", "grad_accum", "seed", "lr", "lora_rank", "init_adapter", "data",
                   "full"):
             if saved.get(k) != getattr(cfg, k):
                 raise LcxError(

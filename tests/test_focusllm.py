@@ -325,7 +325,7 @@ def test_fresh_training_predicts_each_token_as_exact_generation_does(parallel):
     ids = _ids(T=120, seed=11)
     logits, got = [], {}
     handle = peft.get_output_embeddings().register_forward_hook(lambda m, i, o: logits.append(o))
-    with _train_run(peft, fresh=5, parallel=parallel) as run:
+    with _train_run(peft, fresh=5, parallel=parallel, losses="continuation,repetition,recall") as run:
         batch = run.hook.lcx_sample(run=run, batch={"input_ids": ids}, step=2)
         for term, d in batch["focusllm"].items():
             peft.zero_grad()
@@ -334,9 +334,13 @@ def test_fresh_training_predicts_each_token_as_exact_generation_does(parallel):
             grads = {n: p.grad for n, p in peft.named_parameters() if p.grad is not None}
             got[term] = (d, logits[-1].detach(), loss.detach(), grads)
     handle.remove()
+    assert set(got) == {"continuation", "repetition", "recall"}
     for term, (d, out, loss, grads) in got.items():
         assert d.fresh == min(5, d.local // 2) and d.fragment == min(8, d.chunk, d.local - d.fresh)
         local = ids[:, d.start:d.start + d.local]
+        if term == "recall":  # the window's end, then a cue + the 5 predicted tokens copied from the memory
+            assert 4 + 5 <= d.copied <= d.local - 2 and d.source + d.copied <= d.memory and d.start == d.memory
+            local = torch.cat([local[:, :d.local - d.copied], ids[:, d.source:d.source + d.copied]], 1)
         t0 = d.local - d.fresh - 1
         assert out.shape[1] == d.fresh  # only the last N tokens are predicted
         torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(out[0], local[0, t0 + 1:]))
@@ -351,8 +355,10 @@ def test_fresh_training_predicts_each_token_as_exact_generation_does(parallel):
 
 
 def test_bad_training_options_and_base_weights_are_refused():
-    with pytest.raises(LcxError, match="losses must name one or both of continuation, repetition"):
+    with pytest.raises(LcxError, match="losses must name one or more of continuation, repetition, recall"):
         lcx.attach(tiny_model("llama"), ["focusllm"], focusllm={**OPTS, "losses": "continuation,copy"})
+    with pytest.raises(LcxError, match="recall loss predicts the tokens after its cue.*set -o focusllm.fresh=N"):
+        lcx.attach(tiny_model("llama"), ["focusllm"], focusllm={**OPTS, "losses": "recall"})
     with pytest.raises(LcxError, match=r"parallel, refresh and fresh >= 0 \(got .*fresh=-2\)"):
         lcx.attach(tiny_model("llama"), ["focusllm"], focusllm={**OPTS, "fresh": -2})
     with pytest.raises(LcxError, match="train_chunks must be positive integers"):

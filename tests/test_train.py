@@ -96,6 +96,24 @@ def test_adapter_reloads_in_a_fresh_process_with_identical_logits(model_dir, cor
     assert torch.equal(load_file(str(dest))["logits"], here)
 
 
+def test_a_run_can_start_from_an_adapter_it_then_continues(model_dir, corpus, tmp_path):
+    """--init-adapter: the run starts from that adapter's weights (its LoRA B is not zero), so its first loss is
+    the trained adapter's, not the base model's; a rank other than the adapter's, or --full, is refused."""
+    first = train(_cfg(model_dir, corpus, tmp_path / "first", steps=20, lr=1e-2), progress=False)
+    same = train(_cfg(model_dir, corpus, tmp_path / "same", steps=1, lr=1e-12, init_adapter=str(first)), progress=False)
+    a, b = load_file(str(first / "adapter_model.safetensors")), load_file(str(same / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and any(k.endswith("lora_B.weight") and a[k].abs().sum() > 0 for k in a)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-9, rtol=0)
+    fresh = _metrics(first)[0]["loss"]
+    assert _metrics(same)[0]["loss"] < fresh - 0.5 and abs(_metrics(same)[0]["loss"] - _metrics(first)[-1]["loss"]) < 0.5
+    with pytest.raises(LcxError, match=r"has LoRA rank 8, not --lora-rank 4; pass --lora-rank 8"):
+        train(_cfg(model_dir, corpus, tmp_path / "r4", lora_rank=4, init_adapter=str(first)), progress=False)
+    r = _cli("train", "-m", str(model_dir), "-d", str(corpus), "--out", str(tmp_path / "full"), "--full", "q_proj",
+             "--init-adapter", str(first))
+    assert r.exit_code != 0 and "brings its own LoRA modules and roles; drop --full" in r.output
+
+
 # ---------------------------------------------------------------------- bad input, through the CLI
 def _cli(*args: str):
     return CliRunner().invoke(main, list(args))

@@ -38,6 +38,20 @@ train_fresh() {  # the candidate adapter trained for exact generation (-o focusl
         $(printf -- "-d $BOOKS/%s.txt " "${TRAIN_BOOKS[@]}") --seq-len 4096 --steps ${FOCUSLLM_FRESH_STEPS:-150} \
         --lr 1e-3 --warmup 10 --save-every 10 --out results/focusllm/adapter-fresh "${resume[@]}"
 }
+train_recall() {  # from the fresh-trained adapter, the recall term only (-o focusllm.losses=recall): the window's
+                  # end, then a 4-32 token cue copied from the memory; the 32 tokens that follow it there are
+                  # predicted, each with every candidate refreshed (what a passkey question asks of the candidates)
+    local resume=()
+    [ -d results/focusllm/adapter-recall/checkpoints ] && resume=(--resume)
+    $LCX train -m smollm2-135m --method focusllm -o focusllm.fresh=32 -o focusllm.losses=recall -o focusllm.train_chunks=512,1024,2048 \
+        $(printf -- "-d $BOOKS/%s.txt " "${TRAIN_BOOKS[@]}") --seq-len 4096 --steps ${FOCUSLLM_RECALL_STEPS:-120} \
+        --init-adapter results/focusllm/adapter-fresh --lr 5e-4 --warmup 5 --save-every 10 \
+        --out results/focusllm/adapter-recall "${resume[@]}"
+}
+passkey_recall() {  # the recall-trained adapter on the 16K grid (exact refresh)
+    $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall --lengths ${RECALL_LENGTHS:-16K} \
+        --out results/focusllm/passkey-recall --resume
+}
 passkey_trained() {
     $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter --lengths $LENGTHS \
         --out results/focusllm/passkey-trained --resume
@@ -68,5 +82,5 @@ compare16() {  # focusllm, training-free and with the trained adapter (focusllm@
 }
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(passkey_free ppl_free train passkey_trained ppl_trained train_fresh passkey_fresh diagnose_fresh)
+[ ${#steps[@]} -eq 0 ] && steps=(passkey_free ppl_free train passkey_trained ppl_trained train_fresh passkey_fresh diagnose_fresh train_recall passkey_recall)
 for s in "${steps[@]}"; do echo "== $s"; "$s"; done

@@ -33,6 +33,10 @@ from lcx.cli.base import CONTEXT, _echo_json, main, model_option
 @click.option("--full", default=None, metavar="MODULES|all",
               help="Train these modules fully (module-name suffixes, e.g. q_proj,k_proj for SMT; saved whole in the PEFT "
                    "adapter), or 'all': every weight, no LoRA, written as a model folder (load it with -m OUT).")
+@click.option("--init-adapter", type=click.Path(path_type=Path), default=None, metavar="DIR",
+              help="Start from this lcx adapter's weights instead of a fresh LoRA (same base model and rank; its "
+                   "roles): continue a training, e.g. with another loss.  The run's steps, optimizer and schedule "
+                   "start anew (--resume continues an interrupted run instead).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--bf16", is_flag=True, help="bf16 autocast (where the hardware supports it).")
 @click.option("--save-every", type=click.IntRange(0), default=50, show_default=True, help="Checkpoint every N steps.")
@@ -42,7 +46,7 @@ from lcx.cli.base import CONTEXT, _echo_json, main, model_option
 @click.option("--overwrite", is_flag=True, help="Replace an existing --out folder.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary at the end.")
 def train_cmd(model, methods, options, data, out, seq_len, steps, batch_size, grad_accum, lr, warmup, schedule,
-              lora_rank, lora_targets, full, seed, bf16, save_every, concat, text_field, resume, overwrite, as_json):
+              lora_rank, lora_targets, full, init_adapter, seed, bf16, save_every, concat, text_field, resume, overwrite, as_json):
     """Fine-tune the few parameters a method needs; writes an lcx (PEFT LoRA) adapter to --out.
 
     \b
@@ -60,6 +64,7 @@ def train_cmd(model, methods, options, data, out, seq_len, steps, batch_size, gr
         seq_len=seq_len, steps=steps, batch_size=batch_size, grad_accum=grad_accum, lr=lr, warmup=warmup,
         schedule=schedule, lora_rank=lora_rank, lora_roles=lora_targets.split(",") if lora_targets else None,
         full=[x.strip() for x in full.split(",") if x.strip()] if full else [],
+        init_adapter=str(init_adapter) if init_adapter else None,
         seed=seed, bf16=bf16, save_every=save_every, concat=concat, text_field=text_field,
     )
     path = train(cfg, resume=resume, overwrite=overwrite, progress=not as_json)
