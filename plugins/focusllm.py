@@ -28,8 +28,9 @@ Training (``lcx train --method focusllm``; only the candidate adapter trains, th
 frozen): per step and loss term, a chunk size is drawn from ``train_chunks`` and a local size at
 random; the *continuation* term reads the training window's end as the local tokens, the
 *repetition* term a span copied from inside the memory, the *recall* term (with ``fresh``) the window's
-end followed by a short cue copied from the memory and what follows it there, as a question is followed
-by what a document said after the same words.  The candidates see the local tokens' first
+end followed by a short cue copied from the memory and the value that follows it there, as a question is
+followed by what a document said after the same words; the value is random tokens of the window, which the
+local tokens cannot guess (as a passkey's digits).  The candidates see the local tokens' first
 ``fragment`` tokens; the loss is the frozen decoder's next-token loss on the local tokens after them.
 Only the candidate position of each chunk carries autograd (its chunk is read without it), so a
 step costs one no-grad pass over the window plus a backward pass over the local tokens.
@@ -290,7 +291,7 @@ class FocusLLM(Method):
     losses: str = option("continuation,repetition", "training: loss terms, comma-separated: continuation (the local "
                          "tokens are the window's end), repetition (a span copied from the memory), recall (the "
                          "window's end, then a 4-32 token cue copied from the memory: the fresh tokens that follow "
-                         "it there are predicted; needs fresh)")
+                         "it there, replaced by random tokens of the window in both places, are predicted; needs fresh)")
     fresh: int = option(0, "training: predict only the last N local tokens of each term, the way exact generation "
                            "reads them: each with every candidate refreshed through the token before it (one "
                            "candidate set per predicted token; the earlier local tokens run without gradient). "
@@ -465,7 +466,8 @@ class FocusLLM(Method):
         predicted.  Continuation: memory = the first N - l tokens, local = the last l.  Repetition: the same
         memory, local = a copy of memory[s:s + l].  Recall: local = the last l - m tokens, then a copy of
         memory[s:s + m], m = cue + ``fresh`` (the fresh tokens predicted are the copy's after the cue;
-        the cue is 4-32 tokens, and at least 2 local tokens precede it)."""
+        the cue is 4-32 tokens, and at least 2 local tokens precede it); those ``fresh`` tokens, in the memory
+        and so in the copy, are the window's tokens at ``values`` (random positions)."""
         least = RECALL_CUE[0] + self.fresh + 2 if term == "recall" else 2
 
         def limit(c: int) -> int:
@@ -483,7 +485,8 @@ class FocusLLM(Method):
         if term == "recall":
             m = rng.randint(RECALL_CUE[0], min(RECALL_CUE[1], l - self.fresh - 2)) + self.fresh
             return TrainDraw(chunk=c, local=l, fragment=max(1, min(self.fragment, c, l - self.fresh)), memory=N - l,
-                             start=N - l, fresh=self.fresh, source=rng.randrange(0, N - l - m + 1), copied=m)
+                             start=N - l, fresh=self.fresh, source=rng.randrange(0, N - l - m + 1), copied=m,
+                             values=tuple(rng.randrange(0, N) for _ in range(self.fresh)))
         start = N - l if term == "continuation" else rng.randrange(0, N - l - l + 1)
         if self.fresh:  # the last `fresh` tokens (at most half the local ones) predicted; the fragment ends before them
             fresh = min(self.fresh, l // 2)
@@ -518,10 +521,13 @@ class FocusLLM(Method):
         terms = {}
         for term, d in draws.items():
             local = ids[:, d.start:d.start + d.local]
-            if d.copied:  # recall: the local tokens end with a span of the memory
-                local = torch.cat([local[:, :d.local - d.copied], ids[:, d.source:d.source + d.copied]], 1)
+            memory = ids[:, :d.memory]
+            if d.copied:  # recall: the local tokens end with a span of the memory, its value random tokens
+                memory = memory.clone()
+                memory[:, d.source + d.copied - d.fresh:d.source + d.copied] = ids[:, list(d.values)]
+                local = torch.cat([local[:, :d.local - d.copied], memory[:, d.source:d.source + d.copied]], 1)
             if d.fresh:
-                terms[term] = self._fresh_loss(run, model, gate, ids[:, :d.memory], local, d)
+                terms[term] = self._fresh_loss(run, model, gate, memory, local, d)
                 continue
             cand = candidate_kv(model, ids[:, :d.memory], local[:, :d.fragment], d.chunk, self.parallel, gate, grad=True)
             spans = chunk_spans(d.memory, d.chunk)
@@ -587,6 +593,7 @@ class TrainDraw:
     fresh: int = 0  # predicted tokens with refreshed candidates (0: every local token after the fragment)
     source: int = 0  # recall: where in the memory the local tokens' last `copied` tokens come from
     copied: int = 0
+    values: tuple[int, ...] = ()  # recall: the window positions whose tokens replace the copy's last `fresh`
 
 
 @hookimpl

@@ -338,18 +338,22 @@ def test_fresh_training_predicts_each_token_as_exact_generation_does(parallel):
     for term, (d, out, loss, grads) in got.items():
         assert d.fresh == min(5, d.local // 2) and d.fragment == min(8, d.chunk, d.local - d.fresh)
         local = ids[:, d.start:d.start + d.local]
-        if term == "recall":  # the window's end, then a cue + the 5 predicted tokens copied from the memory
+        memory = ids[:, :d.memory]
+        if term == "recall":  # the window's end, then a cue + the 5 predicted tokens copied from the memory,
+            # those 5 (in the memory too) the window's tokens at 5 random positions
             assert 4 + 5 <= d.copied <= d.local - 2 and d.source + d.copied <= d.memory and d.start == d.memory
-            local = torch.cat([local[:, :d.local - d.copied], ids[:, d.source:d.source + d.copied]], 1)
+            memory = torch.cat([memory[:, :d.source + d.copied - 5], ids[:, list(d.values)],
+                                memory[:, d.source + d.copied:]], 1)
+            local = torch.cat([local[:, :d.local - d.copied], memory[:, d.source:d.source + d.copied]], 1)
         t0 = d.local - d.fresh - 1
         assert out.shape[1] == d.fresh  # only the last N tokens are predicted
         torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(out[0], local[0, t0 + 1:]))
-        want = _exact_generation_logits(peft, ids[:, :d.memory], local, t0, d)
+        want = _exact_generation_logits(peft, memory, local, t0, d)
         torch.testing.assert_close(out, want, atol=2e-4, rtol=0)
         assert grads and all("lora_" in n for n in grads)  # base weights: no gradient
         assert any("k_proj" in n and g.abs().sum() > 0 for n, g in grads.items())
         # the check can fail: read with the prompt's candidates (refresh=0), the later tokens differ
-        stale = _exact_generation_logits(peft, ids[:, :d.memory], local, t0, d, refresh=0)
+        stale = _exact_generation_logits(peft, memory, local, t0, d, refresh=0)
         torch.testing.assert_close(stale[:, 0], want[:, 0], atol=2e-4, rtol=0)
         assert not torch.allclose(stale[:, 1:], want[:, 1:], atol=1e-3), term
 
