@@ -30,7 +30,8 @@ random; the *continuation* term reads the training window's end as the local tok
 *repetition* term a span copied from inside the memory, the *recall* term (with ``fresh``) the window's
 end followed by a short cue copied from the memory and the value that follows it there, as a question is
 followed by what a document said after the same words; the value is random tokens of the window, which the
-local tokens cannot guess (as a passkey's digits).  The candidates see the local tokens' first
+local tokens cannot guess (as a passkey's digits); with ``recall_local``, a share of the draws puts a random
+cue and value among the local tokens instead, earlier than the question (a passkey near the end).  The candidates see the local tokens' first
 ``fragment`` tokens; the loss is the frozen decoder's next-token loss on the local tokens after them.
 Only the candidate position of each chunk carries autograd (its chunk is read without it), so a
 step costs one no-grad pass over the window plus a backward pass over the local tokens.
@@ -296,6 +297,9 @@ class FocusLLM(Method):
                            "reads them: each with every candidate refreshed through the token before it (one "
                            "candidate set per predicted token; the earlier local tokens run without gradient). "
                            "0 = the paper's training: the candidates see the fragment, every later token is predicted")
+    recall_local: float = option(0.0, "training (recall): the share of draws whose cue and value (random tokens) sit "
+                                      "among the local tokens, before the question, instead of the memory: the answer "
+                                      "is then local, as a passkey near the end (0 = always in the memory)")
     train_chunks: str = option("64,128,256,512,1024,2048", "training: chunk sizes, one drawn per step and loss term "
                                "(among those that fit the window and the training window)")
 
@@ -311,6 +315,8 @@ class FocusLLM(Method):
         terms = [t.strip() for t in self.losses.split(",") if t.strip()]
         if not terms or set(terms) - set(LOSSES):
             raise ValueError(f"losses must name one or more of {', '.join(LOSSES)}, got {self.losses!r}")
+        if not 0 <= self.recall_local <= 1:
+            raise ValueError(f"recall_local is a share of the recall draws, from 0 to 1, got {self.recall_local}")
         if "recall" in terms and not self.fresh:
             raise ValueError("the recall loss predicts the tokens after its cue, the way exact generation reads them: "
                              "set -o focusllm.fresh=N (e.g. 32)")
@@ -467,7 +473,9 @@ class FocusLLM(Method):
         memory, local = a copy of memory[s:s + l].  Recall: local = the last l - m tokens, then a copy of
         memory[s:s + m], m = cue + ``fresh`` (the fresh tokens predicted are the copy's after the cue;
         the cue is 4-32 tokens, and at least 2 local tokens precede it); those ``fresh`` tokens, in the memory
-        and so in the copy, are the window's tokens at ``values`` (random positions)."""
+        and so in the copy, are the window's tokens at ``values`` (random positions).  With probability
+        ``recall_local`` (when l >= 2m) the copy is instead m random tokens of the window (cue and value), which
+        also replace local[p:p + m], p = ``placed``, before the copy."""
         least = RECALL_CUE[0] + self.fresh + 2 if term == "recall" else 2
 
         def limit(c: int) -> int:
@@ -484,9 +492,13 @@ class FocusLLM(Method):
         l = rng.randint(max(least, hi // 4), hi)
         if term == "recall":
             m = rng.randint(RECALL_CUE[0], min(RECALL_CUE[1], l - self.fresh - 2)) + self.fresh
+            placed = -1
+            if self.recall_local and rng.random() < self.recall_local and l >= 2 * m:
+                placed = rng.randrange(0, l - 2 * m + 1)
             return TrainDraw(chunk=c, local=l, fragment=max(1, min(self.fragment, c, l - self.fresh)), memory=N - l,
                              start=N - l, fresh=self.fresh, source=rng.randrange(0, N - l - m + 1), copied=m,
-                             values=tuple(rng.randrange(0, N) for _ in range(self.fresh)))
+                             values=tuple(rng.randrange(0, N) for _ in range(m if placed >= 0 else self.fresh)),
+                             placed=placed)
         start = N - l if term == "continuation" else rng.randrange(0, N - l - l + 1)
         if self.fresh:  # the last `fresh` tokens (at most half the local ones) predicted; the fragment ends before them
             fresh = min(self.fresh, l // 2)
@@ -522,10 +534,16 @@ class FocusLLM(Method):
         for term, d in draws.items():
             local = ids[:, d.start:d.start + d.local]
             memory = ids[:, :d.memory]
-            if d.copied:  # recall: the local tokens end with a span of the memory, its value random tokens
-                memory = memory.clone()
-                memory[:, d.source + d.copied - d.fresh:d.source + d.copied] = ids[:, list(d.values)]
-                local = torch.cat([local[:, :d.local - d.copied], memory[:, d.source:d.source + d.copied]], 1)
+            if d.copied:  # recall: the local tokens end with a cue and its value, the value random tokens
+                head = local[:, :d.local - d.copied]
+                if d.placed < 0:  # the cue is a span of the memory, its value written after it there
+                    memory = memory.clone()
+                    memory[:, d.source + d.copied - d.fresh:d.source + d.copied] = ids[:, list(d.values)]
+                    span = memory[:, d.source:d.source + d.copied]
+                else:  # cue and value random, and among the local tokens before the question
+                    span = ids[:, list(d.values)]
+                    head = torch.cat([head[:, :d.placed], span, head[:, d.placed + d.copied:]], 1)
+                local = torch.cat([head, span], 1)
             if d.fresh:
                 terms[term] = self._fresh_loss(run, model, gate, memory, local, d)
                 continue
@@ -594,6 +612,7 @@ class TrainDraw:
     source: int = 0  # recall: where in the memory the local tokens' last `copied` tokens come from
     copied: int = 0
     values: tuple[int, ...] = ()  # recall: the window positions whose tokens replace the copy's last `fresh`
+    placed: int = -1  # recall: where among the local tokens the cue and value sit (-1: in the memory)
 
 
 @hookimpl

@@ -325,8 +325,13 @@ def test_fresh_training_predicts_each_token_as_exact_generation_does(parallel):
     ids = _ids(T=120, seed=11)
     logits, got = [], {}
     handle = peft.get_output_embeddings().register_forward_hook(lambda m, i, o: logits.append(o))
-    with _train_run(peft, fresh=5, parallel=parallel, losses="continuation,repetition,recall") as run:
-        batch = run.hook.lcx_sample(run=run, batch={"input_ids": ids}, step=2)
+    # parallel=1 also puts the recall term's cue and value among the local tokens (recall_local=1)
+    with _train_run(peft, fresh=5, parallel=parallel, losses="continuation,repetition,recall",
+                    recall_local=float(parallel)) as run:
+        step = next(s for s in range(2, 40)
+                    if (run.hook.lcx_sample(run=run, batch={"input_ids": ids}, step=s)["focusllm"]["recall"].placed >= 0)
+                    == bool(parallel))
+        batch = run.hook.lcx_sample(run=run, batch={"input_ids": ids}, step=step)
         for term, d in batch["focusllm"].items():
             peft.zero_grad()
             loss = run.hook.lcx_loss(run=run, model=peft, batch={**batch, "focusllm": {term: d}})[0][term]
@@ -339,12 +344,17 @@ def test_fresh_training_predicts_each_token_as_exact_generation_does(parallel):
         assert d.fresh == min(5, d.local // 2) and d.fragment == min(8, d.chunk, d.local - d.fresh)
         local = ids[:, d.start:d.start + d.local]
         memory = ids[:, :d.memory]
-        if term == "recall":  # the window's end, then a cue + the 5 predicted tokens copied from the memory,
-            # those 5 (in the memory too) the window's tokens at 5 random positions
+        if term == "recall" and not parallel:  # the window's end, then a cue + the 5 predicted tokens copied from
+            # the memory, those 5 (in the memory too) the window's tokens at 5 random positions
             assert 4 + 5 <= d.copied <= d.local - 2 and d.source + d.copied <= d.memory and d.start == d.memory
             memory = torch.cat([memory[:, :d.source + d.copied - 5], ids[:, list(d.values)],
                                 memory[:, d.source + d.copied:]], 1)
             local = torch.cat([local[:, :d.local - d.copied], memory[:, d.source:d.source + d.copied]], 1)
+        elif term == "recall":  # cue + value: random tokens of the window, at `placed` among the local tokens
+            m = d.copied  # and again at the end; the memory unchanged
+            span = ids[:, list(d.values)]
+            assert len(d.values) == m and 0 <= d.placed <= d.local - 2 * m
+            local = torch.cat([local[:, :d.placed], span, local[:, d.placed + m:d.local - m], span], 1)
         t0 = d.local - d.fresh - 1
         assert out.shape[1] == d.fresh  # only the last N tokens are predicted
         torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(out[0], local[0, t0 + 1:]))
@@ -361,6 +371,8 @@ def test_fresh_training_predicts_each_token_as_exact_generation_does(parallel):
 def test_bad_training_options_and_base_weights_are_refused():
     with pytest.raises(LcxError, match="losses must name one or more of continuation, repetition, recall"):
         lcx.attach(tiny_model("llama"), ["focusllm"], focusllm={**OPTS, "losses": "continuation,copy"})
+    with pytest.raises(LcxError, match="recall_local is a share of the recall draws, from 0 to 1, got 1.5"):
+        lcx.attach(tiny_model("llama"), ["focusllm"], focusllm={**OPTS, "recall_local": 1.5})
     with pytest.raises(LcxError, match="recall loss predicts the tokens after its cue.*set -o focusllm.fresh=N"):
         lcx.attach(tiny_model("llama"), ["focusllm"], focusllm={**OPTS, "losses": "recall"})
     with pytest.raises(LcxError, match=r"parallel, refresh and fresh >= 0 \(got .*fresh=-2\)"):

@@ -48,6 +48,19 @@ train_recall() {  # from the fresh-trained adapter, the recall term only (-o foc
         --init-adapter results/focusllm/adapter-fresh --lr 5e-4 --warmup 5 --save-every 10 \
         --out results/focusllm/adapter-recall "${resume[@]}"
 }
+train_recall_local() {  # from adapter-recall, the recall term with half of its draws' cue and value among the local
+                        # tokens (-o focusllm.recall_local=0.5): the answer is in the memory or local, as a passkey's
+    local resume=()
+    [ -d results/focusllm/adapter-recall-local/checkpoints ] && resume=(--resume)
+    $LCX train -m smollm2-135m --method focusllm -o focusllm.fresh=32 -o focusllm.losses=recall -o focusllm.recall_local=0.5 \
+        -o focusllm.train_chunks=512,1024,2048 $(printf -- "-d $BOOKS/%s.txt " "${TRAIN_BOOKS[@]}") --seq-len 4096 \
+        --steps ${FOCUSLLM_RECALL_STEPS:-100} --init-adapter results/focusllm/adapter-recall --lr 5e-4 --warmup 5 \
+        --save-every 10 --seed 1 --out results/focusllm/adapter-recall-local "${resume[@]}"
+}
+passkey_recall_local() {
+    $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local --lengths ${RECALL_LENGTHS:-16K} \
+        --out results/focusllm/passkey-recall-local --resume
+}
 passkey_recall() {  # the recall-trained adapter on the 16K grid (exact refresh)
     $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall --lengths ${RECALL_LENGTHS:-16K} \
         --out results/focusllm/passkey-recall --resume
@@ -82,5 +95,5 @@ compare16() {  # focusllm, training-free and with the trained adapter (focusllm@
 }
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(passkey_free ppl_free train passkey_trained ppl_trained train_fresh passkey_fresh diagnose_fresh train_recall passkey_recall)
+[ ${#steps[@]} -eq 0 ] && steps=(passkey_free ppl_free train passkey_trained ppl_trained train_fresh passkey_fresh diagnose_fresh train_recall passkey_recall train_recall_local passkey_recall_local)
 for s in "${steps[@]}"; do echo "== $s"; "$s"; done
