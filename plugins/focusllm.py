@@ -31,10 +31,11 @@ random; the *continuation* term reads the training window's end as the local tok
 end followed by a short cue copied from the memory and the value that follows it there, as a question is
 followed by what a document said after the same words; the value is random tokens of the window, which the
 local tokens cannot guess (as a passkey's digits); with ``recall_local``, a share of the draws puts a random
-cue and value among the local tokens instead, earlier than the question (a passkey near the end).  The candidates see the local tokens' first
-``fragment`` tokens; the loss is the frozen decoder's next-token loss on the local tokens after them.
-Only the candidate position of each chunk carries autograd (its chunk is read without it), so a
-step costs one no-grad pass over the window plus a backward pass over the local tokens.
+cue and value among the local tokens instead, earlier than the question (a passkey near the end).  The
+candidates see the local tokens' first ``fragment`` tokens; the loss is the frozen decoder's next-token
+loss on the local tokens after them.  Only the candidate position of each chunk carries autograd (its
+chunk is read without it), so a step costs one no-grad pass over the window plus a backward pass over
+the local tokens.
 
 That training predicts most local tokens with candidates that have not seen the tokens before them,
 while exact generation refreshes every candidate before each token.  ``fresh=N`` trains for what
@@ -547,7 +548,7 @@ class FocusLLM(Method):
             if d.fresh:
                 terms[term] = self._fresh_loss(run, model, gate, memory, local, d)
                 continue
-            cand = candidate_kv(model, ids[:, :d.memory], local[:, :d.fragment], d.chunk, self.parallel, gate, grad=True)
+            cand = candidate_kv(model, memory, local[:, :d.fragment], d.chunk, self.parallel, gate, grad=True)
             spans = chunk_spans(d.memory, d.chunk)
             lengths = torch.tensor([e - s + d.fragment for s, e in spans])
             cache = _kv_cache(run.model.config, to_slots(cand, lengths - 1, run))
@@ -611,7 +612,7 @@ class TrainDraw:
     fresh: int = 0  # predicted tokens with refreshed candidates (0: every local token after the fragment)
     source: int = 0  # recall: where in the memory the local tokens' last `copied` tokens come from
     copied: int = 0
-    values: tuple[int, ...] = ()  # recall: the window positions whose tokens replace the copy's last `fresh`
+    values: tuple[int, ...] = ()  # recall: window positions whose tokens are the value (placed: the cue and value)
     placed: int = -1  # recall: where among the local tokens the cue and value sit (-1: in the memory)
 
 
