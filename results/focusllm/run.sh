@@ -61,6 +61,10 @@ passkey_recall_local() {
     $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local --lengths ${RECALL_LENGTHS:-16K} \
         --out results/focusllm/passkey-recall-local --resume
 }
+passkey_recall_local_32k() {  # a first look at 32K: 2 keys per depth (~100 s a sample on 2 cores)
+    $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local --lengths 32K --samples 2 \
+        --out results/focusllm/passkey-recall-local-32k --resume
+}
 passkey_recall() {  # the recall-trained adapter on the 16K grid (exact refresh)
     $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall --lengths ${RECALL_LENGTHS:-16K} \
         --out results/focusllm/passkey-recall --resume
@@ -95,5 +99,5 @@ compare16() {  # focusllm, training-free and with the trained adapter (focusllm@
 }
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(passkey_free ppl_free train passkey_trained ppl_trained train_fresh passkey_fresh diagnose_fresh train_recall passkey_recall train_recall_local passkey_recall_local)
+[ ${#steps[@]} -eq 0 ] && steps=(passkey_free ppl_free train passkey_trained ppl_trained train_fresh passkey_fresh diagnose_fresh train_recall passkey_recall train_recall_local passkey_recall_local passkey_recall_local_32k)
 for s in "${steps[@]}"; do echo "== $s"; "$s"; done
