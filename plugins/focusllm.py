@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -491,21 +491,22 @@ class FocusLLM(Method):
         c = rng.choice(fits)
         hi = limit(c)
         l = rng.randint(max(least, hi // 4), hi)
-        if term == "recall":
-            m = rng.randint(RECALL_CUE[0], min(RECALL_CUE[1], l - self.fresh - 2)) + self.fresh
-            placed = -1
-            if self.recall_local and rng.random() < self.recall_local and l >= 2 * m:
-                placed = rng.randrange(0, l - 2 * m + 1)
-            return TrainDraw(chunk=c, local=l, fragment=max(1, min(self.fragment, c, l - self.fresh)), memory=N - l,
-                             start=N - l, fresh=self.fresh, source=rng.randrange(0, N - l - m + 1), copied=m,
-                             values=tuple(rng.randrange(0, N) for _ in range(m if placed >= 0 else self.fresh)),
-                             placed=placed)
-        start = N - l if term == "continuation" else rng.randrange(0, N - l - l + 1)
-        if self.fresh:  # the last `fresh` tokens (at most half the local ones) predicted; the fragment ends before them
-            fresh = min(self.fresh, l // 2)
-            return TrainDraw(chunk=c, local=l, fragment=max(1, min(self.fragment, c, l - fresh)), memory=N - l,
-                             start=start, fresh=fresh)
-        return TrainDraw(chunk=c, local=l, fragment=max(1, min(self.fragment, c, l // 2)), memory=N - l, start=start)
+        start = rng.randrange(0, N - l - l + 1) if term == "repetition" else N - l
+        if not self.fresh:
+            return TrainDraw(chunk=c, local=l, fragment=max(1, min(self.fragment, c, l // 2)), memory=N - l, start=start)
+        # the last `fresh` tokens predicted (at most half the local ones; recall: every one, after its cue);
+        # the fragment ends before them
+        fresh = self.fresh if term == "recall" else min(self.fresh, l // 2)
+        draw = TrainDraw(chunk=c, local=l, fragment=max(1, min(self.fragment, c, l - fresh)), memory=N - l,
+                         start=start, fresh=fresh)
+        if term != "recall":
+            return draw
+        m = rng.randint(RECALL_CUE[0], min(RECALL_CUE[1], l - fresh - 2)) + fresh
+        placed = -1
+        if self.recall_local and rng.random() < self.recall_local and l >= 2 * m:
+            placed = rng.randrange(0, l - 2 * m + 1)
+        return replace(draw, source=rng.randrange(0, N - l - m + 1), copied=m, placed=placed,
+                       values=tuple(rng.randrange(0, N) for _ in range(m if placed >= 0 else fresh)))
 
     def _check_trainable(self, run) -> None:
         if run.state.get("focusllm_checked"):
