@@ -6,6 +6,8 @@ last ``fragment`` local tokens are appended to every chunk, and the last positio
 [chunk ; fragment] is a *candidate token*: its per-layer key/value summarises the chunk as seen from
 the local context.  The frozen model then reads the local tokens after the candidates, with
 contiguous positions: candidates at 0..n-1, local tokens from n (the chunking stage builds that plan).
+With ``overlap`` (an lcx extension; the paper's chunks are disjoint) each chunk but the first also reads
+the last ``overlap`` tokens of the chunk before it, so that a short fact cut by a boundary is whole in one.
 
 The candidate position uses the method's own q/k/v/o projections: a LoRA adapter gated per token
 (``lcx.adapters.gated_lora``) open only there, so an untrained (zero) adapter is the base model and a
@@ -68,9 +70,10 @@ RECALL_CUE = (4, 32)
 
 
 # ---------------------------------------------------------------------- chunking
-def chunk_spans(memory: int, chunk: int) -> list[tuple[int, int]]:
-    """``[start, end)`` of each memory chunk: ``chunk`` tokens, the last one possibly shorter."""
-    return [(s, min(s + chunk, memory)) for s in range(0, memory, chunk)]
+def chunk_spans(memory: int, chunk: int, overlap: int = 0) -> list[tuple[int, int]]:
+    """``[start, end)`` of each memory chunk: ``chunk`` new tokens (the last chunk possibly fewer), each chunk
+    but the first also reading the ``overlap`` tokens before them (the end of the chunk before)."""
+    return [(max(0, s - overlap), min(s + chunk, memory)) for s in range(0, memory, chunk)]
 
 
 # ---------------------------------------------------------------------- candidates
@@ -133,18 +136,18 @@ def _group_rows(memory_ids: torch.Tensor, spans: list[tuple[int, int]], group: C
 
 
 def candidate_kv(model, memory_ids: torch.Tensor, fragment_ids: torch.Tensor, chunk: int, parallel: int,
-                 gate=None, groups: list[ChunkGroup] | None = None,
-                 grad: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                 gate=None, groups: list[ChunkGroup] | None = None, grad: bool = False,
+                 overlap: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, the candidates' (keys, values) of shape (B, H_kv, n_chunks, D), keys rotated at the
     position each candidate had in its own [chunk ; fragment] forward (its last position).
 
     ``memory_ids`` (B, M), ``fragment_ids`` (B, F).  Chunks of equal length are batched ``parallel`` at
     a time (0 = all); ``gate`` (a ``TokenGate``) opens the candidate adapter at the last position only.
     Pass a list as ``groups`` to keep every chunk's cache in it (for ``refresh_candidates``); with
-    ``grad`` (training) the candidates carry autograd through the adapter.
+    ``grad`` (training) the candidates carry autograd through the adapter; ``overlap``: see ``chunk_spans``.
     """
     B = fragment_ids.shape[0]
-    spans = chunk_spans(memory_ids.shape[1], chunk)
+    spans = chunk_spans(memory_ids.shape[1], chunk, overlap)
     made = _chunk_groups(spans, parallel)
     per_chunk: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = [None] * len(spans)
     for group in made:
@@ -156,7 +159,8 @@ def candidate_kv(model, memory_ids: torch.Tensor, fragment_ids: torch.Tensor, ch
 
 
 def fresh_candidates(model, memory_ids: torch.Tensor, local_ids: torch.Tensor, fragment: int, chunk: int,
-                     parallel: int, gate=None, grad: bool = False) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+                     parallel: int, gate=None, grad: bool = False,
+                     overlap: int = 0) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
     """Training for exact generation: the candidates that exact refresh gives each of the last N local tokens.
 
     ``local_ids`` (B, F + N - 1): the fragment (F tokens) then the N - 1 tokens fed after it.  Set j holds,
@@ -169,7 +173,7 @@ def fresh_candidates(model, memory_ids: torch.Tensor, local_ids: torch.Tensor, f
     positions (N * n_chunks,)."""
     B, m_local = local_ids.shape
     N = m_local - fragment + 1
-    spans = chunk_spans(memory_ids.shape[1], chunk)
+    spans = chunk_spans(memory_ids.shape[1], chunk, overlap)
     per_chunk: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = [None] * len(spans)
     for group in _chunk_groups(spans, parallel):
         ids = _group_rows(memory_ids, spans, group, local_ids)
@@ -285,6 +289,9 @@ class FocusLLM(Method):
     serve_state = True
 
     chunk: int = option(2048, "memory chunk size in tokens (at most the model's window)")
+    overlap: int = option(0, "tokens each chunk also reads from the end of the chunk before it (0 = the paper's "
+                             "disjoint chunks): a fact that a chunk boundary cuts, such as a passkey sentence, is "
+                             "then whole in one chunk; a chunk's forward reads up to chunk + overlap + fragment tokens")
     local: int = option(2048, "local tokens: the input's tail the frozen model reads after the candidates")
     fragment: int = option(512, "local tokens appended to every chunk (at most the chunk size)")
     parallel: int = option(0, "chunks per forward pass: 0 = all at once (fast), 1 = serial (flat memory)")
@@ -311,6 +318,8 @@ class FocusLLM(Method):
                              f"parallel={self.parallel}, refresh={self.refresh}, fresh={self.fresh})")
         if self.fragment > self.chunk:
             raise ValueError(f"fragment ({self.fragment}) must not be longer than the chunk ({self.chunk})")
+        if not 0 <= self.overlap < self.chunk:
+            raise ValueError(f"overlap must be at least 0 and shorter than the chunk ({self.chunk}), got {self.overlap}")
         if self.fragment > self.local:
             raise ValueError(f"fragment ({self.fragment}) must not be longer than the local tokens ({self.local})")
         terms = [t.strip() for t in self.losses.split(",") if t.strip()]
@@ -330,12 +339,13 @@ class FocusLLM(Method):
         self._terms, self._chunks = terms, chunks
 
     def check_window(self, run) -> None:
-        if self.chunk + self.fragment > run.window:
-            w = run.window
-            fix = (f"-o focusllm.chunk={w - self.fragment} or less" if w - self.fragment >= self.fragment else
-                   f"smaller pieces, e.g. -o focusllm.chunk={w // 2} -o focusllm.fragment={w // 8} -o focusllm.local={w // 2}")
-            raise LcxError(f"focusllm chunk={self.chunk} + fragment={self.fragment} exceeds the model's window "
-                           f"({w}); use {fix}")
+        if self.chunk + self.overlap + self.fragment > run.window:
+            w, room = run.window, run.window - self.fragment - self.overlap
+            fix = (f"-o focusllm.chunk={room} or less" if room >= max(self.fragment, self.overlap + 1) else
+                   f"smaller pieces, e.g. -o focusllm.chunk={w // 2} -o focusllm.fragment={w // 8} -o focusllm.local={w // 2}"
+                   + (" and a smaller -o focusllm.overlap" if self.overlap else ""))
+            reads = f"chunk={self.chunk}" + (f" + overlap={self.overlap}" if self.overlap else "")
+            raise LcxError(f"focusllm {reads} + fragment={self.fragment} exceeds the model's window ({w}); use {fix}")
         if self.local >= run.window:
             raise LcxError(f"focusllm local={self.local} leaves no room for candidates in the model's window "
                            f"({run.window}); lower -o focusllm.local")
@@ -397,14 +407,14 @@ class FocusLLM(Method):
             raise LcxError("focusllm: padded batches are not supported yet; give inputs of equal length "
                            "(or one at a time)")
         memory, local = input_ids[:, : T - self.local], input_ids[:, T - self.local:]
-        spans = chunk_spans(memory.shape[1], self.chunk)
+        spans = chunk_spans(memory.shape[1], self.chunk, self.overlap)
         n = len(spans)
         if n + self.local + max_new_tokens > run.window:
             raise LcxError(f"focusllm: {n} candidates + {self.local} local tokens + {max_new_tokens} new tokens "
                            f"exceed the model's window ({run.window}); raise -o focusllm.chunk or lower -o focusllm.local")
         groups: list[ChunkGroup] | None = [] if self.refresh and max_new_tokens > 1 else None
         cand = candidate_kv(run.model, memory, local[:, -self.fragment:], self.chunk, self.parallel,
-                            run.state.get("focusllm_gate"), groups)
+                            run.state.get("focusllm_gate"), groups, overlap=self.overlap)
         # each candidate was rotated at the last position of its own forward; move it to its slot i
         lengths = torch.tensor([e - s + self.fragment for s, e in spans])
         run.state["focusllm_candidates"] = to_slots(cand, lengths - 1, run)
@@ -481,7 +491,8 @@ class FocusLLM(Method):
 
         def limit(c: int) -> int:
             hi = min(c, (N - c) // 2) if term == "repetition" else min(self.local, N - c)
-            return hi if hi >= least and c + min(self.fragment, c) + self.fresh <= window and -(-(N - 2) // c) + hi <= window else 0
+            reads = c + self.overlap + min(self.fragment, c) + self.fresh  # one chunk's forward
+            return hi if hi >= least and reads <= window and -(-(N - 2) // c) + hi <= window and self.overlap < c else 0
 
         fits = [c for c in self._chunks if limit(c)]
         if not fits:
@@ -549,8 +560,9 @@ class FocusLLM(Method):
             if d.fresh:
                 terms[term] = self._fresh_loss(run, model, gate, memory, local, d)
                 continue
-            cand = candidate_kv(model, memory, local[:, :d.fragment], d.chunk, self.parallel, gate, grad=True)
-            spans = chunk_spans(d.memory, d.chunk)
+            cand = candidate_kv(model, memory, local[:, :d.fragment], d.chunk, self.parallel, gate, grad=True,
+                                overlap=self.overlap)
+            spans = chunk_spans(d.memory, d.chunk, self.overlap)
             lengths = torch.tensor([e - s + d.fragment for s, e in spans])
             cache = _kv_cache(run.model.config, to_slots(cand, lengths - 1, run))
             n = len(spans)
@@ -573,7 +585,7 @@ class FocusLLM(Method):
         l, N, F = d.local, d.fresh, d.fragment
         t0 = l - N - 1
         sets, positions = fresh_candidates(model, memory, local[:, t0 - F + 1:l - 1], F, d.chunk, self.parallel,
-                                           gate, grad=True)
+                                           gate, grad=True, overlap=self.overlap)
         n = len(positions) // N
         sets = to_slots(sets, positions, run, slots=torch.arange(n).repeat(N))
         B, dev = local.shape[0], local.device

@@ -21,15 +21,15 @@ def _ids(T=100, rows=1, seed=0):
     return torch.randint(3, 256, (rows, T), generator=torch.Generator().manual_seed(seed))
 
 
-def _reference_candidates(model, ids, chunk=16, local=24, fragment=8):
-    """Each chunk + the last `fragment` local tokens through the plain model; the last position's
-    keys/values per layer, moved from that position to the candidate's slot i."""
+def _reference_candidates(model, ids, chunk=16, local=24, fragment=8, overlap=0):
+    """Each chunk (with the `overlap` tokens before it) + the last `fragment` local tokens through the plain
+    model; the last position's keys/values per layer, moved from that position to the candidate's slot i."""
     T = ids.shape[1]
     memory, frag = ids[:, : T - local], ids[:, T - fragment:]
     inv = model.model.rotary_emb.inv_freq
     per_layer = None
-    for i, (s, e) in enumerate(chunk_spans(memory.shape[1], chunk)):
-        x = torch.cat([memory[:, s:e], frag], dim=1)
+    for i, start in enumerate(range(0, memory.shape[1], chunk)):
+        x = torch.cat([memory[:, max(0, start - overlap):start + chunk], frag], dim=1)
         with torch.no_grad():
             cache = model(input_ids=x, use_cache=True).past_key_values
         kv = [(rotate(l.keys[:, :, -1:], i - (x.shape[1] - 1), inv), l.values[:, :, -1:]) for l in cache.layers]
@@ -40,6 +40,7 @@ def _reference_candidates(model, ids, chunk=16, local=24, fragment=8):
 
 def test_chunks_and_a_plan_of_placeholders_then_the_local_tokens():
     assert chunk_spans(76, 16) == [(0, 16), (16, 32), (32, 48), (48, 64), (64, 76)]
+    assert chunk_spans(76, 16, overlap=5) == [(0, 16), (11, 32), (27, 48), (43, 64), (59, 76)]
     model = tiny_model("llama")
     ids = _ids()
     with lcx.attach(model, ["focusllm"], focusllm=OPTS) as run:
@@ -48,11 +49,13 @@ def test_chunks_and_a_plan_of_placeholders_then_the_local_tokens():
     assert torch.equal(plan.input_ids[:, 5:], ids[:, -24:])  # the local tokens, after 5 candidate slots
 
 
-def test_untrained_adapter_candidates_equal_the_base_models_keys_and_values():
+@pytest.mark.parametrize("overlap", [0, 5])
+def test_untrained_adapter_candidates_equal_the_base_models_keys_and_values(overlap):
     base = tiny_model("llama")
-    ref = _reference_candidates(base, _ids())
+    ref = _reference_candidates(base, _ids(), overlap=overlap)
+    assert overlap == 0 or not torch.allclose(ref[1][0], _reference_candidates(base, _ids())[1][0], atol=1e-3)
     peft = add_adapter(tiny_model("llama"), roles=("q", "k", "v", "o"), rank=4).eval()  # zero-initialised B
-    with lcx.attach(peft, ["focusllm"], focusllm=OPTS) as run:
+    with lcx.attach(peft, ["focusllm"], focusllm={**OPTS, "overlap": overlap}) as run:
         assert "focusllm_gate" in run.state
         cache = prefill(run, make_plan(run, _ids(), None, 0))
     for layer, (k, v) in zip(cache.layers, ref):
@@ -77,12 +80,13 @@ def test_a_trained_adapter_changes_the_candidates_and_nothing_else():
         torch.testing.assert_close(short, base(input_ids=ids[:, :20]).logits, atol=1e-5, rtol=0)
 
 
-def test_serial_and_parallel_chunks_give_the_same_logits():
+@pytest.mark.parametrize("overlap", [0, 5])  # with an overlap the first chunk is shorter than the others
+def test_serial_and_parallel_chunks_give_the_same_logits(overlap):
     model = tiny_model("llama")
     ids = _ids(rows=2)
     out = {}
     for parallel in (0, 1, 2):
-        with lcx.attach(model, ["focusllm"], focusllm={**OPTS, "parallel": parallel}) as run:
+        with lcx.attach(model, ["focusllm"], focusllm={**OPTS, "parallel": parallel, "overlap": overlap}) as run:
             out[parallel] = tail_logits(run, ids[:1], 16), generate(run, ids, max_new_tokens=4)
     for p in (1, 2):
         torch.testing.assert_close(out[p][0], out[0][0], atol=1e-5, rtol=0)
@@ -118,7 +122,11 @@ def test_bad_input():
     with pytest.raises(LcxError, match=r"fragment \(40\) must not be longer than the chunk \(16\)"):
         lcx.attach(tiny_model("llama"), ["focusllm"], focusllm={"chunk": 16, "fragment": 40, "local": 64})
     model = tiny_model("llama")
+    with pytest.raises(LcxError, match="overlap must be at least 0 and shorter than the chunk \\(16\\), got 16"):
+        lcx.attach(tiny_model("llama"), ["focusllm"], focusllm={**OPTS, "overlap": 16})
     for opts, needle in [({"chunk": 124, "fragment": 8, "local": 24}, r"chunk=124 \+ fragment=8 exceeds the model's window \(128\)"),
+                         ({"chunk": 112, "overlap": 10, "fragment": 8, "local": 24},
+                          r"chunk=112 \+ overlap=10 \+ fragment=8 exceeds the model's window \(128\); use -o focusllm.chunk=110 or less"),
                          ({"chunk": 16, "fragment": 8, "local": 128}, "local=128 leaves no room for candidates")]:
         with lcx.attach(model, ["focusllm"], focusllm=opts) as run, pytest.raises(LcxError, match=needle):
             make_plan(run, _ids(T=200), None, 0)
@@ -156,18 +164,19 @@ def _from_scratch(model, ids, fed, **opts):
     o = {**OPTS, **opts}
     T = ids.shape[1]
     memory, frag = ids[:, : T - o["local"]], torch.cat([ids[:, T - o["fragment"]:], fed], dim=1)
+    overlap = o.get("overlap", 0)
     with lcx.attach(model, ["focusllm"], focusllm=o) as run:
-        cand = candidate_kv(model, memory, frag, o["chunk"], 0, run.state.get("focusllm_gate"))
-        lengths = torch.tensor([e - s + frag.shape[1] for s, e in chunk_spans(memory.shape[1], o["chunk"])])
+        cand = candidate_kv(model, memory, frag, o["chunk"], 0, run.state.get("focusllm_gate"), overlap=overlap)
+        lengths = torch.tensor([e - s + frag.shape[1] for s, e in chunk_spans(memory.shape[1], o["chunk"], overlap)])
         return to_slots(cand, lengths - 1, run)
 
 
-@pytest.mark.parametrize("parallel", [0, 1])
-def test_exact_refresh_equals_candidates_recomputed_with_every_generated_token(parallel):
+@pytest.mark.parametrize("parallel,overlap", [(0, 0), (1, 0), (0, 5)])
+def test_exact_refresh_equals_candidates_recomputed_with_every_generated_token(parallel, overlap):
     model, ids = _trained_peft(), _ids(T=110)  # 86 memory tokens: chunks of 16 and a last one of 6
-    new, slots, gen = _slots_after_generation(model, ids, 6, refresh=1, parallel=parallel)
+    new, slots, gen = _slots_after_generation(model, ids, 6, refresh=1, parallel=parallel, overlap=overlap)
     assert gen["refreshes"] == 5  # every generated token but the last (never fed to the model)
-    want = _from_scratch(model, ids, new[:, :5])
+    want = _from_scratch(model, ids, new[:, :5], overlap=overlap)
     for (k, v), (wk, wv) in zip(slots, want):
         torch.testing.assert_close(k, wk, atol=1e-5, rtol=0)
         torch.testing.assert_close(v, wv, atol=1e-5, rtol=0)
@@ -291,12 +300,12 @@ def test_the_loss_never_sees_the_tokens_it_predicts():
     assert not torch.isclose(first, second)  # the last token is a target: its loss term changes
 
 
-def _exact_generation_logits(peft, memory, local, t0, d, refresh=1):
+def _exact_generation_logits(peft, memory, local, t0, d, refresh=1, overlap=0):
     """Teacher-forced exact generation (refresh=1) through the inference path: the prompt memory +
     local[:t0 + 1], then each of the next tokens fed after its refresh; the logits of every step."""
     from lcx.generation import prefill
 
-    opts = {**OPTS, "chunk": d.chunk, "local": t0 + 1, "fragment": d.fragment, "refresh": refresh}
+    opts = {**OPTS, "chunk": d.chunk, "local": t0 + 1, "fragment": d.fragment, "refresh": refresh, "overlap": overlap}
     out = []
     with lcx.attach(peft, ["focusllm"], focusllm=opts) as run, torch.no_grad():
         prompt = torch.cat([memory, local[:, :t0 + 1]], dim=1)
@@ -317,8 +326,8 @@ def _exact_generation_logits(peft, memory, local, t0, d, refresh=1):
     return torch.stack(out, dim=1)
 
 
-@pytest.mark.parametrize("parallel", [0, 1])
-def test_fresh_training_predicts_each_token_as_exact_generation_does(parallel):
+@pytest.mark.parametrize("parallel,overlap", [(0, 0), (1, 0), (1, 3)])
+def test_fresh_training_predicts_each_token_as_exact_generation_does(parallel, overlap):
     """``fresh``: the training's logits for the last N local tokens equal those of exact generation
     (refresh=1) teacher-forced through the inference path, and only the candidates' adapter gets gradients."""
     peft = _trained_peft(seed=4).train()
@@ -327,7 +336,7 @@ def test_fresh_training_predicts_each_token_as_exact_generation_does(parallel):
     handle = peft.get_output_embeddings().register_forward_hook(lambda m, i, o: logits.append(o))
     # parallel=1 also puts the recall term's cue and value among the local tokens (recall_local=1)
     with _train_run(peft, fresh=5, parallel=parallel, losses="continuation,repetition,recall",
-                    recall_local=float(parallel)) as run:
+                    recall_local=float(parallel), overlap=overlap) as run:
         step = next(s for s in range(2, 40)
                     if (run.hook.lcx_sample(run=run, batch={"input_ids": ids}, step=s)["focusllm"]["recall"].placed >= 0)
                     == bool(parallel))
@@ -358,12 +367,12 @@ def test_fresh_training_predicts_each_token_as_exact_generation_does(parallel):
         t0 = d.local - d.fresh - 1
         assert out.shape[1] == d.fresh  # only the last N tokens are predicted
         torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(out[0], local[0, t0 + 1:]))
-        want = _exact_generation_logits(peft, memory, local, t0, d)
+        want = _exact_generation_logits(peft, memory, local, t0, d, overlap=overlap)
         torch.testing.assert_close(out, want, atol=2e-4, rtol=0)
         assert grads and all("lora_" in n for n in grads)  # base weights: no gradient
         assert any("k_proj" in n and g.abs().sum() > 0 for n, g in grads.items())
         # the check can fail: read with the prompt's candidates (refresh=0), the later tokens differ
-        stale = _exact_generation_logits(peft, memory, local, t0, d, refresh=0)
+        stale = _exact_generation_logits(peft, memory, local, t0, d, refresh=0, overlap=overlap)
         torch.testing.assert_close(stale[:, 0], want[:, 0], atol=2e-4, rtol=0)
         assert not torch.allclose(stale[:, 1:], want[:, 1:], atol=1e-3), term
 
