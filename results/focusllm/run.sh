@@ -6,7 +6,7 @@
 # resumes from its last checkpoint.  Defaults: chunk 2048, local 2048, fragment 512, all chunks at once.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-LCX=.venv/bin/lcx
+LCX=${LCX:-.venv/bin/lcx}  # device-run.sh: python3 -m lcx.cli
 BOOKS=../shared/data/books
 # the six books not used for evaluation (wells and doyle are the perplexity books)
 TRAIN_BOOKS=(alcott_little_men austen_pride_and_prejudice dickens_tale_of_two_cities hardy_mayor_of_casterbridge
@@ -74,6 +74,13 @@ passkey_recall_local_long() {  # 32K, 64K, 128K, 5 keys per depth, one folder ea
             --device ${DEVICE:-cpu} --out results/focusllm/passkey-recall-local-${L,,} --resume
     done
 }
+passkey_recall_local_overlap() {  # the same adapter, each chunk also reading the 64 tokens before it
+    # (-o focusllm.overlap=64): the depth-0.5 needles, cut by a chunk boundary at every length, are whole in one
+    for L in ${OVERLAP_LENGTHS:-16K}; do
+        $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local -o focusllm.overlap=64 \
+            --lengths $L --device ${DEVICE:-cpu} --out results/focusllm/passkey-recall-local-overlap-${L,,} --resume
+    done
+}
 passkey_recall() {  # the recall-trained adapter on the 16K grid (exact refresh)
     $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall --lengths ${RECALL_LENGTHS:-16K} \
         --out results/focusllm/passkey-recall --resume
@@ -108,5 +115,5 @@ compare16() {  # focusllm, training-free and with the trained adapter (focusllm@
 }
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(passkey_free ppl_free train passkey_trained ppl_trained train_fresh passkey_fresh diagnose_fresh train_recall passkey_recall train_recall_local passkey_recall_local passkey_recall_local_32k passkey_recall_local_long)
+[ ${#steps[@]} -eq 0 ] && steps=(passkey_free ppl_free train passkey_trained ppl_trained train_fresh passkey_fresh diagnose_fresh train_recall passkey_recall train_recall_local passkey_recall_local passkey_recall_local_32k passkey_recall_local_long passkey_recall_local_overlap)
 for s in "${steps[@]}"; do echo "== $s"; "$s"; done
