@@ -498,7 +498,7 @@ class FocusLLM(Method):
         if not fits:
             raise LcxError(f"focusllm {term} training: no chunk size in train_chunks={self.train_chunks} fits "
                            f"{N}-token training windows and the model's {window}-token window; use a longer --seq-len "
-                           f"or smaller -o focusllm.train_chunks")
+                           f"or smaller -o focusllm.train_chunks" + (f" (each longer than overlap={self.overlap})" if self.overlap else ""))
         c = rng.choice(fits)
         hi = limit(c)
         l = rng.randint(max(least, hi // 4), hi)

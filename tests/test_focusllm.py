@@ -257,6 +257,12 @@ def test_training_draws_follow_the_options_and_are_seeded():
         assert d.memory == 120 - d.local and d.start + d.local <= d.memory and d.local <= d.chunk
     with _train_run(peft, train_chunks="200") as run, pytest.raises(LcxError, match="no chunk size in train_chunks=200 fits"):
         run.hook.lcx_sample(run=run, batch={"input_ids": ids}, step=0)
+    with _train_run(peft, train_chunks="8", overlap=10) as run, pytest.raises(
+            LcxError, match=r"no chunk size in train_chunks=8 fits .* \(each longer than overlap=10\)"):
+        run.hook.lcx_sample(run=run, batch={"input_ids": ids}, step=0)
+    with _train_run(peft, train_chunks="8,16", overlap=10) as run:  # chunks no longer than the overlap are not drawn
+        assert {run.hook.lcx_sample(run=run, batch={"input_ids": ids}, step=s)["focusllm"]["continuation"].chunk
+                for s in range(20)} == {16}
 
 
 def test_training_loss_equals_the_explicit_computation_and_only_the_adapter_gets_gradients():
