@@ -135,19 +135,18 @@ def _group_rows(memory_ids: torch.Tensor, spans: list[tuple[int, int]], group: C
     return torch.cat([torch.cat([memory_ids[:, spans[i][0]:spans[i][1]], tail], dim=1) for i in group.idx])
 
 
-def candidate_kv(model, memory_ids: torch.Tensor, fragment_ids: torch.Tensor, chunk: int, parallel: int,
-                 gate=None, groups: list[ChunkGroup] | None = None, grad: bool = False,
-                 overlap: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def candidate_kv(model, memory_ids: torch.Tensor, fragment_ids: torch.Tensor, spans: list[tuple[int, int]],
+                 parallel: int, gate=None, groups: list[ChunkGroup] | None = None,
+                 grad: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, the candidates' (keys, values) of shape (B, H_kv, n_chunks, D), keys rotated at the
     position each candidate had in its own [chunk ; fragment] forward (its last position).
 
-    ``memory_ids`` (B, M), ``fragment_ids`` (B, F).  Chunks of equal length are batched ``parallel`` at
+    ``memory_ids`` (B, M), ``fragment_ids`` (B, F), ``spans`` the chunks (``chunk_spans``).  Chunks of equal length are batched ``parallel`` at
     a time (0 = all); ``gate`` (a ``TokenGate``) opens the candidate adapter at the last position only.
     Pass a list as ``groups`` to keep every chunk's cache in it (for ``refresh_candidates``); with
-    ``grad`` (training) the candidates carry autograd through the adapter; ``overlap``: see ``chunk_spans``.
+    ``grad`` (training) the candidates carry autograd through the adapter.
     """
     B = fragment_ids.shape[0]
-    spans = chunk_spans(memory_ids.shape[1], chunk, overlap)
     made = _chunk_groups(spans, parallel)
     per_chunk: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = [None] * len(spans)
     for group in made:
@@ -158,9 +157,9 @@ def candidate_kv(model, memory_ids: torch.Tensor, fragment_ids: torch.Tensor, ch
     return _stack(per_chunk)
 
 
-def fresh_candidates(model, memory_ids: torch.Tensor, local_ids: torch.Tensor, fragment: int, chunk: int,
-                     parallel: int, gate=None, grad: bool = False,
-                     overlap: int = 0) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+def fresh_candidates(model, memory_ids: torch.Tensor, local_ids: torch.Tensor, fragment: int,
+                     spans: list[tuple[int, int]], parallel: int, gate=None,
+                     grad: bool = False) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
     """Training for exact generation: the candidates that exact refresh gives each of the last N local tokens.
 
     ``local_ids`` (B, F + N - 1): the fragment (F tokens) then the N - 1 tokens fed after it.  Set j holds,
@@ -173,7 +172,6 @@ def fresh_candidates(model, memory_ids: torch.Tensor, local_ids: torch.Tensor, f
     positions (N * n_chunks,)."""
     B, m_local = local_ids.shape
     N = m_local - fragment + 1
-    spans = chunk_spans(memory_ids.shape[1], chunk, overlap)
     per_chunk: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = [None] * len(spans)
     for group in _chunk_groups(spans, parallel):
         ids = _group_rows(memory_ids, spans, group, local_ids)
@@ -413,8 +411,8 @@ class FocusLLM(Method):
             raise LcxError(f"focusllm: {n} candidates + {self.local} local tokens + {max_new_tokens} new tokens "
                            f"exceed the model's window ({run.window}); raise -o focusllm.chunk or lower -o focusllm.local")
         groups: list[ChunkGroup] | None = [] if self.refresh and max_new_tokens > 1 else None
-        cand = candidate_kv(run.model, memory, local[:, -self.fragment:], self.chunk, self.parallel,
-                            run.state.get("focusllm_gate"), groups, overlap=self.overlap)
+        cand = candidate_kv(run.model, memory, local[:, -self.fragment:], spans, self.parallel,
+                            run.state.get("focusllm_gate"), groups)
         # each candidate was rotated at the last position of its own forward; move it to its slot i
         lengths = torch.tensor([e - s + self.fragment for s, e in spans])
         run.state["focusllm_candidates"] = to_slots(cand, lengths - 1, run)
@@ -560,9 +558,8 @@ class FocusLLM(Method):
             if d.fresh:
                 terms[term] = self._fresh_loss(run, model, gate, memory, local, d)
                 continue
-            cand = candidate_kv(model, memory, local[:, :d.fragment], d.chunk, self.parallel, gate, grad=True,
-                                overlap=self.overlap)
             spans = chunk_spans(d.memory, d.chunk, self.overlap)
+            cand = candidate_kv(model, memory, local[:, :d.fragment], spans, self.parallel, gate, grad=True)
             lengths = torch.tensor([e - s + d.fragment for s, e in spans])
             cache = _kv_cache(run.model.config, to_slots(cand, lengths - 1, run))
             n = len(spans)
@@ -584,8 +581,8 @@ class FocusLLM(Method):
         0, without autograd (as a prefill would compute them)."""
         l, N, F = d.local, d.fresh, d.fragment
         t0 = l - N - 1
-        sets, positions = fresh_candidates(model, memory, local[:, t0 - F + 1:l - 1], F, d.chunk, self.parallel,
-                                           gate, grad=True, overlap=self.overlap)
+        sets, positions = fresh_candidates(model, memory, local[:, t0 - F + 1:l - 1], F,
+                                           chunk_spans(d.memory, d.chunk, self.overlap), self.parallel, gate, grad=True)
         n = len(positions) // N
         sets = to_slots(sets, positions, run, slots=torch.arange(n).repeat(N))
         B, dev = local.shape[0], local.device

@@ -164,10 +164,10 @@ def _from_scratch(model, ids, fed, **opts):
     o = {**OPTS, **opts}
     T = ids.shape[1]
     memory, frag = ids[:, : T - o["local"]], torch.cat([ids[:, T - o["fragment"]:], fed], dim=1)
-    overlap = o.get("overlap", 0)
+    spans = chunk_spans(memory.shape[1], o["chunk"], o.get("overlap", 0))
     with lcx.attach(model, ["focusllm"], focusllm=o) as run:
-        cand = candidate_kv(model, memory, frag, o["chunk"], 0, run.state.get("focusllm_gate"), overlap=overlap)
-        lengths = torch.tensor([e - s + frag.shape[1] for s, e in chunk_spans(memory.shape[1], o["chunk"], overlap)])
+        cand = candidate_kv(model, memory, frag, spans, 0, run.state.get("focusllm_gate"))
+        lengths = torch.tensor([e - s + frag.shape[1] for s, e in spans])
         return to_slots(cand, lengths - 1, run)
 
 
