@@ -121,6 +121,12 @@ def _forward_group(model, group: ChunkGroup, ids: torch.Tensor, cache, gate, kee
     return last
 
 
+def candidate_positions(spans: list[tuple[int, int]], fragment: int) -> torch.Tensor:
+    """Where each chunk's candidate sits in its own [chunk ; fragment] forward: the last position (its keys
+    are rotated there; ``to_slots`` moves them)."""
+    return torch.tensor([e - s + fragment - 1 for s, e in spans], dtype=torch.long)
+
+
 def _chunk_groups(spans: list[tuple[int, int]], parallel: int) -> list[ChunkGroup]:
     """Chunks of equal length, ``parallel`` at a time (0 = all), as the groups decoded in one batch."""
     by_length: dict[int, list[int]] = {}
@@ -197,8 +203,7 @@ def fresh_candidates(model, memory_ids: torch.Tensor, local_ids: torch.Tensor, f
         return x.unflatten(2, (n, N)).transpose(2, 3).flatten(2, 3)
 
     layers = [(set_major(k), set_major(v)) for k, v in _stack(per_chunk)]
-    lengths = torch.tensor([e - s + fragment for s, e in spans])
-    positions = (lengths[None, :] - 1 + torch.arange(N)[:, None]).flatten()
+    positions = (candidate_positions(spans, fragment)[None, :] + torch.arange(N)[:, None]).flatten()
     return layers, positions
 
 
@@ -414,8 +419,7 @@ class FocusLLM(Method):
         cand = candidate_kv(run.model, memory, local[:, -self.fragment:], spans, self.parallel,
                             run.state.get("focusllm_gate"), groups)
         # each candidate was rotated at the last position of its own forward; move it to its slot i
-        lengths = torch.tensor([e - s + self.fragment for s, e in spans])
-        run.state["focusllm_candidates"] = to_slots(cand, lengths - 1, run)
+        run.state["focusllm_candidates"] = to_slots(cand, candidate_positions(spans, self.fragment), run)
         run.state["focusllm_groups"] = groups
         placeholder = torch.full((B, n), int(local[0, 0]), dtype=input_ids.dtype, device=input_ids.device)
         ids = torch.cat([placeholder, local], dim=1)
@@ -560,8 +564,7 @@ class FocusLLM(Method):
                 continue
             spans = chunk_spans(d.memory, d.chunk, self.overlap)
             cand = candidate_kv(model, memory, local[:, :d.fragment], spans, self.parallel, gate, grad=True)
-            lengths = torch.tensor([e - s + d.fragment for s, e in spans])
-            cache = _kv_cache(run.model.config, to_slots(cand, lengths - 1, run))
+            cache = _kv_cache(run.model.config, to_slots(cand, candidate_positions(spans, d.fragment), run))
             n = len(spans)
             labels = local.clone()
             labels[:, :d.fragment] = -100
