@@ -104,6 +104,12 @@ class Streaming(Method):
     def reusable_prefix(self) -> bool:
         return True  # sinks and window live in the cache
 
+    def cache_tokens(self, run, tokens: int) -> int:
+        """The sinks and the recent window, plus the chunk being ingested (every token for options that
+        leave no recent window: the estimate is not where they are refused)."""
+        w = self.window or run.window - self.sinks - self.chunk
+        return min(tokens, self.sinks + w + self.chunk) if w > 0 else tokens
+
     @hookimpl
     def lcx_plan(self, run, input_ids, attention_mask, max_new_tokens):
         return Plan.chunked(input_ids, attention_mask, self.chunk)

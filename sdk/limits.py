@@ -15,9 +15,10 @@ share of free RAM a         0.9          --                               ``LCX_
 request may plan to use
 ==========================  ===========  ===============================  =========================
 
-The memory estimate is an upper bound: the keys and values of every layer for every token of the
-request (what the bare model keeps; every method keeps at most that) plus what the methods' own
-memories already hold (a multi-document fot memory).
+The memory estimate is an upper bound: the keys and values of every layer for every token the cache
+holds at once (every token of the request for the bare model; a method whose cache keeps a window says
+how many, ``Method.cache_tokens``) plus the methods' own memories after the request (``Method.memory_bytes``:
+fot's stores in its memory layers, with what a multi-document memory already holds).
 """
 
 from __future__ import annotations
@@ -75,15 +76,19 @@ def available_ram() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def kv_bytes_per_token(model: Any) -> int:
-    """Bytes of keys + values one token takes in every layer's cache."""
+def kv_dims(model: Any) -> tuple[int, int, int, int]:
+    """(layers, KV heads, head dim, bytes per element) of the model's cache."""
     cfg = model.config
     cfg = getattr(cfg, "get_text_config", lambda: cfg)()
-    layers = cfg.num_hidden_layers
     heads = getattr(cfg, "num_attention_heads", 1)
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    size = next(model.parameters()).element_size()
+    return cfg.num_hidden_layers, kv_heads, head_dim, next(model.parameters()).element_size()
+
+
+def kv_bytes_per_token(model: Any) -> int:
+    """Bytes of keys + values one token takes in every layer's cache."""
+    layers, kv_heads, head_dim, size = kv_dims(model)
     return 2 * layers * kv_heads * head_dim * size
 
 
@@ -102,7 +107,7 @@ def check_request(run: Any, input_tokens: int, max_new_tokens: int, batch: int =
     if max_new_tokens > limits.max_new_tokens:
         raise LimitError(f"max_new_tokens={max_new_tokens:,} is over the limit of {limits.max_new_tokens:,} per "
                          f"request; raise it with LCX_MAX_NEW_TOKENS")
-    entries = 0
+    entries, memory = 0, 0
     for m in run.methods:
         n = m.memory_entries(run, input_tokens)
         if n > limits.max_memory_entries:
@@ -110,14 +115,18 @@ def check_request(run: Any, input_tokens: int, max_new_tokens: int, batch: int =
                              f"request, over the limit of {limits.max_memory_entries:,}; cap it with "
                              f"-o {m.name}.max_entries=N (the oldest are evicted), or raise the limit with "
                              f"--max-memory-entries (or LCX_MAX_MEMORY_ENTRIES)")
-        entries = max(entries, n)
+        if n:
+            entries = max(entries, n)
+            memory += batch * m.memory_bytes(run, n)
     per_token = kv_bytes_per_token(run.model)
-    need = per_token * (batch * (input_tokens + max_new_tokens) + entries)
+    tokens = input_tokens + max_new_tokens
+    cached = min([tokens, *(m.cache_tokens(run, tokens) for m in run.methods)])  # a windowed cache bounds it
+    need = per_token * batch * cached + memory
     free = available_ram()
     if need > limits.ram_fraction * free:
         raise LimitError(f"this request needs up to {_gib(need)} for keys and values ({batch} x "
-                         f"{input_tokens + max_new_tokens:,} tokens x {per_token:,} bytes"
-                         f"{f' + {entries:,} memory entries' if entries else ''}), more than the "
-                         f"{_gib(limits.ram_fraction * free)} this machine has free; shorten the prompt, generate "
-                         f"fewer rows at once, or free memory")
+                         f"{cached:,} cached tokens x {per_token:,} bytes"
+                         f"{f' + {_gib(memory)} for {entries:,} memory entries' if entries else ''}), more than "
+                         f"the {_gib(limits.ram_fraction * free)} this machine has free; shorten the prompt, "
+                         f"generate fewer rows at once, or free memory")
     return {"kv_bytes": need, "free_bytes": free}

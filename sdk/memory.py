@@ -66,6 +66,17 @@ class StoreConfig:
             raise LcxError(f"max_entries must be >= 0 (0 = unbounded), got {self.max_entries}")
 
 
+def bytes_per_store(config: StoreConfig, entries: int, key_dim: int, value_dim: int, value_size: int) -> int:
+    """An upper bound on the bytes one store of ``config`` holding ``entries`` takes: float32 keys, values
+    (``value_size`` bytes each), positions and document ids in ``_Rows`` (capacity doubles: up to as much
+    again spare, 256 rows at least), plus the FAISS index's own copy of the keys (faiss-ivf: extended by one
+    coordinate, with ids; faiss-hnsw: with ~2 x hnsw_m graph links each; faiss-gpu: on the GPU)."""
+    rows = (2 * entries + 256) * (4 * key_dim + value_size * value_dim + 16)
+    index = {"torch": 0, "faiss-gpu": 0, "faiss-flat": 4 * key_dim, "faiss-ivf": 4 * (key_dim + 1) + 8,
+             "faiss-hnsw": 4 * key_dim + 3 * config.hnsw_m * 4}[config.kind]
+    return rows + entries * index
+
+
 class _Rows:
     """Rows appended in amortised O(1) (capacity doubles) and dropped from the front in O(1).
 

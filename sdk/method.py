@@ -61,6 +61,19 @@ class Method:
         ``input_tokens`` (checked against ``lcx.limits``); 0 for methods whose memory is the model's cache."""
         return 0
 
+    def memory_bytes(self, run: Any, entries: int) -> int:
+        """An upper bound on the bytes this method's own memory takes per batch row at ``entries`` entries per
+        memory layer and KV head (``lcx.limits``' estimate); by default a key and a value of every layer each."""
+        from lcx.limits import kv_bytes_per_token
+
+        return entries * kv_bytes_per_token(run.model)
+
+    def cache_tokens(self, run: Any, tokens: int) -> int:
+        """The most tokens per batch row whose keys and values the model's cache holds at once during a
+        request of ``tokens`` tokens (prompt + new; ``lcx.limits``' estimate): every one by default, fewer for
+        a method whose cache keeps a window."""
+        return tokens
+
     def check_serving(self) -> None:
         """Refuse (``LcxError`` naming the option and the fix) options this method's served form cannot
         run; called by ``lcx export --for vllm``, ``lcx serve`` and the vLLM plugin (which reads the export)."""

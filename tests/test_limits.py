@@ -86,12 +86,50 @@ def test_a_request_whose_keys_and_values_exceed_the_free_ram_is_refused(monkeypa
     monkeypatch.setattr(limits, "available_ram", lambda: 100 * per_token)  # room for 90 tokens at 0.9
     calls = _Forwards(model)
     with lcx.attach(model, ["vanilla"]) as run:
-        with pytest.raises(LimitError, match=r"needs up to .* GiB for keys and values \(1 x 100 tokens"):
+        with pytest.raises(LimitError, match=r"needs up to .* GiB for keys and values \(1 x 100 cached tokens"):
             generate(run, _ids(96), max_new_tokens=4)
         assert calls.n == 0
         generate(run, _ids(80), max_new_tokens=4)
         est = check_request(run, 80, 4)
     assert est["kv_bytes"] == 84 * per_token
+
+
+def _held_bytes(stores) -> int:
+    """Bytes the buffers of memory stores hold (spare capacity included), and their FAISS indexes' codes."""
+    rows = sum(r.buf.numel() * r.buf.element_size() for st in stores for r in st._rows.values() if r.buf is not None)
+    index = sum(st.index.ntotal * st.index.code_size for st in stores if getattr(st, "index", None) is not None)
+    return rows + index
+
+
+@pytest.mark.parametrize("backend", ["torch", "faiss-flat"])
+def test_windowed_caches_are_estimated_by_their_window_and_fots_memory_by_what_it_holds(monkeypatch, backend):
+    """fot's cache keeps its local window and streaming's its sinks + recent window: a 640-token request is
+    estimated by those (and fot's memory by its stores in its one memory layer), not as 640 tokens in each
+    of the 8 layers, so it runs where the bare model's estimate is refused.  The estimate bounds what fot's
+    stores then hold, and not loosely."""
+    model = tiny_model("llama", num_hidden_layers=8)
+    per_token = kv_bytes_per_token(model)
+    T, new = 640, 4  # past 576 entries the stores' rows have just doubled (1,216): spare capacity counts
+    fot_opts = dict(local=32, memory_layers="0", mode="multi", backend=backend)
+    stream_opts = dict(sinks=4, window=24, chunk=32)
+    with lcx.attach(model, ["fot"], **fot_opts) as run:
+        est = check_request(run, T, new)["kv_bytes"]
+        fot = run.method("fot")
+        memory = fot.memory_bytes(run, T)
+        assert fot.cache_tokens(run, T + new) == 64 and est == 64 * per_token + memory
+    with lcx.attach(model, ["streaming"], **stream_opts) as run:
+        assert check_request(run, T, new)["kv_bytes"] == (4 + 24 + 32) * per_token
+    # room for fot's estimate and 300 more tokens of every layer: the windowed methods run, the bare model
+    # (644 tokens of every layer) is refused
+    monkeypatch.setattr(limits, "available_ram", lambda: int((est + 300 * per_token) / 0.9))
+    with lcx.attach(model, ["fot"], **fot_opts) as run:
+        assert generate(run, _ids(T), max_new_tokens=new).shape[1] == new
+        held = _held_bytes(run.method("fot").stores_for_saving().values())
+    assert 0 < held <= memory <= 3 * held  # an upper bound on the stores' buffers, within 3x
+    with lcx.attach(model, ["streaming"], **stream_opts) as run:
+        assert generate(run, _ids(T), max_new_tokens=new).shape[1] == new
+    with lcx.attach(model, []) as run, pytest.raises(LimitError, match=rf"\(1 x {T + new:,} cached tokens"):
+        generate(run, _ids(T), max_new_tokens=new)
 
 
 def test_available_ram_reads_the_machine():

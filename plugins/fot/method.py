@@ -26,7 +26,7 @@ from lcx.adapters import families
 from lcx.errors import LcxError
 from lcx.hookspecs import hookimpl
 from lcx.masking import to_additive, visible_mask
-from lcx.memory import KINDS, MemoryStore, StoreConfig, load_memory, make_store
+from lcx.memory import KINDS, MemoryStore, StoreConfig, bytes_per_store, load_memory, make_store
 from lcx.method import Method, option
 from lcx.plan import Plan
 from lcx.plugins.fot import crossbatch
@@ -284,6 +284,18 @@ class FoT(Method):
             held = max((len(s) for per in groups for s in per.values()), default=0)
         n = held + input_tokens
         return min(n, self.max_entries) if self.max_entries else n
+
+    def cache_tokens(self, run, tokens: int) -> int:
+        """Every layer's cache keeps the local window, plus the tokens of the forward being ingested."""
+        return min(tokens, self.local + (self.chunk or self.local))
+
+    def memory_bytes(self, run, entries: int) -> int:
+        """One store per memory layer and KV head (``bytes_per_store``)."""
+        from lcx.limits import kv_dims
+
+        _, kv_heads, head_dim, size = kv_dims(run.model)
+        return len(self.layer_indices(run)) * kv_heads * bytes_per_store(self.store_config(), entries, head_dim,
+                                                                          head_dim, size)
 
     def stores_for_saving(self) -> dict[tuple[int, int], MemoryStore]:
         return {(layer, head): store for layer, per in (self._stores or {}).items() for (_, head), store in per.items()}
