@@ -107,8 +107,11 @@ class Streaming(Method):
     def cache_tokens(self, run, tokens: int) -> int:
         """The sinks and the recent window, plus the chunk being ingested (every token for options that
         leave no recent window: the estimate is not where they are refused)."""
-        w = self.window or run.window - self.sinks - self.chunk
-        return min(tokens, self.sinks + w + self.chunk) if w > 0 else tokens
+        try:
+            recent = self.recent(run)
+        except LcxError:
+            return tokens
+        return min(tokens, self.sinks + recent + self.chunk)
 
     @hookimpl
     def lcx_plan(self, run, input_ids, attention_mask, max_new_tokens):

@@ -25,6 +25,7 @@ import torch
 from lcx.adapters import families
 from lcx.errors import LcxError
 from lcx.hookspecs import hookimpl
+from lcx.limits import kv_dims
 from lcx.masking import to_additive, visible_mask
 from lcx.memory import KINDS, MemoryStore, StoreConfig, bytes_per_store, load_memory, make_store
 from lcx.method import Method, option
@@ -291,8 +292,6 @@ class FoT(Method):
 
     def memory_bytes(self, run, entries: int) -> int:
         """One store per memory layer and KV head (``bytes_per_store``)."""
-        from lcx.limits import kv_dims
-
         _, kv_heads, head_dim, size = kv_dims(run.model)
         return len(self.layer_indices(run)) * kv_heads * bytes_per_store(self.store_config(), entries, head_dim,
                                                                           head_dim, size)
