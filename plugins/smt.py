@@ -172,6 +172,11 @@ class SMT(Method):
         if seq_len < self.target_tokens + 1:
             raise LcxError(f"training windows of {seq_len} tokens leave no memory before smt's target of "
                            f"{self.target_tokens} tokens; raise --seq-len or lower -o smt.target")
+        first = position_range(0, seq_len, self.start or run.window, self.grow_every, self.grow_by)
+        if first < self.target_tokens + 1:  # progressive extension: the range only grows from here
+            raise LcxError(f"progressive extension starts with {first} tokens (smt.start), which leave no memory "
+                           f"before smt's target of {self.target_tokens} tokens; raise -o smt.start or lower "
+                           f"-o smt.target")
 
     # ------------------------------------------------------------------ sampling stage
     @hookimpl

@@ -172,6 +172,7 @@ def test_smt_samples_distinct_memory_tokens_exactly_the_budget_deterministically
 @given(N=st.integers(40, 1200), budget=st.integers(4, WINDOW), target_frac=st.floats(0.05, 0.9),
        window=st.integers(1, 64), rows=st.integers(1, 3), step=st.integers(0, 10_000), seed=st.integers(0, 100),
        grow=st.booleans())
+@example(N=98, budget=108, target_frac=0.8984375, window=1, rows=1, step=0, seed=0, grow=True)  # target > start
 def test_smt_rows_keep_original_positions_and_the_contiguous_target(N, budget, target_frac, window, rows, step, seed, grow):
     target = max(1, min(budget - 1, int(budget * target_frac)))
     if N < target + 1:
@@ -180,6 +181,10 @@ def test_smt_rows_keep_original_positions_and_the_contiguous_target(N, budget, t
     run = SimpleNamespace(window=WINDOW, state={"seed": seed, "rank": 0})
     ids = torch.arange(N).expand(rows, N).contiguous()  # a token's id is its position in the window
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    if grow and min(N, 96) < target + 1:  # the first range in use leaves no memory: refused, at any step
+        with pytest.raises(LcxError, match=rf"starts with {min(N, 96)} tokens .* target of {target} tokens"):
+            method.lcx_sample(run=run, batch=batch, step=step)
+        return
     out = method.lcx_sample(run=run, batch=batch, step=step)
     again = method.lcx_sample(run=run, batch=batch, step=step)
     assert all(torch.equal(out[k], again[k]) for k in ("input_ids", "position_ids"))  # deterministic under the seed
