@@ -2,7 +2,8 @@
 
 Honest results, whatever they are: ``none`` is the bare model on the whole
 prompt (beyond its trained window), each method row attaches that method alone
-with its default options.  Training-only methods (no inference stage, e.g. ``smt``) are left out.
+with its default options, or with the ones ``options`` gives it (``{"fot": {"local": 1024}}``; each row
+says which).  Training-only methods (no inference stage, e.g. ``smt``) are left out.
 """
 
 from __future__ import annotations
@@ -31,34 +32,45 @@ def acts_at_inference(cls) -> bool:
 
 
 def run_demo(model_name: str = "smollm2-135m", length: int | None = None, depth: float = 0.5,
-             methods: list[str] | None = None, seed: int = 0, progress: bool = True) -> list[dict[str, Any]]:
+             methods: list[str] | None = None, seed: int = 0, progress: bool = True,
+             options: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     from lcx.adapters.families import context_window
     from lcx.models import load_model
     from lcx.registry import registry
 
+    names = methods or [NO_METHOD, *sorted(n for n, cls in registry().methods.items() if acts_at_inference(cls))]
+    options = options or {}
+    for name, opts in options.items():
+        if not isinstance(opts, dict):
+            raise LcxError(f"demo option {name}={opts!r} names no method; give METHOD.KEY=VALUE, "
+                           f"e.g. -o fot.local=1024")
+        if name not in registry().methods:
+            raise LcxError(f"options for {name!r}: no installed method has that name (`lcx methods` lists them)")
+        if name not in names:
+            raise LcxError(f"options for {name!r}, which the demo does not run (it runs: {', '.join(names)}); "
+                           f"add --method {name} or drop the option")
     model, tok = load_model(model_name)
     window = context_window(model)
     length = length or 2 * window
     key = random.Random(seed).randint(10000, 99999)
     ids = build_prompt_ids(tok, length, depth, key)[None]
-    names = methods or [NO_METHOD, *sorted(n for n, cls in registry().methods.items() if acts_at_inference(cls))]
     rows = []
     for name in names:
+        opts = options.get(name, {})
         if progress:
-            print(f"[demo] {name}: passkey {key} at depth {depth} in {ids.shape[1]} tokens ...", flush=True)
+            said = f" ({' '.join(f'{k}={v}' for k, v in opts.items())})" if opts else ""
+            print(f"[demo] {name}{said}: passkey {key} at depth {depth} in {ids.shape[1]} tokens ...", flush=True)
+        row = {"method": name, "options": opts, "prompt_tokens": int(ids.shape[1]), "window": window, "key": key}
         try:
-            with attach(model, [] if name == NO_METHOD else [name]) as run, measure() as m:
+            with attach(model, [] if name == NO_METHOD else [name], **({name: opts} if opts else {})) as run, \
+                    measure() as m:
                 new = generate(run, ids, max_new_tokens=8)
         except LcxError as e:  # e.g. default options that do not fit a small model's window: one row, not the end
-            rows.append({"method": name, "prompt_tokens": int(ids.shape[1]), "window": window, "key": key,
-                         "found": False, "output": f"error: {e}", "seconds": None, "peak_rss_mib": None})
+            rows.append({**row, "found": False, "output": f"error: {e}", "seconds": None, "peak_rss_mib": None})
             continue
         text = tok.decode(new[0], skip_special_tokens=True)
-        rows.append({
-            "method": name, "prompt_tokens": int(ids.shape[1]), "window": window, "key": key,
-            "found": str(key) in text.replace(" ", ""), "output": text.strip(),
-            "seconds": round(m.result.seconds, 1), "peak_rss_mib": round(m.result.peak_rss_mib),
-        })
+        rows.append({**row, "found": str(key) in text.replace(" ", ""), "output": text.strip(),
+                     "seconds": round(m.result.seconds, 1), "peak_rss_mib": round(m.result.peak_rss_mib)})
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return rows
 
@@ -71,12 +83,15 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         return
     r0 = rows[0]
     t = Table(title=f"passkey {r0['key']} in {r0['prompt_tokens']} tokens (model window {r0['window']})")
-    for col in ("method", "found key?", "output", "time (s)", "peak RSS (MiB)"):
+    t.add_column("method", overflow="fold")  # a long option (memory_layers=...) wraps instead of being cut
+    for col in ("found key?", "output", "time (s)", "peak RSS (MiB)"):
         t.add_column(col)
     for r in rows:
+        opts = r.get("options") or {}
+        method = r["method"] + "".join(f"\n {k}={v}" for k, v in opts.items())  # the options it ran with
         if r["seconds"] is None:
-            t.add_row(r["method"], "-", r["output"][:60], "-", "-")
+            t.add_row(method, "-", r["output"][:60], "-", "-")
         else:
-            t.add_row(r["method"], "yes" if r["found"] else "no", r["output"][:30], f"{r['seconds']:.1f}",
+            t.add_row(method, "yes" if r["found"] else "no", r["output"][:30], f"{r['seconds']:.1f}",
                       str(r["peak_rss_mib"]))
     Console().print(t)

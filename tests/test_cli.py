@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,27 @@ def test_demo_runs_every_inference_method_and_leaves_out_training_only_ones(tiny
     assert sorted(errors) == ["focusllm", "streaming"], errors
     assert "-o focusllm.chunk=256 -o focusllm.fragment=64" in errors["focusllm"]
     assert "-o streaming.chunk=128" in errors["streaming"]
+
+
+def test_demo_rows_take_the_options_their_errors_suggest(tiny_dir):
+    r = run("demo", "-m", str(tiny_dir), "--json", "--method", "focusllm", "--method", "streaming", "--method", "fot")
+    first = {row["method"]: row for row in json.loads(r.output[r.output.index("["):])}
+    hints = re.findall(r"-o (\S+=\d+)", first["focusllm"]["output"] + first["streaming"]["output"])
+    assert len(hints) == 4, hints  # focusllm chunk, fragment, local; streaming chunk
+    r = run("demo", "-m", str(tiny_dir), "--json", "--method", "focusllm", "--method", "streaming", "--method", "fot",
+            *(x for h in hints for x in ("-o", h)))
+    assert r.exit_code == 0, r.output
+    rows = {row["method"]: row for row in json.loads(r.output[r.output.index("["):])}
+    assert all(row["seconds"] is not None for row in rows.values()), rows  # the rows ran this time
+    assert rows["focusllm"]["options"] == {"chunk": "256", "fragment": "64", "local": "256"}
+    assert rows["streaming"]["options"] == {"chunk": "128"} and rows["fot"]["options"] == {}
+
+
+@pytest.mark.parametrize("option, needle", [
+    ("chunk=128", "names no method; give METHOD.KEY=VALUE"),
+    ("smt.beta=0", "options for 'smt', which the demo does not run"),
+    ("nope.x=1", "no installed method has that name"),
+])
+def test_demo_refuses_options_it_cannot_apply(tiny_dir, option, needle):
+    r = run("demo", "-m", str(tiny_dir), "--json", "-o", option)
+    assert r.exit_code != 0 and needle in r.output, r.output

@@ -12,12 +12,22 @@ from lcx.cli.base import CONTEXT, _echo_json, main
 @click.option("--length", type=int, default=None, help="Prompt length in tokens (default: 2x the model's window).")
 @click.option("--depth", type=float, default=0.5, show_default=True)
 @click.option("--method", "methods", multiple=True, help="Methods to compare (default: every installed method).")
+@click.option("--option", "-o", "options", multiple=True, metavar="METHOD.KEY=VALUE",
+              help="An option for one method's row, e.g. -o fot.local=1024 (see `lcx methods -v`); rows without "
+                   "options run the method's defaults.")
 @click.option("--json", "as_json", is_flag=True)
-def demo_cmd(model, length, depth, methods, as_json) -> None:
-    """Passkey at 2x the model's window with each installed method: found?, time, peak memory."""
-    from lcx.demo import print_table, run_demo
+def demo_cmd(model, length, depth, methods, options, as_json) -> None:
+    """Passkey at 2x the model's window with each installed method: found?, time, peak memory.
 
-    rows = run_demo(model, length=length, depth=depth, methods=list(methods) or None, progress=not as_json)
+    \b
+    Example (what `make demo` runs: fot in the configuration results/fot measured on SmolLM2-135M):
+      lcx demo -o fot.local=1024 -o fot.chunk=256 -o fot.memory_layers=6,7,8,14,15,17,18,19,20,21,22,23
+    """
+    from lcx.demo import print_table, run_demo
+    from lcx.session import parse_options
+
+    rows = run_demo(model, length=length, depth=depth, methods=list(methods) or None, progress=not as_json,
+                    options=parse_options(options))
     if as_json:
         _echo_json(rows)
     else:
