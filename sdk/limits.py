@@ -18,7 +18,10 @@ request may plan to use
 The memory estimate is an upper bound: the keys and values of every layer for every token the cache
 holds at once (every token of the request for the bare model; a method whose cache keeps a window says
 how many, ``Method.cache_tokens``) plus the methods' own memories after the request (``Method.memory_bytes``:
-fot's stores in its memory layers, with what a multi-document memory already holds).
+fot's stores in its memory layers, with what a multi-document memory already holds).  Each part is checked
+against the device it lives on: the cache against the model's (a GPU's free memory for a model on CUDA, the
+machine's free RAM otherwise), a method's memory against ``Method.memory_device`` (fot's FAISS stores: the
+host's RAM, wherever the model runs).
 """
 
 from __future__ import annotations
@@ -76,6 +79,26 @@ def available_ram() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def available_memory(device: Any) -> int:
+    """Bytes free for new tensors on ``device``: a CUDA device's free memory plus what torch's allocator holds
+    unused (it reuses those blocks), the machine's free RAM otherwise."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    return available_ram()
+
+
+def _model_device(model: Any) -> Any:
+    return next(model.parameters()).device
+
+
+def _where(device: Any) -> str:
+    return "this machine" if str(device) == "cpu" else f"the GPU {device}"
+
+
 def kv_dims(model: Any) -> tuple[int, int, int, int]:
     """(layers, KV heads, head dim, bytes per element) of the model's cache."""
     cfg = model.config
@@ -98,7 +121,8 @@ def _gib(n: float) -> str:
 
 def check_request(run: Any, input_tokens: int, max_new_tokens: int, batch: int = 1,
                   limits: Limits | None = None) -> dict[str, int]:
-    """Refuse a request over a cap or whose memory estimate exceeds the free RAM; returns the estimate."""
+    """Refuse a request over a cap or whose memory estimate exceeds the free memory of the device it would
+    take it from; returns the estimate (``kv_bytes``) and the model's device's free bytes."""
     limits = limits or getattr(run, "limits", None) or Limits.from_env()
     if input_tokens > limits.max_input_tokens:
         raise LimitError(f"the prompt has {input_tokens:,} tokens, over the limit of {limits.max_input_tokens:,} "
@@ -107,6 +131,10 @@ def check_request(run: Any, input_tokens: int, max_new_tokens: int, batch: int =
     if max_new_tokens > limits.max_new_tokens:
         raise LimitError(f"max_new_tokens={max_new_tokens:,} is over the limit of {limits.max_new_tokens:,} per "
                          f"request; raise it with LCX_MAX_NEW_TOKENS")
+    import torch
+
+    model_device = _model_device(run.model)
+    needs: dict[torch.device, int] = {}  # device -> bytes the request plans to hold there
     entries, memory = 0, 0
     for m in run.methods:
         n = m.memory_entries(run, input_tokens)
@@ -117,16 +145,23 @@ def check_request(run: Any, input_tokens: int, max_new_tokens: int, batch: int =
                              f"--max-memory-entries (or LCX_MAX_MEMORY_ENTRIES)")
         if n:
             entries = max(entries, n)
-            memory += batch * m.memory_bytes(run, n)
+            b = batch * m.memory_bytes(run, n)
+            memory += b
+            where = torch.device(m.memory_device(run) or model_device)
+            needs[where] = needs.get(where, 0) + b
     per_token = kv_bytes_per_token(run.model)
     tokens = input_tokens + max_new_tokens
     cached = min([tokens, *(m.cache_tokens(run, tokens) for m in run.methods)])  # a windowed cache bounds it
-    need = per_token * batch * cached + memory
-    free = available_ram()
-    if need > limits.ram_fraction * free:
-        raise LimitError(f"this request needs up to {_gib(need)} for keys and values ({batch} x "
-                         f"{cached:,} cached tokens x {per_token:,} bytes"
-                         f"{f' + {_gib(memory)} for {entries:,} memory entries' if entries else ''}), more than "
-                         f"the {_gib(limits.ram_fraction * free)} this machine has free; shorten the prompt, "
-                         f"generate fewer rows at once, or free memory")
-    return {"kv_bytes": need, "free_bytes": free}
+    needs[model_device] = needs.get(model_device, 0) + per_token * batch * cached
+    free = {}
+    for device, n in needs.items():
+        free[device] = have = available_memory(device)
+        if n > limits.ram_fraction * have:
+            cache = per_token * batch * cached if device == model_device else 0
+            parts = [f"{batch} x {cached:,} cached tokens x {per_token:,} bytes"] if cache else []
+            if n > cache:
+                parts.append(f"{_gib(n - cache)} for {entries:,} memory entries")
+            raise LimitError(f"this request needs up to {_gib(n)} for keys and values ({' + '.join(parts)}) on "
+                             f"{_where(device)}, more than the {_gib(limits.ram_fraction * have)} it has free; "
+                             f"shorten the prompt, generate fewer rows at once, or free memory")
+    return {"kv_bytes": per_token * batch * cached + memory, "free_bytes": free[model_device]}

@@ -68,6 +68,11 @@ class Method:
 
         return entries * kv_bytes_per_token(run.model)
 
+    def memory_device(self, run: Any) -> Any:
+        """Where this method's own memory lives (``lcx.limits`` checks its ``memory_bytes`` against that
+        device's free memory); None: the model's device."""
+        return None
+
     def cache_tokens(self, run: Any, tokens: int) -> int:
         """The most tokens per batch row whose keys and values the model's cache holds at once during a
         request of ``tokens`` tokens (prompt + new; ``lcx.limits``' estimate): every one by default, fewer for

@@ -132,6 +132,37 @@ def test_windowed_caches_are_estimated_by_their_window_and_fots_memory_by_what_i
         generate(run, _ids(T), max_new_tokens=new)
 
 
+def test_a_model_on_a_gpu_is_checked_against_the_gpus_free_memory(monkeypatch):
+    """A CUDA model's cache is checked against that GPU's free memory, not the host's RAM; fot's FAISS memory
+    against the host's RAM, its torch memory against the GPU (the devices are stand-ins: the check is
+    arithmetic, no tensor is made)."""
+    model = tiny_model("llama", num_hidden_layers=8)
+    per_token = kv_bytes_per_token(model)
+    gpu = torch.device("cuda:0")
+    free = {"cpu": 10**12, "cuda:0": 100 * per_token}  # a roomy host, a GPU with room for 90 tokens at 0.9
+    monkeypatch.setattr(limits, "_model_device", lambda m: gpu)
+    monkeypatch.setattr(limits, "available_memory", lambda d: free[str(d)])
+    with lcx.attach(model, []) as run:
+        assert check_request(run, 80, 4)["free_bytes"] == free["cuda:0"]
+        with pytest.raises(LimitError, match=r"\(1 x 100 cached tokens x .* bytes\) on the GPU cuda:0, more than"):
+            check_request(run, 96, 4)
+    opts = dict(local=32, memory_layers="0", mode="multi")
+    with lcx.attach(model, ["fot"], backend="faiss-flat", **opts) as run:
+        memory = run.method("fot").memory_bytes(run, 4000)
+        free["cuda:0"] = 100 * per_token  # the 64-token window fits the GPU; the memory goes to the host
+        check_request(run, 4000, 4)
+        free["cpu"] = memory  # the host has less than the memory needs (over 0.9 of it)
+        with pytest.raises(LimitError, match=r"on this machine, more than") as e:
+            check_request(run, 4000, 4)
+        assert "cached tokens" not in str(e.value) and "4,000 memory entries" in str(e.value)
+    with lcx.attach(model, ["fot"], backend="torch", **opts) as run:
+        free["cpu"] = 10**12
+        with pytest.raises(LimitError, match=r"\(1 x 64 cached tokens .* memory entries\) on the GPU cuda:0"):
+            check_request(run, 4000, 4)  # the torch store lives with the model: on the GPU
+        free["cuda:0"] = int((64 * per_token + run.method("fot").memory_bytes(run, 4000)) / 0.85)
+        check_request(run, 4000, 4)
+
+
 def test_available_ram_reads_the_machine():
     free = limits.available_ram()
     total = 0

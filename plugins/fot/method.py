@@ -296,6 +296,11 @@ class FoT(Method):
         return len(self.layer_indices(run)) * kv_heads * bytes_per_store(self.store_config(), entries, head_dim,
                                                                           head_dim, size)
 
+    def memory_device(self, run) -> str | None:
+        """FAISS stores keep their entries in host arrays (faiss-gpu's index copy is counted there too);
+        the torch backend's live with the model."""
+        return None if self.store_config().kind == "torch" else "cpu"
+
     def stores_for_saving(self) -> dict[tuple[int, int], MemoryStore]:
         return {(layer, head): store for layer, per in (self._stores or {}).items() for (_, head), store in per.items()}
 
