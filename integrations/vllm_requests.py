@@ -215,8 +215,8 @@ def rewrite_prompts(body: dict[str, Any], methods: list, tokenizer: Any, window:
         for m in methods:
             try:
                 new = m.serve_prompt(new, max_new, window)
-            except ValueError as e:
-                raise LcxError(f"{m.name}: {e}; ask for fewer tokens (max_tokens)") from None
+            except (ValueError, LcxError) as e:
+                raise LcxError(f"{m.name}: {e}") from None
         changed |= new != ids
         out.append(new if new != ids else p)
     if changed:

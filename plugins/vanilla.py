@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lcx.errors import LcxError
 from lcx.hookspecs import hookimpl
 from lcx.method import Method, option
 from lcx.plan import Plan, left_pad, unpad
@@ -36,7 +37,9 @@ class Vanilla(Method):
         """Prompt tokens kept: the window (this method's, else the model's) less the tokens to generate."""
         budget = (self.window or window) - max_new_tokens
         if budget <= 0:
-            raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room in a window of {self.window or window}")
+            raise LcxError(f"max_new_tokens={max_new_tokens} leaves no room in a window of {self.window or window} "
+                           f"(vanilla keeps that window less the new tokens of the prompt); ask for fewer new tokens"
+                           + ("" if self.window else " or set a larger -o vanilla.window"))
         return budget
 
     def keep(self, n: int, budget: int) -> tuple[int, int]:

@@ -50,17 +50,32 @@ def _read_text(path: Path) -> str:
 
 
 def iter_documents(paths: Iterable[str | os.PathLike], text_field: str = "text") -> Iterable[dict[str, str]]:
+    """Text files one document each; .jsonl one JSON object per line (a .json file may also be one array of
+    them), the text in ``text_field``."""
     for f in _files(paths):
         if f.suffix.lower() in JSONL_SUFFIXES:
-            for i, line in enumerate(_read_text(f).splitlines()):
-                if not line.strip():
-                    continue
+            text = _read_text(f)
+            if f.suffix.lower() == ".json" and text.lstrip().startswith("["):
                 try:
-                    row = json.loads(line)
+                    rows = list(enumerate(json.loads(text)))
                 except json.JSONDecodeError as e:
-                    raise LcxError(f"{str(f)!r} line {i + 1} is not JSON ({e.msg}); one JSON object per line") from None
+                    raise LcxError(f"{str(f)!r} is not JSON ({e.msg} at line {e.lineno})") from None
+                where = "item"
+            else:
+                rows, where = [], "line"
+                for i, line in enumerate(text.splitlines()):
+                    if not line.strip():
+                        continue
+                    try:
+                        rows.append((i, json.loads(line)))
+                    except json.JSONDecodeError as e:
+                        raise LcxError(f"{str(f)!r} line {i + 1} is not JSON ({e.msg}); one JSON object per line "
+                                       f"(or, in a .json file, one array of objects)") from None
+            for i, row in rows:
                 if not isinstance(row, dict) or text_field not in row:
-                    raise LcxError(f"{str(f)!r} line {i + 1} has no {text_field!r} field; pass --text-field NAME")
+                    have = f" (it has: {', '.join(map(str, list(row)[:6]))})" if isinstance(row, dict) else ""
+                    raise LcxError(f"{str(f)!r} {where} {i + 1} has no {text_field!r} field{have}; "
+                                   f"pass --text-field NAME")
                 yield {"text": str(row[text_field]), "source": f"{f}:{i + 1}"}
         else:
             yield {"text": _read_text(f), "source": str(f)}

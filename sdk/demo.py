@@ -39,6 +39,10 @@ def run_demo(model_name: str = "smollm2-135m", length: int | None = None, depth:
     from lcx.registry import registry
 
     names = methods or [NO_METHOD, *sorted(n for n, cls in registry().methods.items() if acts_at_inference(cls))]
+    unknown = [n for n in names if n != NO_METHOD and n not in registry().methods]
+    if unknown:
+        raise LcxError(f"no installed method is named {', '.join(map(repr, unknown))}; installed: "
+                       f"{', '.join(sorted(registry().methods))} (or {NO_METHOD!r}: the bare model)")
     options = options or {}
     for name, opts in options.items():
         if not isinstance(opts, dict):

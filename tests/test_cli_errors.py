@@ -26,7 +26,7 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 
 def lcx(*args: str) -> Result:
-    return CliRunner().invoke(main, list(args))
+    return CliRunner().invoke(main, list(args), prog_name="lcx")
 
 
 def assert_error(r: Result, *needles: str) -> str:
@@ -159,9 +159,13 @@ def test_bad_method_options(tiny_dir, option, needles):
     (["--depths", "2"], "depths must be between 0 and 1"),
 ])
 def test_eval_passkey_bad_grid_is_a_usage_error(tiny_dir, args, needle):
-    r = lcx("eval", "passkey", "-m", str(tiny_dir), *args)
-    assert r.exit_code == 2 and r.stdout == ""
-    assert "Usage: " in r.stderr and needle in r.stderr, r.stderr
+    assert_error(lcx("eval", "passkey", "-m", str(tiny_dir), *args), needle, "(see `lcx eval passkey --help`)")
+
+
+def test_an_unknown_option_is_one_error_line_and_a_bare_group_still_shows_its_help():
+    assert_error(lcx("eval", "ppl", "--nope", "body"), "No such option '--nope'", "`lcx eval ppl --help`")
+    r = lcx("eval")
+    assert "Commands:" in r.output and "error:" not in r.output
 
 
 def test_real_process_exit_status(tmp_path):
@@ -200,3 +204,51 @@ def test_eval_passkey_writes_json_and_plot(tiny_dir, tmp_path):
     assert res["config"]["lengths"] == [200] and res["config"]["depths"] == [0.5] and len(res["samples"]) == 2
     assert res["methods"] == [{"name": "vanilla", "options": {"head_fraction": 0.5, "window": 0}}]
     assert (out_dir / "passkey.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------- found by a CLI audit (2026-11-27)
+def test_vanilla_with_no_room_for_the_prompt_is_one_error_line(tiny_dir):
+    assert_error(lcx("generate", "-m", str(tiny_dir), "--method", "vanilla", "-p", "hi", "-n", "600"),
+                 "max_new_tokens=600 leaves no room in a window of 512", "ask for fewer new tokens")
+    assert_error(lcx("generate", "-m", str(tiny_dir), "--method", "vanilla", "-o", "window=10", "-p", "hi", "-n", "16"),
+                 "leaves no room in a window of 10")
+
+
+@pytest.mark.parametrize(("args", "needles"), [
+    (["--method", "nosuch"], ["no installed method is named 'nosuch'", "fot"]),
+    (["--length", "-5"], ["'--length'", "-5"]),
+    (["--depth", "1.5"], ["'--depth'", "1.5"]),
+])
+def test_demo_refuses_what_it_cannot_run(tiny_dir, args, needles):
+    assert_error(lcx("demo", "-m", str(tiny_dir), "--json", *args), *needles)
+
+
+def test_memory_build_refuses_a_file_as_out_and_a_blank_document(tiny_dir, tmp_path):
+    doc, blank, f = tmp_path / "a.txt", tmp_path / "blank.txt", tmp_path / "f.txt"
+    doc.write_text("Some text. " * 20)
+    blank.write_text(" \n")
+    f.write_text("not a folder")
+    assert_error(lcx("memory", "build", "-m", str(tiny_dir), "--out", str(f), str(doc)), repr(str(f)), "is a file")
+    assert_error(lcx("memory", "build", "-m", str(tiny_dir), "--out", str(tmp_path / "mem"), str(doc), str(blank)),
+                 "1 document(s) have no text", repr(str(blank)))
+    assert not (tmp_path / "mem").exists()
+
+
+def test_text_field_is_an_option_wherever_jsonl_documents_are_read(tiny_dir, tmp_path):
+    """The error for a .jsonl without 'text' advises --text-field: eval ppl (and memory build) take it; a .json
+    array of objects reads as the same documents."""
+    rows = [{"body": "It was a bright cold day in April, and the clocks were striking thirteen. " * 30}] * 2
+    jl, js = tmp_path / "c.jsonl", tmp_path / "c.json"
+    jl.write_text("\n".join(json.dumps(r) for r in rows))
+    js.write_text(json.dumps(rows))
+    args = ["eval", "ppl", "-m", str(tiny_dir), "--contexts", "64", "--target", "16", "--json"]
+    assert_error(lcx(*args, "-d", str(jl), "--out", str(tmp_path / "p0")), "line 1 has no 'text' field (it has: body)",
+                 "--text-field NAME")
+    results = []
+    for data in (jl, js):
+        r = lcx(*args, "-d", str(data), "--text-field", "body", "--out", str(tmp_path / data.suffix[1:]))
+        assert r.exit_code == 0, r.output
+        results.append(json.loads((tmp_path / data.suffix[1:] / "ppl.json").read_text())["summary"])
+    assert results[0]["ppl"] == results[1]["ppl"] and len(results[1]["by_document"]) == 2
+    assert_error(lcx("memory", "build", "-m", str(tiny_dir), "--text-field", "nope", "--out", str(tmp_path / "m"), str(js)),
+                 "item 1 has no 'nope' field")

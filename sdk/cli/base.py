@@ -19,13 +19,20 @@ CONTEXT = dict(help_option_names=["-h", "--help"], max_content_width=100)
 
 
 class LcxGroup(click.Group):
-    """Turns LcxError into a one-line message and exit status 2."""
+    """Turns LcxError, and click's usage errors in a command's arguments (a bad option value, an unknown
+    option), into one ``error:`` line and exit status 2."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except LcxError as e:
             click.echo(f"error: {e}", err=True)
+            ctx.exit(e.exit_code)
+        except click.UsageError as e:
+            if isinstance(e, getattr(click.exceptions, "NoArgsIsHelpError", ())):
+                raise  # a group called bare: click prints its help
+            where = e.ctx.command_path if e.ctx is not None else ctx.command_path
+            click.echo(f"error: {e.format_message()} (see `{where} --help`)", err=True)
             ctx.exit(e.exit_code)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
@@ -62,6 +69,11 @@ def method_options(f):
     f = click.option("--trust-remote-code", is_flag=True, default=False,
                      help="Allow model folders to run their own Python code (off by default).")(f)
     return device_option(limit_options(f))
+
+
+def text_field_option(f):
+    return click.option("--text-field", default="text", show_default=True, metavar="NAME",
+                        help="The field holding a document's text in .jsonl files (one JSON object per line).")(f)
 
 
 def limit_options(f):

@@ -9,13 +9,15 @@ from lcx.cli.base import CONTEXT, _echo_json, main
 
 @main.command("demo", context_settings=CONTEXT)
 @click.option("--model", "-m", default="smollm2-135m", show_default=True, metavar="NAME|DIR")
-@click.option("--length", type=int, default=None, help="Prompt length in tokens (default: 2x the model's window).")
-@click.option("--depth", type=float, default=0.5, show_default=True)
+@click.option("--length", type=click.IntRange(1), default=None,
+              help="Prompt length in tokens (default: 2x the model's window).")
+@click.option("--depth", type=click.FloatRange(0, 1), default=0.5, show_default=True,
+              help="Where the passkey sits in the prompt: 0 = its start, 1 = its end.")
 @click.option("--method", "methods", multiple=True, help="Methods to compare (default: every installed method).")
 @click.option("--option", "-o", "options", multiple=True, metavar="METHOD.KEY=VALUE",
               help="An option for one method's row, e.g. -o fot.local=1024 (see `lcx methods -v`); rows without "
                    "options run the method's defaults.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON (no table, no progress lines).")
 def demo_cmd(model, length, depth, methods, options, as_json) -> None:
     """Passkey at 2x the model's window with each installed method: found?, time, peak memory.
 

@@ -10,7 +10,7 @@ import click
 
 from lcx.cli.base import (
     CONTEXT, LcxGroup, RESUME_HELP, _echo_json, _float_list, _int_list, _open, _token_count,
-    _device, _with_limits, device_option, main, method_options, model_option,
+    _device, _with_limits, device_option, main, method_options, model_option, text_field_option,
 )
 from lcx.errors import LcxError
 
@@ -92,11 +92,12 @@ def _passkey_journal(path: Path, model: str, run, adapter, cfg, resume: bool):
     return journal
 
 
-def _ppl_documents(data: tuple[str, ...], tokenizer, max_docs: int | None) -> list[tuple[str, list[int]]]:
+def _ppl_documents(data: tuple[str, ...], tokenizer, max_docs: int | None,
+                   text_field: str = "text") -> list[tuple[str, list[int]]]:
     from lcx.data import iter_documents
 
     docs = []
-    for d in iter_documents(data):
+    for d in iter_documents(data, text_field):
         if d["text"].strip():
             docs.append((Path(d["source"]).name, tokenizer(d["text"], add_special_tokens=False)["input_ids"]))
         if max_docs and len(docs) >= max_docs:
@@ -110,6 +111,7 @@ def _ppl_documents(data: tuple[str, ...], tokenizer, max_docs: int | None) -> li
 @model_option
 @method_options
 @click.option("--data", "-d", multiple=True, required=True, metavar="PATH", help="Documents: files, folders, .jsonl.")
+@text_field_option
 @click.option("--max-docs", type=click.IntRange(1), default=None, help="Use at most this many documents.")
 @click.option("--contexts", callback=_int_list, default="2K,4K,8K,16K", show_default=True,
               help="Context lengths N before the scored tokens; K suffix allowed.")
@@ -120,8 +122,8 @@ def _ppl_documents(data: tuple[str, ...], tokenizer, max_docs: int | None) -> li
                    "Runs asking for different --contexts score the same text only with the same --room.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("out/ppl"), show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def eval_ppl(model, methods, options, adapter, trust_remote_code, data, max_docs, contexts, target, samples, room, out,
-             as_json):
+def eval_ppl(model, methods, options, adapter, trust_remote_code, data, text_field, max_docs, contexts, target, samples,
+             room, out, as_json):
     """Perplexity and next-token accuracy of the last TARGET tokens given N tokens of context.
 
     Writes OUT/ppl.json and OUT/ppl.png.  The same scored spans serve every N.
@@ -131,7 +133,7 @@ def eval_ppl(model, methods, options, adapter, trust_remote_code, data, max_docs
 
     s = _open(model, methods, options, adapter, trust_remote_code)
     try:
-        docs = _ppl_documents(data, s.tokenizer, max_docs)
+        docs = _ppl_documents(data, s.tokenizer, max_docs, text_field)
         cfg = ppl.PplConfig(contexts=contexts, target=target, samples=samples, room=room)
         label = "+".join(m.name for m in s.run.methods) or "none"
         result = {"model": model, **s.run.describe(), "methods_label": label, "data": list(data),
@@ -163,6 +165,7 @@ def eval_ppl(model, methods, options, adapter, trust_remote_code, data, max_docs
 @click.option("--samples", type=click.IntRange(1), default=None, help="Keys per cell (passkey, default 5) or spans per document (ppl, default 1).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--data", "-d", multiple=True, metavar="PATH", help="ppl: documents.")
+@text_field_option
 @click.option("--max-docs", type=click.IntRange(1), default=None, help="ppl: at most this many documents.")
 @click.option("--contexts", callback=_int_list, default="2K,4K,8K,16K", show_default=True, help="ppl: context lengths.")
 @click.option("--target", type=click.IntRange(1), default=256, show_default=True, help="ppl: scored tokens.")
@@ -172,8 +175,8 @@ def eval_ppl(model, methods, options, adapter, trust_remote_code, data, max_docs
 @click.option("--resume", is_flag=True, help="passkey: " + RESUME_HELP)
 @device_option
 @click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
-def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, data, max_docs, contexts, target, room,
-                 out, resume, as_json):
+def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, data, text_field, max_docs, contexts,
+                 target, room, out, resume, as_json):
     """Run one suite over several method stacks; writes OUT/compare-SUITE.{json,md,png}.
 
     \b
@@ -200,7 +203,7 @@ def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, 
     else:
         if not data:
             raise LcxError("ppl needs documents: give --data PATH (e.g. ../shared/data/books)")
-        docs = _ppl_documents(data, tok, max_docs)
+        docs = _ppl_documents(data, tok, max_docs, text_field)
         cfg = ppl.PplConfig(contexts=contexts, target=target, samples=samples or 1, room=room)
         ev = lambda run, adapter: ppl.evaluate(lambda ids, n: score_tail(run, ids, n), docs, cfg, progress=not as_json)  # noqa: E731
     command = "lcx " + " ".join(sys.argv[1:])

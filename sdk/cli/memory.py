@@ -6,7 +6,9 @@ from pathlib import Path
 
 import click
 
-from lcx.cli.base import CONTEXT, LcxGroup, _device, _with_limits, device_option, limit_options, main, model_option
+from lcx.cli.base import (
+    CONTEXT, LcxGroup, _device, _with_limits, device_option, limit_options, main, model_option, text_field_option,
+)
 from lcx.errors import LcxError
 
 
@@ -23,8 +25,9 @@ def memory_grp() -> None:
 @click.option("--overwrite", is_flag=True, help="Replace an existing memory folder.")
 @limit_options
 @device_option
+@text_field_option
 @click.argument("docs", nargs=-1, required=True, type=click.Path(path_type=Path))
-def memory_build(model, methods, options, out, overwrite, docs):
+def memory_build(model, methods, options, out, overwrite, text_field, docs):
     """Index DOCS (text files or folders) into a kNN memory saved to --out.
 
     \b
@@ -41,13 +44,20 @@ def memory_build(model, methods, options, out, overwrite, docs):
 
     if list(methods) != ["fot"]:
         raise LcxError(f"memory build supports the fot method, got {', '.join(methods)}")
+    if out.exists() and not out.is_dir():
+        raise LcxError(f"--out {str(out)!r} is a file, not a folder; give a folder for the memory")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise LcxError(f"memory folder {str(out)!r} exists; pass --overwrite to replace it")
+    documents = list(iter_documents([str(p) for p in docs], text_field))
+    blank = [d["source"] for d in documents if not d["text"].strip()]
+    if blank:
+        raise LcxError(f"{len(blank)} document(s) have no text: {', '.join(map(repr, blank[:3]))}"
+                       f"{' ...' if len(blank) > 3 else ''}; leave them out")
     s = _with_limits(open_session(model, ["fot"], parse_options(options), device=_device()))
     try:
         fot = s.run.method("fot")
         listed = []
-        for i, d in enumerate(tqdm(list(iter_documents([str(p) for p in docs])), desc="indexing", unit="doc")):
+        for i, d in enumerate(tqdm(documents, desc="indexing", unit="doc")):
             ids = s.tokenizer(d["text"], add_special_tokens=False, return_tensors="pt")["input_ids"]
             listed.append({"doc_id": i, "source": d["source"], "tokens": fot.ingest(s.run, ids, i, progress=True)})
         stores = fot.stores_for_saving()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from lcx.cli.base import CONTEXT, _echo_json, main, model_option
+from lcx.cli.base import CONTEXT, _echo_json, main, model_option, text_field_option
 
 
 @main.command("train", context_settings=CONTEXT)
@@ -41,7 +41,7 @@ from lcx.cli.base import CONTEXT, _echo_json, main, model_option
 @click.option("--bf16", is_flag=True, help="bf16 autocast (where the hardware supports it).")
 @click.option("--save-every", type=click.IntRange(0), default=50, show_default=True, help="Checkpoint every N steps.")
 @click.option("--concat/--no-concat", default=True, show_default=True, help="Concatenate short documents into windows.")
-@click.option("--text-field", default="text", show_default=True, help="JSONL field holding the text.")
+@text_field_option
 @click.option("--resume", is_flag=True, help="Continue exactly from the latest checkpoint in --out.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing --out folder.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary at the end.")
