@@ -252,3 +252,16 @@ def test_text_field_is_an_option_wherever_jsonl_documents_are_read(tiny_dir, tmp
     assert results[0]["ppl"] == results[1]["ppl"] and len(results[1]["by_document"]) == 2
     assert_error(lcx("memory", "build", "-m", str(tiny_dir), "--text-field", "nope", "--out", str(tmp_path / "m"), str(js)),
                  "item 1 has no 'nope' field")
+
+
+@pytest.mark.parametrize(("extra", "needles"), [
+    (["--stack", "nosuch"], ["stack 'nosuch'", "nosuch"]),
+    (["--stack", "streaming", "-o", "streaming.nosuch=3"], ["stack 'streaming'", "nosuch"]),
+    (["--stack", "none", "-o", "rope.factor=2"], ["options for 'rope', which no stack has", "--stack rope"]),
+    (["-o", "window=5"], ["options of a comparison name their method", "-o METHOD.window=VALUE"]),
+])
+def test_compare_checks_every_stack_before_running_any(tiny_dir, tmp_path, extra, needles):
+    out = tmp_path / "cmp"
+    assert_error(lcx("eval", "compare", "passkey", "-m", str(tiny_dir), "--stack", "vanilla", *extra,
+                     "--lengths", "256", "--depths", "0.5", "--samples", "1", "--out", str(out)), *needles)
+    assert not out.exists()  # the vanilla stack never ran

@@ -36,7 +36,8 @@ def options_for(methods: list[str], options: dict[str, Any]) -> dict[str, Any]:
     """Per-method options (``{"streaming": {...}}``) restricted to the methods of one stack."""
     flat = [k for k, v in options.items() if not isinstance(v, dict)]
     if flat:
-        raise LcxError(f"with several stacks, give options per method: -o METHOD.{flat[0]}=VALUE")
+        raise LcxError(f"options of a comparison name their method (each stack picks its own): "
+                       f"-o METHOD.{flat[0]}=VALUE")
     return {m: options[m] for m in methods if m in options}
 
 
@@ -60,13 +61,29 @@ def stack_model(model: Any, adapter: str | None, methods: list[str],
         wrapped.unload()  # the LoRA layers out again, base weights untouched
 
 
+def check_stacks(model: Any, stacks: list[str], options: dict[str, Any]) -> None:
+    """Every stack attaches (its methods, options and adapter load) and every option is used by some stack,
+    before the first stack runs: a typo in the last stack must not surface after hours of the first."""
+    used: set[str] = set()
+    for stack in stacks:
+        methods, adapter = parse_stack(stack)
+        try:
+            with stack_model(model, adapter, methods, options) as (m, names, opts), attach(m, names, **opts) as run:
+                used.update(x.name for x in run.methods)
+        except LcxError as e:
+            raise LcxError(f"stack {stack!r}: {e}") from None
+    unused = [name for name in options if name not in used]
+    if unused:
+        raise LcxError(f"options for {', '.join(map(repr, unused))}, which no stack has (stacks: {', '.join(stacks)}); "
+                       f"add the method to a stack (e.g. --stack {unused[0]}) or drop the option")
+
+
 def compare(model: Any, stacks: list[str], options: dict[str, Any],
             evaluate: Callable[[Run, str | None], dict[str, Any]], log: Callable[[str], None] = print,
             on_stack_done: Callable[[dict[str, dict]], None] | None = None) -> dict[str, dict]:
     """Evaluate each stack in turn (``evaluate(run, adapter)``); ``on_stack_done(results so far)`` runs after
     each one, so a long comparison that is interrupted keeps the stacks it finished."""
-    for stack in stacks:  # every stack parses before the first one runs
-        parse_stack(stack)
+    check_stacks(model, stacks, options)
     results: dict[str, dict] = {}
     for stack in stacks:
         methods, adapter = parse_stack(stack)
