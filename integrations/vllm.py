@@ -174,17 +174,20 @@ def served_state_budget(insts: list, config: dict[str, Any], window: int, max_mo
     return n
 
 
-def check_memory_for_serving(path: Path, model_dir: Path, methods: list[str]) -> None:
-    """A memory for ``lcx serve --memory``: built by `lcx memory build` for this model, served with fot."""
+def check_memory_for_serving(path: Path, model_dir: Path, methods: list[Any]) -> None:
+    """A memory for ``lcx serve --memory``: built by `lcx memory build` for this model, served with fot
+    reading the layers it holds (``methods``: the served method instances)."""
     from lcx.io import read_json_file
     from lcx.memory import MEMORY_META, MEMORY_TENSORS
 
-    if "fot" not in methods:
+    fot = next((m for m in methods if m.name == "fot"), None)
+    if fot is None:
         raise LcxError(f"--memory {str(path)!r} is read by the fot method: add --method fot")
     if not (path / MEMORY_META).is_file() or not (path / MEMORY_TENSORS).is_file():
         raise LcxError(f"--memory {str(path)!r} is not an lcx memory folder (needs {MEMORY_META} and "
                        f"{MEMORY_TENSORS}); build one with `lcx memory build`")
-    built = read_json_file(path / MEMORY_META, "rebuild the memory").get("model", {})
+    meta = read_json_file(path / MEMORY_META, "rebuild the memory")
+    built = meta.get("model", {})
     config = json.loads((model_dir / "config.json").read_text())
     have = {"model_type": config.get("model_type"), "num_hidden_layers": config.get("num_hidden_layers"),
             "hidden_size": config.get("hidden_size"), "embedding_sha256": embedding_fingerprint(model_dir)}
@@ -192,6 +195,8 @@ def check_memory_for_serving(path: Path, model_dir: Path, methods: list[str]) ->
         if built.get(key) != value:
             raise LcxError(f"--memory {str(path)!r} was built with another model ({key}: {built.get(key)!r} vs "
                            f"{value!r}); rebuild it with `lcx memory build -m {model_dir}`")
+    if config.get("num_hidden_layers"):
+        fot.check_memory_layers(path, meta, int(config["num_hidden_layers"]))
 
 
 def check_adapter_for_vllm(path: Path, model_dir: Path) -> dict[str, Any]:
@@ -294,7 +299,7 @@ def export_for_vllm(model: str, methods: list[str] | tuple[str, ...] = (), optio
         derived = max_model_len
     checked = {name: check_adapter_for_vllm(path, src) for name, path in adapters.items()}
     if memory is not None:
-        check_memory_for_serving(Path(memory), src, [m.name for m in insts])
+        check_memory_for_serving(Path(memory), src, insts)
     max_concurrent = served_state_budget(insts, config, window, max_model_len or derived, state_gib, memory)
 
     if out.exists() and any(out.iterdir()):

@@ -161,7 +161,7 @@ def test_memory_from_another_model_is_refused(tmp_path):
     with lcx.attach(b, ["fot"]) as run:
         with pytest.raises(lcx.LcxError, match="built with another model"):
             run.method("fot").load(tmp_path / "mem", b)
-    with lcx.attach(a, ["fot"]) as run:
+    with lcx.attach(a, ["fot"], memory_layers="0") as run:  # the layer the memory holds
         meta = run.method("fot").load(tmp_path / "mem", a)
         assert run.method("fot").mode == "multi" and meta["model"]["model_type"] == "llama"
 
@@ -193,6 +193,11 @@ def test_memory_build_then_generate_with_it(tmp_path):
     assert r.exit_code == 0, r.output
     r = CliRunner().invoke(main, ["memory", "build", "-m", str(m), "--out", str(tmp_path / "mem"), str(tmp_path / "a.txt")])
     assert r.exit_code == 2 and "--overwrite" in r.output
+    # read with other memory layers, its keys would never be read: refused, naming the layers it holds
+    r = CliRunner().invoke(main, ["generate", "-m", str(m), "--method", "fot", "-o", "local=64", "-o", "memory_layers=0",
+                                  "--memory", str(tmp_path / "mem"), "-p", "which document?", "-n", "4"])
+    layers = ",".join(str(x) for x in sorted({int(s.split(".")[0]) for s in meta["stores"]}))
+    assert r.exit_code == 2 and f"holds memory layers {layers}" in r.output and f"-o fot.memory_layers={layers}" in r.output
 
 
 def test_chunk_slides_the_local_window():

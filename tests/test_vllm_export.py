@@ -286,6 +286,9 @@ def test_a_served_document_memory_is_checked_before_the_server_starts(model_dir,
         export_for_vllm(str(model_dir), ["streaming"], out=tmp_path / "y", memory=tmp_path / "mem")
     with pytest.raises(LcxError, match="is not an lcx memory folder"):
         export_for_vllm(str(model_dir), ["fot"], out=tmp_path / "y", memory=tmp_path)
+    with pytest.raises(LcxError, match=r"holds memory layers 1, and fot here reads layers 0 .*fot.memory_layers=1"):
+        export_for_vllm(str(model_dir), ["fot"], {"fot": {"local": 16, "memory_layers": "0"}}, out=tmp_path / "y",
+                        memory=tmp_path / "mem")
     other = make_tiny_model_dir(tmp_path / "other", seed=1)
     with pytest.raises(LcxError, match=r"was built with another model \(embedding_sha256"):
         export_for_vllm(str(other), ["fot"], out=tmp_path / "y", memory=tmp_path / "mem")

@@ -304,6 +304,16 @@ class FoT(Method):
     def stores_for_saving(self) -> dict[tuple[int, int], MemoryStore]:
         return {(layer, head): store for layer, per in (self._stores or {}).items() for (_, head), store in per.items()}
 
+    def check_memory_layers(self, path: str | Path, meta: dict, n_layers: int) -> None:
+        """A memory (``lcx memory build``) holds keys for the memory layers it was built with; read with others,
+        some of its layers would never be read and the reading layers would find nothing: refuse that."""
+        stored = sorted({int(name.split(".")[0]) for name in meta.get("stores", [])})
+        here = self.layers_of(n_layers)
+        if stored != here:
+            raise LcxError(f"memory {str(path)!r} holds memory layers {','.join(map(str, stored))}, and fot here "
+                           f"reads layers {','.join(map(str, here))} (memory_layers={self.memory_layers}); read it "
+                           f"with -o fot.memory_layers={','.join(map(str, stored))}, as it was built")
+
     def load(self, path: str | Path, model) -> dict:
         """Use a memory built by ``lcx memory build`` (multi-document mode, batch 1)."""
         from lcx.adapters.peft_bridge import base_identity
@@ -314,6 +324,7 @@ class FoT(Method):
             if want.get(key) != have.get(key):
                 raise LcxError(f"memory {str(path)!r} was built with another model ({key}: {want.get(key)!r} vs "
                                f"{have.get(key)!r}); rebuild it with this model")
+        self.check_memory_layers(path, meta, int(have["num_hidden_layers"]))
         self.mode = "multi"
         self._stores = {}
         for (layer, head), store in stores.items():
