@@ -73,7 +73,7 @@ def test_eval_compare_loads_an_adapter_for_its_stack_only(tiny_dir, tmp_path):
     assert both[f"@{adapter}"]["methods"] == [{"name": "streaming", "options": {**mine["methods"][0]["options"], "sinks": 2}}]
     assert mine["methods"][0]["options"]["sinks"] == 4 and mine["methods"][0]["options"]["chunk"] == 64
     r = run("eval", "compare", "passkey", "-m", str(tiny_dir), "--stack", "streaming", "--stack", f"streaming@{adapter}",
-            "-o", "streaming.chunk=64", "--lengths", "300", "--depths", "0.5", "--samples", "1", "--out", str(tmp_path / "pk"), "--json")
+            "-o", "streaming.chunk=64", "--lengths", "400", "--depths", "0.5", "--samples", "1", "--out", str(tmp_path / "pk"), "--json")
     assert r.exit_code == 0, r.output
     assert sorted(p.name for p in (tmp_path / "pk").glob("*.samples.jsonl")) == [
         "compare-passkey.streaming.samples.jsonl", "compare-passkey.streaming@ad.samples.jsonl"]
@@ -90,7 +90,7 @@ def test_methods_and_plugins_json():
 
 
 def test_eval_passkey_resume_reuses_the_journal_and_refuses_other_options(tiny_dir, tmp_path):
-    args = ["eval", "passkey", "-m", str(tiny_dir), "--method", "streaming", "--lengths", "300", "--depths", "0.5",
+    args = ["eval", "passkey", "-m", str(tiny_dir), "--method", "streaming", "--lengths", "400", "--depths", "0.5",
             "--samples", "2", "--out", str(tmp_path / "pk"), "--json"]
     assert run(*args, "-o", "chunk=64").exit_code == 0
     first = json.loads((tmp_path / "pk" / "passkey.json").read_text())

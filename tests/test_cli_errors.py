@@ -193,15 +193,15 @@ def test_generate_json(tiny_dir):
 
 def test_eval_passkey_writes_json_and_plot(tiny_dir, tmp_path):
     out_dir = tmp_path / "pk"
-    r = lcx("eval", "passkey", "-m", str(tiny_dir), "--method", "vanilla", "--lengths", "200", "--depths", "0.5",
+    r = lcx("eval", "passkey", "-m", str(tiny_dir), "--method", "vanilla", "--lengths", "400", "--depths", "0.5",
             "--samples", "2", "--out", str(out_dir), "--json")
     assert r.exit_code == 0, r.output
     summary = json.loads(r.stdout)
     assert summary["json"] == str(out_dir / "passkey.json") and summary["plot"] == str(out_dir / "passkey.png")
     assert {"accuracy", "accuracy_by_length", "accuracy_by_cell", "n"} <= set(summary) and summary["n"] == 2
-    assert set(summary["accuracy_by_length"]) == {"200"} and 0.0 <= summary["accuracy"] <= 1.0
+    assert set(summary["accuracy_by_length"]) == {"400"} and 0.0 <= summary["accuracy"] <= 1.0
     res = json.loads((out_dir / "passkey.json").read_text())
-    assert res["config"]["lengths"] == [200] and res["config"]["depths"] == [0.5] and len(res["samples"]) == 2
+    assert res["config"]["lengths"] == [400] and res["config"]["depths"] == [0.5] and len(res["samples"]) == 2
     assert res["methods"] == [{"name": "vanilla", "options": {"head_fraction": 0.5, "window": 0}}]
     assert (out_dir / "passkey.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -263,5 +263,32 @@ def test_text_field_is_an_option_wherever_jsonl_documents_are_read(tiny_dir, tmp
 def test_compare_checks_every_stack_before_running_any(tiny_dir, tmp_path, extra, needles):
     out = tmp_path / "cmp"
     assert_error(lcx("eval", "compare", "passkey", "-m", str(tiny_dir), "--stack", "vanilla", *extra,
-                     "--lengths", "256", "--depths", "0.5", "--samples", "1", "--out", str(out)), *needles)
+                     "--lengths", "400", "--depths", "0.5", "--samples", "1", "--out", str(out)), *needles)
     assert not out.exists()  # the vanilla stack never ran
+
+
+def test_train_full_with_a_module_name_that_matches_nothing(tiny_dir, tmp_path):
+    doc = tmp_path / "d.txt"
+    doc.write_text("some words to train on. " * 50)
+    assert_error(lcx("train", "-m", str(tiny_dir), "--method", "vanilla", "-d", str(doc), "--seq-len", "32", "--steps", "1",
+                     "--full", "nosuch_proj", "--out", str(tmp_path / "a")),
+                 "no module of the model is named 'nosuch_proj'", "q_proj", "up_proj")
+
+
+def test_passkey_lengths_shorter_than_a_passkey_prompt_are_refused(tiny_dir, tmp_path):
+    """--lengths 10 used to run 245-token prompts recorded under length 10."""
+    line = assert_error(lcx("eval", "passkey", "-m", str(tiny_dir), "--method", "vanilla", "--lengths", "10",
+                            "--samples", "1", "--out", str(tmp_path / "pk")), "passkey length 10 is shorter than")
+    least = int(line.split("at least ")[-1].replace(",", ""))
+    from lcx.evals.passkey import build_prompt_ids
+    from lcx.models import load_model
+
+    tok = load_model(str(tiny_dir))[1]
+    assert len(build_prompt_ids(tok, least, 0.5, 12345)) <= least  # the shortest allowed length is built as asked
+    r = lcx("eval", "passkey", "-m", str(tiny_dir), "--method", "vanilla", "--lengths", str(least), "--depths", "0.5",
+            "--samples", "1", "--out", str(tmp_path / "pk"), "--json")
+    assert r.exit_code == 0, r.output
+
+
+def test_analyze_retrieval_takes_one_length(tiny_dir):
+    assert_error(lcx("analyze", "retrieval", "-m", str(tiny_dir), "--length", "256,512"), "give one token count")

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from lcx.cli.base import (
-    CONTEXT, LcxGroup, _echo_json, _float_list, _int_list, _open, _positive_ints, main, method_options,
+    CONTEXT, LcxGroup, _echo_json, _float_list, _int_list, _open, _positive_ints, _token_count, main, method_options,
     model_option,
 )
 from lcx.cli.evaluation import _ppl_documents
@@ -51,7 +51,7 @@ def analyze_attention(model, data, length, max_docs, chunk, out, as_json):
 
 @analyze_grp.command("retrieval", context_settings=CONTEXT)
 @model_option
-@click.option("--length", callback=lambda c, p, v: _int_list(c, p, v)[0], default="4K", show_default=True,
+@click.option("--length", callback=_token_count, default="4K", show_default=True, metavar="N",
               help="Prompt length in tokens; keep it within the model's window (K suffix allowed).")
 @click.option("--depths", callback=_float_list, default="0.2,0.5,0.8", show_default=True, help="Needle depths.")
 @click.option("--keys", "n_keys", type=click.IntRange(1), default=1, show_default=True, help="Random keys per depth.")

@@ -52,6 +52,13 @@ def prompt_and_needle(tokenizer: Any, length: int, depth: float, key: int) -> tu
     return torch.tensor(ids, dtype=torch.long), len(head) + cut
 
 
+def shortest_length(tokenizer: Any) -> int:
+    """The fewest tokens a passkey prompt with one filler sentence takes (instruction, needle, question and
+    one sentence to hide it in): shorter lengths cannot be built as asked."""
+    return int(build_prompt_ids(tokenizer, 0, 0.5, 10000).shape[0]) + len(
+        tokenizer(" " + FILLER, add_special_tokens=False)["input_ids"])
+
+
 @dataclass
 class PasskeyConfig:
     lengths: list[int]
@@ -84,6 +91,11 @@ def evaluate(
     With a ``journal`` every finished sample is recorded as it completes, and samples the journal
     already holds (a resumed run: same seed, so the same keys) are taken from it, not recomputed."""
     config.validate()
+    least = shortest_length(tokenizer)
+    short = [n for n in config.lengths if n < least]
+    if short:
+        raise LcxError(f"passkey length {short[0]:,} is shorter than the shortest passkey prompt ({least:,} tokens: "
+                       f"instruction, key, question and one filler sentence); give lengths of at least {least:,}")
     rng = random.Random(config.seed)
     cells = [(n, d) for n in config.lengths for d in config.depths]
     samples: list[dict[str, Any]] = []
