@@ -460,9 +460,18 @@ def init_model(out: str | os.PathLike[str], family: str, settings: dict[str, Any
     if unknown:
         raise LcxError(f"{family} configs have no setting {unknown[0]!r}; e.g. hidden_size, num_hidden_layers, "
                        f"num_attention_heads, num_key_value_heads, intermediate_size, vocab_size")
-    config = AutoConfig.for_model(family, **settings)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    try:
+        from huggingface_hub.errors import StrictDataclassError  # how transformers' configs refuse a value
+    except ImportError:  # older huggingface_hub: configs raise ValueError/TypeError
+        StrictDataclassError = ValueError  # noqa: N806
+    try:  # transformers validates values (types, head counts that divide the hidden size) as it builds
+        config = AutoConfig.for_model(family, **settings)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    except (TypeError, ValueError, StrictDataclassError) as e:
+        given = ", ".join(f"{k}={v!r}" for k, v in settings.items())
+        raise LcxError(f"{family} cannot be built with {given}: {' '.join(str(e).split())[:300]}; "
+                       f"fix the -s settings") from None
     dest.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(dest), safe_serialization=True)
     return dest

@@ -292,3 +292,25 @@ def test_passkey_lengths_shorter_than_a_passkey_prompt_are_refused(tiny_dir, tmp
 
 def test_analyze_retrieval_takes_one_length(tiny_dir):
     assert_error(lcx("analyze", "retrieval", "-m", str(tiny_dir), "--length", "256,512"), "give one token count")
+
+
+def test_an_out_folder_that_is_a_file_is_a_usage_error(tiny_dir, tmp_path):
+    f = tmp_path / "f.txt"
+    f.write_text("a file")
+    doc = tmp_path / "d.txt"
+    doc.write_text("some words. " * 40)
+    for args in (["eval", "passkey", "-m", str(tiny_dir), "--method", "vanilla", "--out", str(f)],
+                 ["analyze", "attention", "-m", str(tiny_dir), "-d", str(doc), "--length", "64", "--out", str(f)],
+                 ["export", str(tiny_dir), "--method", "rope", "--out", str(f)],
+                 ["train", "-m", str(tiny_dir), "-d", str(doc), "--steps", "1", "--out", str(f)],
+                 ["models", "init", str(f)]):
+        assert_error(lcx(*args), str(f), "is a file"), args
+
+
+@pytest.mark.parametrize(("setting", "needle"), [
+    (["-s", "vocab_size=abc"], "llama cannot be built with vocab_size='abc'"),
+    (["-s", "hidden_size=30", "-s", "num_attention_heads=4"], "hidden_size=30, num_attention_heads=4"),
+])
+def test_models_init_with_values_transformers_refuses(tmp_path, setting, needle):
+    assert_error(lcx("models", "init", str(tmp_path / "m"), *setting), needle, "fix the -s settings")
+    assert not (tmp_path / "m").exists()

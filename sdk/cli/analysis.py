@@ -8,8 +8,8 @@ from pathlib import Path
 import click
 
 from lcx.cli.base import (
-    CONTEXT, LcxGroup, _echo_json, _float_list, _int_list, _open, _positive_ints, _token_count, main, method_options,
-    model_option,
+    CONTEXT, OUT_DIR, LcxGroup, _echo_json, _float_list, _int_list, _open, _positive_ints, _token_count, main,
+    method_options, model_option,
 )
 from lcx.cli.evaluation import _ppl_documents
 from lcx.errors import LcxError
@@ -26,7 +26,8 @@ def analyze_grp() -> None:
 @click.option("--length", type=click.IntRange(2), default=4096, show_default=True, help="Tokens per document analysed.")
 @click.option("--max-docs", type=click.IntRange(1), default=1, show_default=True)
 @click.option("--chunk", type=click.IntRange(1), default=256, show_default=True, help="Queries per recomputation block.")
-@click.option("--out", type=click.Path(path_type=Path), default=Path("out/attention"), show_default=True)
+@click.option("--out", type=OUT_DIR, default=Path("out/attention"), show_default=True,
+              help="Folder for attention.json and attention.png.")
 @click.option("--json", "as_json", is_flag=True)
 def analyze_attention(model, data, length, max_docs, chunk, out, as_json):
     """Attention mass by distance, per 1024-token bin and by rank (SMT's Pareto analysis); JSON + plot."""
@@ -58,7 +59,8 @@ def analyze_attention(model, data, length, max_docs, chunk, out, as_json):
 @click.option("--threshold", type=click.FloatRange(0, 1), default=0.15, show_default=True,
               help="A layer is suggested when its best head puts at least this share of attention on the needle.")
 @click.option("--seed", type=int, default=12345, show_default=True, help="Keys differ from the eval's (seed 0).")
-@click.option("--out", type=click.Path(path_type=Path), default=Path("out/retrieval"), show_default=True)
+@click.option("--out", type=OUT_DIR, default=Path("out/retrieval"), show_default=True,
+              help="Folder for retrieval.json and retrieval.png.")
 @click.option("--json", "as_json", is_flag=True)
 def analyze_retrieval(model, length, depths, n_keys, threshold, seed, out, as_json):
     """Which layers copy from far context: attention mass on a passkey while the model repeats it.
@@ -97,7 +99,8 @@ def analyze_retrieval(model, length, depths, n_keys, threshold, seed, out, as_js
               help="Batches per d, each from another place in every document.")
 @click.option("--max-docs", type=click.IntRange(1), default=None, help="Use at most this many documents.")
 @click.option("--label", default=None, help="Name of this model in the plot (default: model, + adapter).")
-@click.option("--out", type=click.Path(path_type=Path), default=Path("out/distraction"), show_default=True)
+@click.option("--out", type=OUT_DIR, default=Path("out/distraction"), show_default=True,
+              help="Folder for distraction.json and distraction.png.")
 @click.option("--json", "as_json", is_flag=True)
 def analyze_distraction(model, methods, options, adapter, trust_remote_code, data, ds, batches, max_docs, label, out,
                         as_json):

@@ -16,6 +16,8 @@ import click
 from lcx.errors import LcxError
 
 CONTEXT = dict(help_option_names=["-h", "--help"], max_content_width=100)
+#: An --out folder: an existing file there is a usage error, not a traceback halfway through the work.
+OUT_DIR = click.Path(path_type=Path, file_okay=False)
 
 
 class LcxGroup(click.Group):

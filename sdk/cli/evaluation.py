@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from lcx.cli.base import (
-    CONTEXT, LcxGroup, RESUME_HELP, _echo_json, _float_list, _int_list, _open, _token_count,
+    CONTEXT, OUT_DIR, LcxGroup, RESUME_HELP, _echo_json, _float_list, _int_list, _open, _token_count,
     _device, _with_limits, device_option, main, method_options, model_option, text_field_option,
 )
 from lcx.errors import LcxError
@@ -29,7 +29,7 @@ def eval_grp() -> None:
               help="Comma-separated needle depths in [0, 1].")
 @click.option("--samples", type=click.IntRange(1), default=5, show_default=True, help="Random keys per cell.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--out", type=click.Path(path_type=Path), default=Path("out/passkey"), show_default=True,
+@click.option("--out", type=OUT_DIR, default=Path("out/passkey"), show_default=True,
               help="Folder for passkey.json and passkey.png.")
 @click.option("--resume", is_flag=True, help=RESUME_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
@@ -120,7 +120,8 @@ def _ppl_documents(data: tuple[str, ...], tokenizer, max_docs: int | None,
 @click.option("--room", callback=_token_count, default=None, metavar="N",
               help="Tokens before the first scored span (default: the largest of --contexts); K suffix allowed. "
                    "Runs asking for different --contexts score the same text only with the same --room.")
-@click.option("--out", type=click.Path(path_type=Path), default=Path("out/ppl"), show_default=True)
+@click.option("--out", type=OUT_DIR, default=Path("out/ppl"), show_default=True,
+              help="Folder for ppl.json and ppl.png.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def eval_ppl(model, methods, options, adapter, trust_remote_code, data, text_field, max_docs, contexts, target, samples,
              room, out, as_json):
@@ -171,7 +172,8 @@ def eval_ppl(model, methods, options, adapter, trust_remote_code, data, text_fie
 @click.option("--target", type=click.IntRange(1), default=256, show_default=True, help="ppl: scored tokens.")
 @click.option("--room", callback=_token_count, default=None, metavar="N",
               help="ppl: tokens before the first scored span (default: the largest of --contexts).")
-@click.option("--out", type=click.Path(path_type=Path), default=Path("out/compare"), show_default=True)
+@click.option("--out", type=OUT_DIR, default=Path("out/compare"), show_default=True,
+              help="Folder for compare-SUITE.json, .md and .png (and the passkey journals).")
 @click.option("--resume", is_flag=True, help="passkey: " + RESUME_HELP)
 @device_option
 @click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
@@ -242,7 +244,8 @@ def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, 
 @click.option("--samples", type=click.IntRange(1), default=5, show_default=True, help="Documents per size.")
 @click.option("--seed", type=int, default=1234, show_default=True)
 @click.option("--label", default=None, help="Name of this run in the plot (default: the methods, + adapter).")
-@click.option("--out", type=click.Path(path_type=Path), default=Path("out/dictionary"), show_default=True)
+@click.option("--out", type=OUT_DIR, default=Path("out/dictionary"), show_default=True,
+              help="Folder for dictionary.json and dictionary.png.")
 @click.option("--json", "as_json", is_flag=True)
 def eval_dictionary(model, methods, options, adapter, trust_remote_code, dict_tokens, query_tokens, samples, seed, label,
                     out, as_json):

@@ -7,7 +7,8 @@ from pathlib import Path
 import click
 
 from lcx.cli.base import (
-    CONTEXT, LcxGroup, _device, _with_limits, device_option, limit_options, main, model_option, text_field_option,
+    CONTEXT, OUT_DIR, LcxGroup, _device, _with_limits, device_option, limit_options, main, model_option,
+    text_field_option,
 )
 from lcx.errors import LcxError
 
@@ -21,7 +22,7 @@ def memory_grp() -> None:
 @model_option
 @click.option("--method", "methods", multiple=True, default=("fot",), show_default=True, help="The memory method.")
 @click.option("--option", "-o", "options", multiple=True, metavar="KEY=VALUE", help="Method option (fot).")
-@click.option("--out", required=True, type=click.Path(path_type=Path), help="Folder for memory.safetensors + memory.json.")
+@click.option("--out", required=True, type=OUT_DIR, help="Folder for memory.safetensors + memory.json.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing memory folder.")
 @limit_options
 @device_option

@@ -37,7 +37,7 @@ def models_pull(name: str, force: bool, wheel: Path | None) -> None:
 
 
 @models_grp.command("init", context_settings=CONTEXT)
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("out", type=click.Path(path_type=Path, file_okay=False))
 @click.option("--family", default="llama", show_default=True, help="transformers model_type (see `lcx plugins`).")
 @click.option("--set", "-s", "settings", multiple=True, metavar="KEY=VALUE",
               help="Config setting, e.g. -s hidden_size=512 -s num_hidden_layers=12 -s vocab_size=68.")

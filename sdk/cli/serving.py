@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from lcx.cli.base import CONTEXT, _echo_json, main, model_option
+from lcx.cli.base import CONTEXT, OUT_DIR, _echo_json, main, model_option
 from lcx.errors import LcxError
 
 
@@ -43,7 +43,7 @@ def serve_options(f):
 @serve_options
 @click.option("--for", "target", type=click.Choice(["vllm"]), default="vllm", show_default=True,
               help="The engine to export for.")
-@click.option("--out", required=True, type=click.Path(path_type=Path), help="Folder to write (model/ + adapters/).")
+@click.option("--out", required=True, type=OUT_DIR, help="Folder to write (model/ + adapters/).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT folder.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
 def export_cmd(model, options, methods, adapters, max_model_len, target, out, overwrite, as_json) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from lcx.cli.base import CONTEXT, _echo_json, main, model_option, text_field_option
+from lcx.cli.base import CONTEXT, OUT_DIR, _echo_json, main, model_option, text_field_option
 
 
 @main.command("train", context_settings=CONTEXT)
@@ -20,7 +20,7 @@ from lcx.cli.base import CONTEXT, _echo_json, main, model_option, text_field_opt
                    "task:dictionary (FoT's dictionary lookup, fresh seeded documents every step: one document "
                    "per --seq-len row; task:dictionary:512 for 512-token documents back to back; "
                    "task:dictionary:near=0.5 for keys half of which share 2 of 4 symbols with an earlier key).")
-@click.option("--out", required=True, type=click.Path(path_type=Path), help="Output folder for the adapter.")
+@click.option("--out", required=True, type=OUT_DIR, help="Output folder for the adapter.")
 @click.option("--seq-len", type=click.IntRange(2), default=1024, show_default=True, help="Tokens per training window.")
 @click.option("--steps", type=click.IntRange(1), default=100, show_default=True)
 @click.option("--batch-size", type=click.IntRange(1), default=1, show_default=True, help="Windows per process per micro-batch.")
