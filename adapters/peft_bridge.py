@@ -176,8 +176,11 @@ def check_base(model: nn.Module, sidecar: dict[str, Any], adapter_dir: str | os.
 
 def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike, trainable: bool = False) -> tuple[PeftModel, dict]:
     """Load an lcx adapter onto ``model``: checks the base model, loads safetensors only."""
-    sidecar = read_sidecar(adapter_dir)
     d = Path(adapter_dir)
+    if not (d / ADAPTER_WEIGHTS).exists() and (d / "config.json").exists() and any(d.glob("model*.safetensors")):
+        raise LcxError(f"{str(d)!r} is a whole model (e.g. from `lcx train --full all`), not an adapter; "
+                       f"load it as the model: -m {d}")
+    sidecar = read_sidecar(adapter_dir)
     if not (d / ADAPTER_WEIGHTS).exists():
         raise LcxError(
             f"{str(d)!r} has no {ADAPTER_WEIGHTS}; lcx loads adapters from safetensors only (never pickle)"

@@ -179,6 +179,9 @@ def resolve_methods(methods: Any, options: dict[str, Any]) -> list[Method]:
         if key in per_method and isinstance(value, Mapping):
             per_method[key].update(value)
             continue
+        if isinstance(value, Mapping) and key in reg.methods:  # -o rope.factor=4 without --method rope
+            raise LcxError(f"options for method {key!r}, which is not selected ({', '.join(names) or 'none'}); "
+                           f"add --method {key}, or drop the option")
         owners = [n for n in names if isinstance(n, str) and key in {f.name for f in reg.get(n).options()}]
         if not owners:
             raise LcxError(

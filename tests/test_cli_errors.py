@@ -314,3 +314,20 @@ def test_an_out_folder_that_is_a_file_is_a_usage_error(tiny_dir, tmp_path):
 def test_models_init_with_values_transformers_refuses(tmp_path, setting, needle):
     assert_error(lcx("models", "init", str(tmp_path / "m"), *setting), needle, "fix the -s settings")
     assert not (tmp_path / "m").exists()
+
+
+def test_options_for_a_method_that_is_not_selected_say_so(tiny_dir):
+    assert_error(lcx("generate", "-m", str(tiny_dir), "--method", "streaming", "-o", "rope.factor=4", "-p", "hi"),
+                 "options for method 'rope', which is not selected (streaming)", "add --method rope")
+
+
+def test_a_whole_model_folder_given_as_adapter_points_to_m(tiny_dir):
+    assert_error(lcx("generate", "-m", str(tiny_dir), "--adapter", str(tiny_dir), "-p", "hi"),
+                 "is a whole model", f"-m {tiny_dir}")
+
+
+def test_temperature_without_sampling_is_refused(tiny_dir):
+    assert_error(lcx("generate", "-m", str(tiny_dir), "-p", "hi", "--temperature", "1.5"),
+                 "--temperature 1.5 applies to sampling; add --sample")
+    r = lcx("generate", "-m", str(tiny_dir), "-p", "hi", "-n", "2", "--sample", "--temperature", "1.5", "--json")
+    assert r.exit_code == 0, r.output

@@ -17,10 +17,12 @@ from lcx.errors import LcxError
 @click.option("--input", "input_file", type=click.Path(path_type=Path), default=None,
               help="UTF-8 text file put before the prompt (the long document).")
 @click.option("--prompt", "-p", default="", help="Text after the document (the question).")
-@click.option("--max-new-tokens", "-n", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--max-new-tokens", "-n", type=click.IntRange(1), default=64, show_default=True,
+              help="Tokens to generate.")
 @click.option("--sample/--greedy", default=False, show_default=True, help="Sample instead of greedy decoding.")
-@click.option("--temperature", type=click.FloatRange(min=0.0, min_open=True), default=0.7, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0.0, min_open=True), default=None,
+              help="Sampling temperature (with --sample; default 0.7).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Random seed of sampling.")
 @click.option("--memory", "memory_dir", type=click.Path(path_type=Path), default=None,
               help="A memory built by `lcx memory build` (fot, multi-document mode).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
@@ -41,6 +43,9 @@ def generate_cmd(model, methods, options, adapter, trust_remote_code, input_file
     from lcx.generation import generate
     from lcx.session import read_text_file
 
+    if temperature is not None and not sample:
+        raise LcxError(f"--temperature {temperature} applies to sampling; add --sample (greedy decoding has no "
+                       f"temperature)")
     text = (read_text_file(input_file) if input_file else "")
     if input_file is not None and not text.strip() and not prompt.strip():
         raise LcxError(f"empty input: file {str(input_file)!r} is empty (or only whitespace); put the document in it or pass --prompt TEXT")
@@ -58,7 +63,7 @@ def generate_cmd(model, methods, options, adapter, trust_remote_code, input_file
         torch.manual_seed(seed)
         kwargs: dict[str, Any] = {"do_sample": sample}
         if sample:
-            kwargs["temperature"] = temperature
+            kwargs["temperature"] = 0.7 if temperature is None else temperature
         if not as_json:
             kwargs["streamer"] = TextStreamer(s.tokenizer, skip_prompt=True, skip_special_tokens=True)
         t0 = time.perf_counter()
