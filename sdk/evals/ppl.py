@@ -1,4 +1,4 @@
-"""Perplexity vs context (the FocusLLM / CEPE protocol, DESIGN.md section 5).
+"""Perplexity vs context (the FocusLLM / CEPE protocol).
 
 For each document and each context length N, score the ``target`` tokens
 (default 256) that follow N tokens of context: perplexity and next-token
