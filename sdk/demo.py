@@ -70,7 +70,8 @@ def run_demo(model_name: str = "smollm2-135m", length: int | None = None, depth:
                     measure() as m:
                 new = generate(run, ids, max_new_tokens=8)
         except LcxError as e:  # e.g. default options that do not fit a small model's window: one row, not the end
-            rows.append({**row, "found": False, "output": f"error: {e}", "seconds": None, "peak_rss_mib": None})
+            rows.append({**row, "found": None, "output": f"error: {e}", "error": str(e), "seconds": None,
+                         "peak_rss_mib": None})  # found: None, not False: the method did not run
             continue
         text = tok.decode(new[0], skip_special_tokens=True)
         rows.append({**row, "found": str(key) in text.replace(" ", ""), "output": text.strip(),

@@ -115,6 +115,7 @@ def test_demo_runs_every_inference_method_and_leaves_out_training_only_ones(tiny
     # say why and how to fix it, the others ran
     errors = {row["method"]: row["output"] for row in rows if row["seconds"] is None}
     assert sorted(errors) == ["focusllm", "streaming"], errors
+    assert all(row["found"] is None and row["error"] for row in rows if row["seconds"] is None)  # not "not found"
     assert "-o focusllm.chunk=256 -o focusllm.fragment=64" in errors["focusllm"]
     assert "-o streaming.chunk=128" in errors["streaming"]
 

@@ -340,3 +340,15 @@ def test_models_pull_prints_only_the_path_on_stdout(tmp_path, monkeypatch):
     monkeypatch.setattr(models, "pull", lambda name, force, wheel, log: (log(f"[models] {name} is ready"), tmp_path)[1])
     r = lcx("models", "pull", "smollm2-135m")
     assert r.exit_code == 0 and r.stdout == f"{tmp_path}\n" and "is ready" in r.stderr
+
+
+def test_memory_build_and_models_init_print_json(tiny_dir, tmp_path):
+    doc = tmp_path / "d.txt"
+    doc.write_text("some words to remember. " * 30)
+    r = lcx("memory", "build", "-m", str(tiny_dir), "-o", "local=64", "-o", "memory_layers=1", "--out", str(tmp_path / "mem"),
+            "--json", str(doc))
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["memory_layers"] == [1] and out["documents"][0]["source"] == str(doc) and out["entries_per_layer_and_head"] > 0
+    r = lcx("models", "init", str(tmp_path / "m"), "-s", "num_hidden_layers=1", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["path"] == str(tmp_path / "m"), r.output

@@ -28,7 +28,7 @@ def analyze_grp() -> None:
 @click.option("--chunk", type=click.IntRange(1), default=256, show_default=True, help="Queries per recomputation block.")
 @click.option("--out", type=OUT_DIR, default=Path("out/attention"), show_default=True,
               help="Folder for attention.json and attention.png.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (no table, no progress bars).")
 def analyze_attention(model, data, length, max_docs, chunk, out, as_json):
     """Attention mass by distance, per 1024-token bin and by rank (SMT's Pareto analysis); JSON + plot."""
     from lcx import analyze
@@ -61,7 +61,7 @@ def analyze_attention(model, data, length, max_docs, chunk, out, as_json):
 @click.option("--seed", type=int, default=12345, show_default=True, help="Keys differ from the eval's (seed 0).")
 @click.option("--out", type=OUT_DIR, default=Path("out/retrieval"), show_default=True,
               help="Folder for retrieval.json and retrieval.png.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (no table, no progress bars).")
 def analyze_retrieval(model, length, depths, n_keys, threshold, seed, out, as_json):
     """Which layers copy from far context: attention mass on a passkey while the model repeats it.
 
@@ -101,7 +101,7 @@ def analyze_retrieval(model, length, depths, n_keys, threshold, seed, out, as_js
 @click.option("--label", default=None, help="Name of this model in the plot (default: model, + adapter).")
 @click.option("--out", type=OUT_DIR, default=Path("out/distraction"), show_default=True,
               help="Folder for distraction.json and distraction.png.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (no table, no progress bars).")
 def analyze_distraction(model, methods, options, adapter, trust_remote_code, data, ds, batches, max_docs, label, out,
                         as_json):
     """FoT's distraction measure: share of a memory layer's attention on its own document's previous

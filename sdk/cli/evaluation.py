@@ -28,7 +28,7 @@ def eval_grp() -> None:
 @click.option("--depths", callback=_float_list, default="0.1,0.3,0.5,0.7,0.9", show_default=True,
               help="Comma-separated needle depths in [0, 1].")
 @click.option("--samples", type=click.IntRange(1), default=5, show_default=True, help="Random keys per cell.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Draws the keys (same seed, same prompts).")
 @click.option("--out", type=OUT_DIR, default=Path("out/passkey"), show_default=True,
               help="Folder for passkey.json and passkey.png.")
 @click.option("--resume", is_flag=True, help=RESUME_HELP)
@@ -164,7 +164,7 @@ def eval_ppl(model, methods, options, adapter, trust_remote_code, data, text_fie
 @click.option("--lengths", callback=_int_list, default="4096", show_default=True, help="passkey: prompt lengths.")
 @click.option("--depths", callback=_float_list, default="0.1,0.3,0.5,0.7,0.9", show_default=True, help="passkey: depths.")
 @click.option("--samples", type=click.IntRange(1), default=None, help="Keys per cell (passkey, default 5) or spans per document (ppl, default 1).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="passkey: draws the keys (same seed, same prompts).")
 @click.option("--data", "-d", multiple=True, metavar="PATH", help="ppl: documents.")
 @text_field_option
 @click.option("--max-docs", type=click.IntRange(1), default=None, help="ppl: at most this many documents.")
@@ -242,11 +242,11 @@ def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, 
               help="Dictionary sizes in tokens (definitions before the queries); K suffix allowed.")
 @click.option("--query-tokens", type=click.IntRange(10), default=256, show_default=True, help="Query tokens at the end.")
 @click.option("--samples", type=click.IntRange(1), default=5, show_default=True, help="Documents per size.")
-@click.option("--seed", type=int, default=1234, show_default=True)
+@click.option("--seed", type=int, default=1234, show_default=True, help="Draws the dictionaries and queries.")
 @click.option("--label", default=None, help="Name of this run in the plot (default: the methods, + adapter).")
 @click.option("--out", type=OUT_DIR, default=Path("out/dictionary"), show_default=True,
               help="Folder for dictionary.json and dictionary.png.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (no table, no progress bars).")
 def eval_dictionary(model, methods, options, adapter, trust_remote_code, dict_tokens, query_tokens, samples, seed, label,
                     out, as_json):
     """FoT's dictionary lookup (appendix F): accuracy of queried values vs dictionary size.

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from lcx.cli.base import (
-    CONTEXT, OUT_DIR, LcxGroup, _device, _with_limits, device_option, limit_options, main, model_option,
+    CONTEXT, OUT_DIR, LcxGroup, _device, _echo_json, _with_limits, device_option, limit_options, main, model_option,
     text_field_option,
 )
 from lcx.errors import LcxError
@@ -27,8 +27,9 @@ def memory_grp() -> None:
 @limit_options
 @device_option
 @text_field_option
+@click.option("--json", "as_json", is_flag=True, help="Print what was indexed as JSON (no progress bars).")
 @click.argument("docs", nargs=-1, required=True, type=click.Path(path_type=Path))
-def memory_build(model, methods, options, out, overwrite, text_field, docs):
+def memory_build(model, methods, options, out, overwrite, text_field, as_json, docs):
     """Index DOCS (text files or folders) into a kNN memory saved to --out.
 
     \b
@@ -58,13 +59,17 @@ def memory_build(model, methods, options, out, overwrite, text_field, docs):
     try:
         fot = s.run.method("fot")
         listed = []
-        for i, d in enumerate(tqdm(documents, desc="indexing", unit="doc")):
+        for i, d in enumerate(tqdm(documents, desc="indexing", unit="doc", disable=as_json)):
             ids = s.tokenizer(d["text"], add_special_tokens=False, return_tensors="pt")["input_ids"]
-            listed.append({"doc_id": i, "source": d["source"], "tokens": fot.ingest(s.run, ids, i, progress=True)})
+            listed.append({"doc_id": i, "source": d["source"], "tokens": fot.ingest(s.run, ids, i, progress=not as_json)})
         stores = fot.stores_for_saving()
         save_memory(stores, out, {"model": base_identity(s.model), "method": s.run.describe()["methods"][0],
                                   "documents": listed})
     finally:
         s.close()
     entries = len(next(iter(stores.values()))) if stores else 0
+    if as_json:
+        _echo_json({"out": str(out), "documents": listed, "entries_per_layer_and_head": entries,
+                    "memory_layers": sorted({layer for layer, _ in stores})})
+        return
     click.echo(f"indexed {len(listed)} document(s), {entries} entries per layer and head, into {out}")

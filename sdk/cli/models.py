@@ -38,12 +38,16 @@ def models_pull(name: str, force: bool, wheel: Path | None) -> None:
 
 @models_grp.command("init", context_settings=CONTEXT)
 @click.argument("out", type=click.Path(path_type=Path, file_okay=False))
-@click.option("--family", default="llama", show_default=True, help="transformers model_type of a family lcx supports (llama, qwen2, mistral, gemma2, ...; another is refused with the list).")
+@click.option("--family", default="llama", show_default=True,
+              help="transformers model_type of a family lcx supports (llama, qwen2, mistral, gemma2, ...; another is "
+                   "refused with the list).")
 @click.option("--set", "-s", "settings", multiple=True, metavar="KEY=VALUE",
               help="Config setting, e.g. -s hidden_size=512 -s num_hidden_layers=12 -s vocab_size=68.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT folder.")
-def models_init(out: Path, family: str, settings: tuple[str, ...], seed: int, overwrite: bool) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print the folder written as JSON.")
+def models_init(out: Path, family: str, settings: tuple[str, ...], seed: int, overwrite: bool,
+                as_json: bool) -> None:
     """Create a randomly initialised model folder, to train from scratch (e.g. FoT's dictionary lookup).
 
     \b
@@ -62,6 +66,9 @@ def models_init(out: Path, family: str, settings: tuple[str, ...], seed: int, ov
     path = init_model(out, family, {k: value(v) for k, v in parse_options(settings).items()}, seed=seed,
                       overwrite=overwrite)
     n = sum(1 for _ in path.iterdir())
+    if as_json:
+        _echo_json({"path": str(path), "family": family, "files": n})
+        return
     click.echo(f"wrote a random {family} model to {path} ({n} files)")
 
 

@@ -37,7 +37,7 @@ from lcx.cli.base import CONTEXT, OUT_DIR, _echo_json, main, model_option, text_
               help="Start from this lcx adapter's weights instead of a fresh LoRA (same base model and rank; its "
                    "roles): continue a training, e.g. with another loss.  The run's steps, optimizer and schedule "
                    "start anew (--resume continues an interrupted run instead).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the data order, the adapter initialisation and the sampling stage.")
 @click.option("--bf16", is_flag=True, help="bf16 autocast (where the hardware supports it).")
 @click.option("--save-every", type=click.IntRange(0), default=50, show_default=True, help="Checkpoint every N steps.")
 @click.option("--concat/--no-concat", default=True, show_default=True, help="Concatenate short documents into windows.")
