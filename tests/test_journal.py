@@ -24,7 +24,7 @@ def counting_generate(tok, calls):
 
 def test_resumed_grid_reuses_recorded_samples_and_redoes_the_rest(tmp_path):
     tok = char_tokenizer()
-    cfg = passkey.PasskeyConfig(lengths=[300], depths=[0.2, 0.8], samples=2)
+    cfg = passkey.PasskeyConfig(lengths=[400], depths=[0.2, 0.8], samples=2)
     path = tmp_path / "pk.samples.jsonl"
     calls: list[int] = []
     full = passkey.evaluate(counting_generate(tok, calls), tok, cfg, progress=False, journal=Journal(path, FP))

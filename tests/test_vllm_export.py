@@ -169,7 +169,7 @@ def test_cli_export_json_and_errors(model_dir, tmp_path):
 
 
 def test_options_for_an_unselected_method_are_refused(model_dir, tmp_path):
-    with pytest.raises(LcxError, match="option 'rope' belongs to none of the selected methods"):
+    with pytest.raises(LcxError, match="options for method 'rope', which is not selected \\(none\\); add --method rope"):
         export_for_vllm(str(model_dir), [], {"rope": {"factor": "4"}}, out=tmp_path / "x")
     with pytest.raises(LcxError, match="option 'factor' belongs to none of the selected methods"):
         export_for_vllm(str(model_dir), [], {"factor": "4"}, out=tmp_path / "x")
