@@ -76,10 +76,10 @@ def add_adapter(
     nothing (``lora_host``)."""
     if rank <= 0:
         raise LcxError(f"LoRA rank must be > 0, got {rank}")
-    names = [n for n, _ in model.named_modules()]
-    missing = [m for m in modules_to_save or [] if not any(n == m or n.endswith("." + m) for n in names)]
+    modules = dict(model.named_modules())
+    missing = [m for m in modules_to_save or [] if not any(n == m or n.endswith("." + m) for n in modules)]
     if missing:  # PEFT matches by name suffix and says nothing when nothing matches
-        leaves = sorted({n.rsplit(".", 1)[-1] for n, mod in model.named_modules() if not list(mod.children())})
+        leaves = sorted({n.rsplit(".", 1)[-1] for n, mod in modules.items() if not list(mod.children())})
         raise LcxError(f"no module of the model is named {', '.join(map(repr, missing))} (modules to train fully); "
                        f"its module names end in: {', '.join(leaves)}")
     targets: list[str] | str = [t for t in (target_modules or lora_targets(model, roles))

@@ -352,3 +352,15 @@ def test_memory_build_and_models_init_print_json(tiny_dir, tmp_path):
     assert out["memory_layers"] == [1] and out["documents"][0]["source"] == str(doc) and out["entries_per_layer_and_head"] > 0
     r = lcx("models", "init", str(tmp_path / "m"), "-s", "num_hidden_layers=1", "--json")
     assert r.exit_code == 0 and json.loads(r.stdout)["path"] == str(tmp_path / "m"), r.output
+
+
+def test_the_analyses_read_jsonl_documents_by_text_field(tiny_dir, tmp_path):
+    """analyze attention and distraction read documents as eval ppl does: --text-field, which the error advises."""
+    jl = tmp_path / "c.jsonl"
+    jl.write_text("\n".join(json.dumps({"body": "It was a bright cold day in April. " * 40}) for _ in range(2)))
+    args = ["analyze", "attention", "-m", str(tiny_dir), "-d", str(jl), "--length", "64", "--json"]
+    assert_error(lcx(*args, "--out", str(tmp_path / "a0")), "has no 'text' field", "--text-field NAME")
+    r = lcx(*args, "--text-field", "body", "--out", str(tmp_path / "a1"))
+    assert r.exit_code == 0, r.output
+    assert_error(lcx("analyze", "distraction", "-m", str(tiny_dir), "-d", str(jl), "--text-field", "nope",
+                     "--out", str(tmp_path / "d")), "has no 'nope' field")

@@ -9,7 +9,7 @@ import click
 
 from lcx.cli.base import (
     CONTEXT, OUT_DIR, LcxGroup, _echo_json, _float_list, _int_list, _open, _positive_ints, _token_count, main,
-    method_options, model_option,
+    method_options, model_option, text_field_option,
 )
 from lcx.cli.evaluation import _ppl_documents
 from lcx.errors import LcxError
@@ -23,19 +23,20 @@ def analyze_grp() -> None:
 @analyze_grp.command("attention", context_settings=CONTEXT)
 @model_option
 @click.option("--data", "-d", multiple=True, required=True, metavar="PATH", help="Documents (files, folders, .jsonl).")
+@text_field_option
 @click.option("--length", type=click.IntRange(2), default=4096, show_default=True, help="Tokens per document analysed.")
 @click.option("--max-docs", type=click.IntRange(1), default=1, show_default=True)
 @click.option("--chunk", type=click.IntRange(1), default=256, show_default=True, help="Queries per recomputation block.")
 @click.option("--out", type=OUT_DIR, default=Path("out/attention"), show_default=True,
               help="Folder for attention.json and attention.png.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (no table, no progress bars).")
-def analyze_attention(model, data, length, max_docs, chunk, out, as_json):
+def analyze_attention(model, data, text_field, length, max_docs, chunk, out, as_json):
     """Attention mass by distance, per 1024-token bin and by rank (SMT's Pareto analysis); JSON + plot."""
     from lcx import analyze
     from lcx.models import load_model
 
     hf_model, tok = load_model(model)
-    docs = [(n, ids) for n, ids in _ppl_documents(data, tok, None) if len(ids) >= length][:max_docs]
+    docs = [(n, ids) for n, ids in _ppl_documents(data, tok, None, text_field) if len(ids) >= length][:max_docs]
     if not docs:
         raise LcxError(f"no document in {list(data)} has {length} tokens; lower --length")
     result = {"model": model, **analyze.analyze(hf_model, docs, length, chunk=chunk, progress=not as_json)}
@@ -93,6 +94,7 @@ def analyze_retrieval(model, length, depths, n_keys, threshold, seed, out, as_js
 @method_options
 @click.option("--data", "-d", multiple=True, required=True, metavar="PATH",
               help="Documents, one per batch row (files, folders, .jsonl); at least max(--ds) of them.")
+@text_field_option
 @click.option("--ds", callback=lambda c, p, v: _positive_ints(v), default="1,2,4,8", show_default=True,
               help="Numbers of documents visible to the memory layer.")
 @click.option("--batches", type=click.IntRange(1), default=3, show_default=True,
@@ -102,8 +104,8 @@ def analyze_retrieval(model, length, depths, n_keys, threshold, seed, out, as_js
 @click.option("--out", type=OUT_DIR, default=Path("out/distraction"), show_default=True,
               help="Folder for distraction.json and distraction.png.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (no table, no progress bars).")
-def analyze_distraction(model, methods, options, adapter, trust_remote_code, data, ds, batches, max_docs, label, out,
-                        as_json):
+def analyze_distraction(model, methods, options, adapter, trust_remote_code, data, text_field, ds, batches, max_docs,
+                        label, out, as_json):
     """FoT's distraction measure: share of a memory layer's attention on its own document's previous
     context when d documents' previous contexts are visible (chance: 1/d).
 
@@ -124,7 +126,7 @@ def analyze_distraction(model, methods, options, adapter, trust_remote_code, dat
     try:
         if "fot" not in [m.name for m in s.run.methods]:
             raise LcxError(f"adapter {str(adapter)!r} was not trained with fot; add --method fot")
-        docs = _ppl_documents(data, s.tokenizer, max_docs)
+        docs = _ppl_documents(data, s.tokenizer, max_docs, text_field)
         result = distraction.measure(s.run, docs, ds, batches, progress=not as_json)
         result.update(model=model, adapter=str(adapter) if adapter else None, **s.run.describe())
     finally:

@@ -46,8 +46,6 @@ def memory_build(model, methods, options, out, overwrite, text_field, as_json, d
 
     if list(methods) != ["fot"]:
         raise LcxError(f"memory build supports the fot method, got {', '.join(methods)}")
-    if out.exists() and not out.is_dir():
-        raise LcxError(f"--out {str(out)!r} is a file, not a folder; give a folder for the memory")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise LcxError(f"memory folder {str(out)!r} exists; pass --overwrite to replace it")
     documents = list(iter_documents([str(p) for p in docs], text_field))
