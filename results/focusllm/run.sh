@@ -81,6 +81,13 @@ passkey_recall_local_overlap() {  # the same adapter, each chunk also reading th
             --lengths $L --device ${DEVICE:-cpu} --out results/focusllm/passkey-recall-local-overlap-${L,,} --resume
     done
 }
+bigchunk_probe() {  # chunks of 7,616 tokens (the largest the window holds with overlap 64 and fragment 512): 9
+                    # candidates at 64K instead of 31; the first key of each depth of the committed 64K grid
+                    # (~5 min a prompt on 2 cores)
+    .venv/bin/python results/focusllm/bigchunk/probe.py --length 64K --index 0 \
+        --baseline results/focusllm/passkey-recall-local-64k -o focusllm.chunk=7616 -o focusllm.overlap=64 \
+        --out results/focusllm/bigchunk/c7616-64k
+}
 passkey_recall() {  # the recall-trained adapter on the 16K grid (exact refresh)
     $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall --lengths ${RECALL_LENGTHS:-16K} \
         --out results/focusllm/passkey-recall --resume
@@ -115,5 +122,5 @@ compare16() {  # focusllm, training-free and with the trained adapter (focusllm@
 }
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(passkey_free ppl_free train passkey_trained ppl_trained train_fresh passkey_fresh diagnose_fresh train_recall passkey_recall train_recall_local passkey_recall_local passkey_recall_local_32k passkey_recall_local_long passkey_recall_local_overlap)
+[ ${#steps[@]} -eq 0 ] && steps=(passkey_free ppl_free train passkey_trained ppl_trained train_fresh passkey_fresh diagnose_fresh train_recall passkey_recall train_recall_local passkey_recall_local passkey_recall_local_32k passkey_recall_local_long passkey_recall_local_overlap bigchunk_probe)
 for s in "${steps[@]}"; do echo "== $s"; "$s"; done
