@@ -500,7 +500,26 @@ def served_methods(exp: Export, served_name: str) -> dict[str, list[dict[str, An
     return out
 
 
-def vllm_env(exp: Export, kv_cache_gib: float, served_name: str = "lcx") -> dict[str, str]:
+def api_keys(args: tuple[str, ...] | list[str]) -> list[str]:
+    """The keys of ``--api-key K [K ...]`` / ``--api-key=K`` among vLLM arguments."""
+    keys, i = [], 0
+    while i < len(args):
+        a = args[i]
+        if a.startswith("--api-key="):
+            keys.append(a.split("=", 1)[1])
+        elif a == "--api-key":
+            while i + 1 < len(args) and not args[i + 1].startswith("-"):
+                i += 1
+                keys.append(args[i])
+        i += 1
+    return keys
+
+
+def vllm_env(exp: Export, kv_cache_gib: float | None = None, served_name: str = "lcx",
+             extra: tuple[str, ...] = ()) -> dict[str, str]:
+    """The server's environment.  ``kv_cache_gib``: vLLM's CPU KV cache (None: VLLM_CPU_KVCACHE_SPACE if set,
+    else 2 GiB); ``extra``: the arguments passed on to vLLM (their --api-key reaches lcx's middleware)."""
+    from lcx.integrations.vllm_requests import API_KEYS_ENV
     from lcx.registry import registry
 
     env = dict(os.environ)
@@ -514,7 +533,10 @@ def vllm_env(exp: Export, kv_cache_gib: float, served_name: str = "lcx") -> dict
         spool.mkdir(parents=True)
     env[MODEL_ENV] = json.dumps({"tokenizer": str(exp.model_dir), "window": exp.window, "attention": attention,
                                  "memory": exp.memory, "spool": str(spool) if spool else None})
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{kv_cache_gib:g}")
+    if kv_cache_gib is not None:  # the option wins over an exported VLLM_CPU_KVCACHE_SPACE
+        env["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gib:g}"
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    env[API_KEYS_ENV] = json.dumps(api_keys(extra))  # vLLM checks them after lcx's middleware: it checks them first
     if (os.cpu_count() or 1) <= 4:
         # vLLM keeps one CPU for its API server by default; on a 2-core machine that halves the compute
         # (bench/serve_throughput.py: 9.0 vs 4.6-5.6 tokens/s for 8 concurrent 2K-token passkey requests).
@@ -535,6 +557,9 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> float:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:
                     return time.monotonic() - t0
+        except urllib.error.HTTPError as e:
+            if e.code in (401, 403):  # it answers, and wants an API key (--api-key / VLLM_API_KEY)
+                return time.monotonic() - t0
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             pass
         if time.monotonic() - t0 > timeout:
@@ -574,11 +599,11 @@ def die_with_parent() -> None:
 
 
 def start(exp: Export, host: str = "127.0.0.1", port: int = 8000, served_name: str = "lcx", dtype: str = "float32",
-          max_loras: int | None = None, kv_cache_gib: float = 2.0, extra: tuple[str, ...] = (),
+          max_loras: int | None = None, kv_cache_gib: float | None = None, extra: tuple[str, ...] = (),
           stdout: Any = None, stderr: Any = None) -> subprocess.Popen:
     """Start `vllm serve` on an export in its own process group (so ``stop`` reaches its workers)."""
     cmd = vllm_command(exp, host, port, served_name, dtype, max_loras, extra)
-    return subprocess.Popen(cmd, env=vllm_env(exp, kv_cache_gib, served_name), start_new_session=True, stdout=stdout,
+    return subprocess.Popen(cmd, env=vllm_env(exp, kv_cache_gib, served_name, extra), start_new_session=True, stdout=stdout,
                             stderr=stderr, preexec_fn=die_with_parent)
 
 

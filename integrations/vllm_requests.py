@@ -40,7 +40,15 @@ prompt runs the method's ``serve_request``, writes the tensors it returns to the
 ``vllm_xargs`` (``lcx_state``), which the served attention reads (``lcx.integrations.vllm_attention``) and
 deletes when the request ends (here when vLLM refuses the rewritten request).  The whole prompt is read here,
 so lcx's own request limits apply (``lcx.limits``: prompt tokens, RAM).  A request that sets ``lcx_state``
-itself is refused.  One prompt per request: a list of prompts gets a 400.  Chat requests are read as they come.
+itself is refused (on such a server every JSON body is decoded to check it, whatever the path or the key's
+spelling: the worker cannot answer a forged id but by failing the engine's forward).  One prompt per request:
+a list of prompts gets a 400, and so do ``n`` > 1, ``best_of``, beam search and ``truncate_prompt_tokens``
+(sequences sharing one state, or prompts cut after their placeholders were counted) and token ids outside
+the vocabulary.  A state file that outlives its HTTP exchange (the client left before vLLM scheduled the
+request) is deleted ``STATE_GRACE_S`` later.  Chat requests are read as they come.
+
+vLLM checks API keys (``--api-key``, ``VLLM_API_KEY``) after this middleware; a request that check will refuse
+passes through it untouched (``LcxRequestOptions.authorized``), so that it costs no forward pass here.
 """
 
 from __future__ import annotations
@@ -62,6 +70,8 @@ DEFAULT_MAX_TOKENS = 16
 FIELD = "lcx"
 #: The request ``extra_args`` key that carries a request's state id (``lcx.integrations.vllm_attention``).
 STATE_ARG = "lcx_state"
+#: JSON list of the API keys given to ``vllm serve --api-key`` (set by ``lcx serve``; else VLLM_API_KEY counts).
+API_KEYS_ENV = "LCX_SERVED_API_KEYS"
 #: The import path vLLM's ``--middleware`` takes.
 MIDDLEWARE = f"{__name__}.LcxRequestOptions"
 
@@ -144,9 +154,10 @@ class RequestStates:
         if parsed is None:
             return False  # malformed or empty: vLLM answers it
         prompts, single, max_new = parsed
-        if not single:
+        if len(prompts) != 1:
             raise LcxError(f"{spec['name']} serves one prompt per request; send the {len(prompts)} prompts as "
                            f"separate requests")
+        check_one_state(body, spec["name"])
         xargs = body.get("vllm_xargs") or {}
         if not isinstance(xargs, dict):
             raise LcxError(f"vllm_xargs must be an object, got {json.dumps(xargs)[:100]}")
@@ -161,18 +172,40 @@ class RequestStates:
                 session = self._sessions[key] = open_session(
                     self.model["tokenizer"], [spec["name"]], {spec["name"]: spec.get("options") or {}},
                     spec.get("adapter"), require_tokenizer=False)
-            check_request(session.run, len(ids), max_new)  # lcx's own limits: the whole prompt is read here
+            vocab = session.run.model.get_input_embeddings().num_embeddings
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:  # lcx's forward would fail on it (a 500), before vLLM's own check
+                raise LcxError(f"prompt token id {bad} is outside the model's vocabulary (0-{vocab - 1})")
+            check_request(session.run, len(ids), max_new, served=True)  # lcx's limits: the whole prompt is read here
             out = session.run.method(spec["name"]).serve_request(session.run, ids, max_new)
         if out is None:
             return False
         new_ids, tensors = out
         state = uuid.uuid4().hex
         tmp = self.spool / f".{state}.tmp"
-        save_file(tensors, str(tmp))
-        tmp.rename(self.spool / f"{state}.safetensors")  # the worker never sees a half-written file
+        try:
+            save_file(tensors, str(tmp))
+            tmp.rename(self.spool / f"{state}.safetensors")  # the worker never sees a half-written file
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         body["prompt"] = new_ids
         body["vllm_xargs"] = {**xargs, STATE_ARG: state}
         return True
+
+
+#: Request fields that would let vLLM run a prompt whose state the middleware computed otherwise than once,
+#: whole: several sequences sharing one state file (the first to end deletes it), or the placeholders cut.
+_ONE_STATE_FIELDS = {"n": 1, "best_of": None, "use_beam_search": False, "truncate_prompt_tokens": None}
+
+
+def check_one_state(body: dict[str, Any], method: str) -> None:
+    """Refuse what a request with middleware-computed state cannot ask for (``_ONE_STATE_FIELDS``)."""
+    for field, fine in _ONE_STATE_FIELDS.items():
+        value = body.get(field, fine)
+        if value is not None and value != fine and not (field == "best_of" and value == 1):
+            raise LcxError(f"{method} serves one sequence per request over its whole prompt; {field}={json.dumps(value)} "
+                           f"is not supported (leave it out, or send separate requests)")
 
 
 def _is_ids(p: Any) -> bool:
@@ -235,6 +268,7 @@ class LcxRequestOptions:
         self._tokenizer: Any = None
         self._stateful: dict[str, dict[str, Any]] | None = None
         self._states: RequestStates | None = None
+        self._auth: Any = None  # vLLM's API-key check, False without keys (``authorized``)
 
     @property
     def rewriters(self) -> dict[str, list]:
@@ -269,9 +303,29 @@ class LcxRequestOptions:
             return False
         return rewrite_prompts(data, methods, self.tokenizer(), int(self.model.get("window") or 0))
 
+    def authorized(self, scope: dict) -> bool:
+        """Whether vLLM's own API-key check will let this request through (it runs after this middleware: a
+        request it refuses must not cost a forward pass here, nor learn the server's methods from a 400)."""
+        if self._auth is None:
+            keys = json.loads(os.environ.get(API_KEYS_ENV) or "[]") or [os.environ.get("VLLM_API_KEY") or ""]
+            keys = [k for k in keys if k]
+            if keys:
+                from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+                self._auth = AuthenticationMiddleware(None, tokens=keys)
+            else:
+                self._auth = False
+        if not self._auth:
+            return True
+        from starlette.datastructures import Headers
+        from vllm.entrypoints.serve.middleware.authenticate import GUARDED_PREFIX
+
+        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
+        return not path.startswith(GUARDED_PREFIX) or self._auth.verify_token(Headers(scope=scope))
+
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST":
-            return await self.app(scope, receive, send)
+        if scope["type"] != "http" or scope["method"] != "POST" or not self.authorized(scope):
+            return await self.app(scope, receive, send)  # vLLM answers an unauthorized request (401)
         chunks, more = [], True
         while more:
             message = await receive()
@@ -280,8 +334,11 @@ class LcxRequestOptions:
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
         body = b"".join(chunks)
+        spooled: Path | None = None  # the state file this request's rewrite wrote, if any
         rewrite = scope.get("path", "").endswith("/v1/completions") and bool(self.rewriters or self.stateful)
-        if rewrite or f'"{FIELD}"'.encode() in body or STATE_ARG.encode() in body:
+        # a server whose worker reads middleware-computed state checks every JSON body's vllm_xargs, on every
+        # path: a forged state id (however its JSON spells the key) would fail inside the engine's forward
+        if rewrite or self.stateful or f'"{FIELD}"'.encode() in body or STATE_ARG.encode() in body:
             try:
                 data = json.loads(body)
             except ValueError:
@@ -307,8 +364,25 @@ class LcxRequestOptions:
                          + [(b"content-length", str(len(body)).encode())]}
                 state = (data.get("vllm_xargs") or {}).get(STATE_ARG)
                 if state is not None:  # vLLM refusing the request: its worker never reads (nor deletes) the state
-                    send = _drop_state_on_error(send, self.states().spool / f"{state}.safetensors")
-        await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive), send)
+                    spooled = self.states().spool / f"{state}.safetensors"
+                    send = _drop_state_on_error(send, spooled)
+        try:
+            await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive), send)
+        finally:
+            if spooled is not None:  # finished, or aborted (the client left) possibly before the worker read it
+                _unlink_later(spooled)
+
+
+#: Seconds after its HTTP exchange ends that a request's state file, if still there, is deleted: the worker has
+#: read it by then or never will (an aborted request is not scheduled again); the delay covers a step in flight.
+STATE_GRACE_S = 600.0
+
+
+def _unlink_later(path: Path) -> None:
+    try:
+        asyncio.get_running_loop().call_later(STATE_GRACE_S, lambda: path.unlink(missing_ok=True))
+    except RuntimeError:  # no loop (not under a server): nothing can still read it
+        path.unlink(missing_ok=True)
 
 
 def _drop_state_on_error(send: Any, path: Path) -> Any:

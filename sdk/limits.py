@@ -119,18 +119,28 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
+def _raise_with(flag: str | None, env: str, served: bool) -> str:
+    """How a limit is raised: the CLI's option (or its environment variable), or, for a request to a
+    server, the environment the server was started with."""
+    if served:
+        return f"the server's {env} (set where it starts)"
+    return f"{flag} (or {env})" if flag else env
+
+
 def check_request(run: Any, input_tokens: int, max_new_tokens: int, batch: int = 1,
-                  limits: Limits | None = None) -> dict[str, int]:
+                  limits: Limits | None = None, served: bool = False) -> dict[str, int]:
     """Refuse a request over a cap or whose memory estimate exceeds the free memory of the device it would
-    take it from; returns the estimate (``kv_bytes``) and the model's device's free bytes."""
+    take it from; returns the estimate (``kv_bytes``) and the model's device's free bytes.  ``served``: the
+    request came to a server (its messages name the request's ``max_tokens`` and the server's environment)."""
     limits = limits or getattr(run, "limits", None) or Limits.from_env()
     if input_tokens > limits.max_input_tokens:
         raise LimitError(f"the prompt has {input_tokens:,} tokens, over the limit of {limits.max_input_tokens:,} "
-                         f"per request; raise it with --max-input-tokens (or LCX_MAX_INPUT_TOKENS) if the machine "
-                         f"has the memory, or shorten the prompt")
+                         f"per request; raise it with {_raise_with('--max-input-tokens', 'LCX_MAX_INPUT_TOKENS', served)} "
+                         f"if the machine has the memory, or shorten the prompt")
     if max_new_tokens > limits.max_new_tokens:
-        raise LimitError(f"max_new_tokens={max_new_tokens:,} is over the limit of {limits.max_new_tokens:,} per "
-                         f"request; raise it with LCX_MAX_NEW_TOKENS")
+        raise LimitError(f"{'max_tokens' if served else 'max_new_tokens'}={max_new_tokens:,} is over the limit of "
+                         f"{limits.max_new_tokens:,} per request; raise it with "
+                         f"{_raise_with(None, 'LCX_MAX_NEW_TOKENS', served)}")
     import torch
 
     model_device = _model_device(run.model)
@@ -142,7 +152,7 @@ def check_request(run: Any, input_tokens: int, max_new_tokens: int, batch: int =
             raise LimitError(f"{m.name}: its memory would hold {n:,} entries per layer and KV head after this "
                              f"request, over the limit of {limits.max_memory_entries:,}; cap it with "
                              f"-o {m.name}.max_entries=N (the oldest are evicted), or raise the limit with "
-                             f"--max-memory-entries (or LCX_MAX_MEMORY_ENTRIES)")
+                             f"{_raise_with('--max-memory-entries', 'LCX_MAX_MEMORY_ENTRIES', served)}")
         if n:
             entries = max(entries, n)
             b = batch * m.memory_bytes(run, n)

@@ -365,3 +365,46 @@ def test_a_server_started_by_a_process_dies_with_it(tmp_path):
         time.sleep(0.1)
     os.kill(child, 9)
     raise AssertionError("the child outlived its SIGKILLed parent")
+
+
+def test_lcx_serve_never_replaces_a_folder_that_is_not_an_export(tmp_path):
+    """`lcx serve --export-dir DIR` replaces DIR with its export: a folder holding anything but an earlier
+    export (its lcx-export.json) is refused before anything is written, and kept as it was."""
+    d = tmp_path / "work"
+    d.mkdir()
+    (d / "notes.txt").write_text("mine")
+    r = CliRunner().invoke(main, ["serve", "smollm2-135m", "--export-dir", str(d)])
+    assert r.exit_code != 0 and "is not empty and holds no lcx export (lcx-export.json)" in r.output
+    assert [p.name for p in d.iterdir()] == ["notes.txt"] and (d / "notes.txt").read_text() == "mine"
+    f = tmp_path / "file"
+    f.write_text("x")
+    r = CliRunner().invoke(main, ["serve", "smollm2-135m", "--export-dir", str(f)])
+    assert r.exit_code == 2 and "is a file" in r.output and f.read_text() == "x"
+
+
+def test_a_server_that_asks_for_an_api_key_is_ready():
+    """`lcx serve ... -- --api-key K`: vLLM answers the readiness poll with 401 once it is up (its key check
+    guards /v1): that counts as ready, not as a server still starting."""
+    import subprocess
+    import sys
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from lcx.integrations.vllm import wait_ready
+
+    class Locked(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(401)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Locked)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert wait_ready(f"http://127.0.0.1:{server.server_port}/v1/models", proc, 20) < 10
+    finally:
+        proc.kill()
+        server.shutdown()

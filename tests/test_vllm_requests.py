@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import pytest
 
@@ -19,7 +20,7 @@ SERVED = {"base": [{"name": "rope", "options": {"type": "yarn", "factor": 4.0}}]
 
 
 def _call(body, method="POST", served=SERVED, monkeypatch=None, tokenizer=None, window=0, path="/v1/completions",
-          model=None, app_status=200):
+          model=None, app_status=200, headers=()):
     """Run one request through the middleware; returns (status, JSON answer, what the app received or None).
     The app (vLLM's stand-in) answers ``app_status``."""
     got = {}
@@ -48,7 +49,7 @@ def _call(body, method="POST", served=SERVED, monkeypatch=None, tokenizer=None, 
     mw = vr.LcxRequestOptions(app)
     mw.served, mw._tokenizer, mw.model = served, tokenizer, model or {"window": window}
     scope = {"type": "http", "method": method, "path": path,
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]}
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode()), *headers]}
     asyncio.run(mw(scope, receive, send))
     status = sent[0]["status"]
     answer = json.loads(sent[1]["body"] or b"{}")
@@ -238,3 +239,102 @@ def test_focusllm_prompts_reach_vllm_as_placeholders_and_local_tokens_with_spool
     spooled = load_file(str(spool / f"{state}.safetensors"))
     assert all(torch.equal(spooled[k], adapted[k]) for k in adapted)
     assert not all(torch.equal(adapted[k], tensors[k]) for k in tensors)
+
+
+def _focus_server(tmp_path):
+    """A tiny focusllm server's middleware inputs: (call(body, **kw), spool folder, a 91-character prompt)."""
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path / "model")
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    served = {"f": [{"name": "focusllm", "options": FOCUS}]}
+    where = {"tokenizer": str(tmp_path / "model"), "window": 128, "spool": str(spool)}
+    text = "".join(chr(ord("a") + i % 26) for i in range(90))
+    return (lambda body, **kw: _call(body, served=served, tokenizer=_Chars(), model=where, **kw)), spool, text
+
+
+def test_focusllm_requests_that_would_break_the_engine_or_share_a_state_get_a_400(tmp_path):
+    """A request whose candidates the middleware computes: a forged state id is refused on every path however
+    its JSON spells the key (the worker would fail inside the engine's forward); n > 1, beam search and prompt
+    truncation (several sequences sharing, or cutting, one state) and token ids outside the vocabulary (lcx's
+    forward would fail: a 500) are refused before any forward; a one-element prompt list is one prompt; the
+    limits' message names the request's max_tokens and the server's environment.  Nothing is spooled."""
+    call, spool, text = _focus_server(tmp_path)
+    forged = ('{"model": "f", "messages": [{"role": "user", "content": "hi"}], "vllm_xargs": {"lcx\\u005fstate": "'
+              + "0" * 32 + '"}}').encode()
+    assert vr.STATE_ARG.encode() not in forged and json.loads(forged)["vllm_xargs"] == {vr.STATE_ARG: "0" * 32}
+    status, answer, got = call(forged, path="/v1/chat/completions")
+    assert status == 400 and "set by lcx's middleware" in answer["error"]["message"] and got is None
+    for extra, needle in (({"n": 2}, "n=2 is not supported"), ({"best_of": 3}, "best_of=3"),
+                          ({"use_beam_search": True}, "use_beam_search=true"),
+                          ({"truncate_prompt_tokens": 50}, "truncate_prompt_tokens=50"),
+                          ({"prompt": [5] * 60 + [10 ** 6]}, "token id 1000000 is outside the model's vocabulary"),
+                          ({"prompt": [-1] + [5] * 60}, "token id -1 is outside"),
+                          ({"max_tokens": 9}, "max_tokens=9 is over the limit of 8 per request; raise it with the "
+                                              "server's LCX_MAX_NEW_TOKENS")):
+        os.environ["LCX_MAX_NEW_TOKENS"] = "8"
+        try:
+            status, answer, got = call({"model": "f", "prompt": text, "max_tokens": 4, **extra})
+        finally:
+            del os.environ["LCX_MAX_NEW_TOKENS"]
+        assert status == 400 and needle in answer["error"]["message"] and got is None, (extra, answer)
+    assert not list(spool.iterdir())
+    for fine in ({"n": 1}, {"best_of": 1}, {"use_beam_search": False}, {"truncate_prompt_tokens": None}):
+        status, _, got = call({"model": "f", "prompt": text, "max_tokens": 4, **fine})
+        assert status == 200 and vr.STATE_ARG in json.loads(got["body"])["vllm_xargs"], fine
+    status, _, got = call({"model": "f", "prompt": [text], "max_tokens": 4})
+    sent = json.loads(got["body"])
+    assert status == 200 and isinstance(sent["prompt"][0], int) and vr.STATE_ARG in sent["vllm_xargs"]
+
+
+def test_requests_vllm_will_refuse_for_their_api_key_pass_through_untouched(tmp_path, monkeypatch):
+    """lcx's middleware runs before vLLM's API-key check: with keys set (`lcx serve ... -- --api-key K`, or
+    VLLM_API_KEY), a request without the key reaches vLLM as it came (which answers 401): no forward pass, no
+    state, no 400 describing the server's methods; with the key it is served as usual."""
+    call, spool, text = _focus_server(tmp_path)
+    body = {"model": "f", "prompt": text, "max_tokens": 4, "lcx": {"rope": {}}}
+    monkeypatch.setenv(vr.API_KEYS_ENV, json.dumps(["k1", "k2"]))
+    status, _, got = call(body)
+    assert status == 200 and json.loads(got["body"]) == body and not list(spool.iterdir())  # vLLM's to refuse
+    status, answer, got = call(body, headers=[(b"authorization", b"Bearer k2")])
+    assert status == 400 and "model 'f' applies focusllm" in answer["error"]["message"]
+    monkeypatch.setenv(vr.API_KEYS_ENV, "[]")
+    monkeypatch.setenv("VLLM_API_KEY", "k3")
+    assert json.loads(call(body)[2]["body"]) == body
+    status, _, got = call({"model": "f", "prompt": text, "max_tokens": 4}, headers=[(b"authorization", b"Bearer k3")])
+    assert status == 200 and vr.STATE_ARG in json.loads(got["body"])["vllm_xargs"]
+
+
+def test_lcx_serve_passes_its_api_keys_and_kv_cache_size_to_the_server(tmp_path, monkeypatch):
+    from lcx.integrations.vllm import api_keys
+
+    assert api_keys(["--api-key", "a", "b", "--port", "1", "--api-key=c"]) == ["a", "b", "c"]
+    exp = Export(out=tmp_path, model_dir=tmp_path / "model")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "7")
+    assert vllm_env(exp)["VLLM_CPU_KVCACHE_SPACE"] == "7"  # no --kv-cache-gib: the exported value
+    assert vllm_env(exp, 1.5)["VLLM_CPU_KVCACHE_SPACE"] == "1.5"  # --kv-cache-gib wins
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    env = vllm_env(exp, None, "lcx", ("--api-key", "s3"))
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and json.loads(env[vr.API_KEYS_ENV]) == ["s3"]
+
+
+def test_a_state_file_left_after_its_exchange_is_deleted_after_a_grace(tmp_path, monkeypatch):
+    """The client may leave before vLLM schedules its request (vLLM aborts it): the worker then never reads nor
+    deletes the candidates.  Every request that spooled a state schedules its file's deletion when its HTTP
+    exchange ends, STATE_GRACE_S later (the worker has read it by then, or never will)."""
+    call, spool, text = _focus_server(tmp_path)
+    later = []
+    monkeypatch.setattr(vr, "_unlink_later", later.append)
+    status, _, got = call({"model": "f", "prompt": text, "max_tokens": 4})
+    state = json.loads(got["body"])["vllm_xargs"][vr.STATE_ARG]
+    assert status == 200 and later == [spool / f"{state}.safetensors"] and later[0].exists()
+    monkeypatch.undo()
+
+    async def run():
+        monkeypatch.setattr(vr, "STATE_GRACE_S", 0.05)
+        vr._unlink_later(later[0])
+        assert later[0].exists()
+        await asyncio.sleep(0.2)
+
+    asyncio.run(run())
+    assert not later[0].exists()

@@ -353,7 +353,7 @@ def test_focusllm_server_equals_the_hf_path_and_keeps_concurrent_requests_apart(
         assert s.close() == 0
     assert "lcx: focusllm answers vLLM's attention" in s.log_path.read_text()
     assert not left  # each request's candidate file was deleted with its state
-    assert status == 400 and f"max_new_tokens={WINDOW:,} is over the limit" in bad["error"]["message"], bad
+    assert status == 400 and f"max_tokens={WINDOW:,} is over the limit" in bad["error"]["message"], bad
     assert got == want["long"]
     assert "27094" in tok.decode(got)
     assert answers == want["jobs"]

@@ -88,10 +88,11 @@ def export_cmd(model, options, methods, adapters, max_model_len, target, out, ov
 @click.option("--name", "served_name", default=None, help="Model name clients send (default: MODEL's name).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True,
               help="float32 gives the same tokens as lcx's Hugging Face path.")
-@click.option("--kv-cache-gib", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
-              help="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE).")
-@click.option("--export-dir", type=click.Path(path_type=Path), default=None,
-              help="Where the vLLM export is written (default: a folder under ~/.cache/lcx/serve).")
+@click.option("--kv-cache-gib", type=click.FloatRange(min=0.1), default=None,
+              help="KV cache size on CPU in GiB (default: VLLM_CPU_KVCACHE_SPACE if set, else 2).")
+@click.option("--export-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="Where the vLLM export is written (default: a folder under ~/.cache/lcx/serve); a folder "
+                   "that is neither empty nor an earlier export is refused, never replaced.")
 @click.option("--start-timeout", type=click.FloatRange(min=1), default=600, show_default=True,
               help="Seconds to wait for the engine to answer.")
 @click.option("--memory", "memory_dir", type=click.Path(path_type=Path), default=None,
@@ -126,6 +127,11 @@ def serve_cmd(model, options, methods, adapters, max_model_len, host, port, serv
     from lcx.session import parse_options
 
     named = _named_adapters(adapters)
+    if export_dir is not None and export_dir.is_dir() and any(export_dir.iterdir()) \
+            and not (export_dir / lv.MANIFEST).is_file():
+        raise LcxError(f"--export-dir {str(export_dir)!r} is not empty and holds no lcx export ({lv.MANIFEST}); "
+                       f"lcx serve replaces the folder it exports to, so name a new or empty folder (or leave "
+                       f"--export-dir out)")
     if export_dir is None:
         key = json.dumps([model, sorted(methods), sorted(options), {k: str(v.resolve()) for k, v in named.items()},
                           max_model_len, host, port, str(memory_dir), state_gib], sort_keys=True)  # one per address
