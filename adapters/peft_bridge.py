@@ -136,15 +136,19 @@ def save_adapter(model: PeftModel, out_dir: str | os.PathLike, methods: list[dic
     return _save(model, out_dir, sidecar)
 
 
-def save_full_model(model: nn.Module, out_dir: str | os.PathLike, methods: list[dict], extra: dict | None = None) -> Path:
-    """A fully trained model (``--full all``): a whole model folder (safetensors) + the lcx sidecar.
-    Load it as a model (``-m OUT``), not as an adapter."""
-    return _save(model, out_dir, {"format": FORMAT_VERSION, "methods": methods, "full_model": True, **(extra or {})})
+def save_full_model(model: nn.Module, out_dir: str | os.PathLike, methods: list[dict], extra: dict | None = None,
+                    tokenizer: Any = None) -> Path:
+    """A fully trained model (``--full all``): a whole model folder (safetensors, the tokenizer it was trained
+    with if any) + the lcx sidecar.  Load it as a model (``-m OUT``), not as an adapter."""
+    return _save(model, out_dir, {"format": FORMAT_VERSION, "methods": methods, "full_model": True, **(extra or {})},
+                 tokenizer)
 
 
-def _save(model: nn.Module, out_dir: str | os.PathLike, sidecar: dict[str, Any]) -> Path:
+def _save(model: nn.Module, out_dir: str | os.PathLike, sidecar: dict[str, Any], tokenizer: Any = None) -> Path:
     def write(d: Path) -> None:
         model.save_pretrained(str(d), safe_serialization=True)
+        if tokenizer is not None:  # a model folder that reads text: `-m OUT` needs its tokenizer
+            tokenizer.save_pretrained(str(d))
         (d / SIDECAR).write_text(json.dumps(sidecar, indent=2))
 
     return commit_files(out_dir, write)

@@ -247,7 +247,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, progr
     start = 0
     latest = _latest_checkpoint(ckpt_root) if resume else None
     if latest is not None:
-        start = _load_checkpoint(latest, peft_model, names, opt, sched, rank, run.state)
+        start = _load_checkpoint(latest, peft_model, names, opt, sched, rank, run.state, world)
         if accel.is_main_process:
             _trim_metrics(out / METRICS, start)
     ddp_model, opt = accel.prepare(peft_model, opt)
@@ -342,7 +342,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, progr
     if accel.is_main_process:
         extra = {"training": dataclasses.asdict(cfg), "steps_done": step}
         if cfg.full_model:
-            save_full_model(accel.unwrap_model(ddp_model), out, methods=run.describe()["methods"], extra=extra)
+            save_full_model(accel.unwrap_model(ddp_model), out, methods=run.describe()["methods"], extra=extra,
+                            tokenizer=tok)
         else:
             save_adapter(accel.unwrap_model(ddp_model), out, methods=run.describe()["methods"], extra=extra)
     run.detach()
@@ -447,22 +448,45 @@ def _lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
     return f
 
 
+#: What a resumed run must share with the interrupted one (``steps`` may grow: a run is extended; ``out``,
+#: ``save_every`` and ``keep_checkpoints`` change nothing it computes).
+RESUME_FIELDS = ("model", "methods", "options", "seq_len", "batch_size", "grad_accum", "seed", "lr", "warmup",
+                 "schedule", "weight_decay", "max_grad_norm", "lora_rank", "lora_roles", "init_adapter", "data",
+                 "full", "bf16", "concat", "text_field")
+
+
+def _inputs_inside(out: Path, cfg: TrainConfig) -> str | None:
+    """The first of the run's inputs (model folder, --init-adapter, data) that is ``out`` or lies inside it."""
+    here = out.resolve()
+    for what, p in (("the model", cfg.model), ("--init-adapter", cfg.init_adapter), *(("data", d) for d in cfg.data)):
+        if p and Path(p).exists() and (Path(p).resolve() == here or here in Path(p).resolve().parents):
+            return f"{what} {p!r}"
+    return None
+
+
 def _prepare_out(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool) -> None:
     if resume:
         if not (out / CHECKPOINTS).is_dir() or _latest_checkpoint(out / CHECKPOINTS) is None:
             raise LcxError(f"--resume: {str(out)!r} has no checkpoint to resume from; start without --resume")
         saved = json.loads((out / CONFIG).read_text())
-        for k in ("model", "methods", "options", "seq_len", "batch_size", "grad_accum", "seed", "lr", "lora_rank", "init_adapter", "data",
-                  "full"):
-            if saved.get(k) != getattr(cfg, k):
+        defaults = dataclasses.asdict(TrainConfig(model="", data=[], out=""))  # fields older runs did not record
+        for k in RESUME_FIELDS:
+            if saved.get(k, defaults[k]) != getattr(cfg, k):
                 raise LcxError(
-                    f"--resume: {k} differs from the interrupted run ({saved.get(k)!r} there, {getattr(cfg, k)!r} now); "
-                    "resume with the same settings"
+                    f"--resume: {k} differs from the interrupted run ({saved.get(k, defaults[k])!r} there, "
+                    f"{getattr(cfg, k)!r} now); resume with the same settings"
                 )
         return
-    if out.exists() and any(out.iterdir()):
+    inside = _inputs_inside(out, cfg)
+    if inside is not None:
+        raise LcxError(f"--out {str(out)!r} holds {inside}, which this run reads; write the run to another folder")
+    content = [p.name for p in out.iterdir()] if out.is_dir() else []
+    if content and content != [CONFIG]:  # only a config: a run that failed while setting up, before any step
         if not overwrite:
             raise LcxError(f"output folder {str(out)!r} exists and is not empty; pass --overwrite to replace it or --resume to continue")
+        if CONFIG not in content:
+            raise LcxError(f"--overwrite: {str(out)!r} is not the folder of an lcx train run (no {CONFIG}); it is not "
+                           f"deleted: name a new or empty folder with --out")
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG).write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
@@ -530,7 +554,8 @@ def _save_checkpoint(root: Path, step: int, model, names: list[str], opt, sched,
     return dest
 
 
-def _load_checkpoint(path: Path, model, names: list[str], opt, sched, rank: int, state: dict | None = None) -> int:
+def _load_checkpoint(path: Path, model, names: list[str], opt, sched, rank: int, state: dict | None = None,
+                     world: int = 1) -> int:
     from lcx.io import load_safetensors, read_json_file
 
     older = [p.name for p in _checkpoints(path.parent) if p != path]
@@ -547,7 +572,15 @@ def _load_checkpoint(path: Path, model, names: list[str], opt, sched, rank: int,
     with torch.no_grad():
         for n in names:
             params[n].copy_(weights[n])
-    _optimizer_from_files(opt, load_safetensors(path / "optimizer.safetensors", fix), meta["optimizer"])
+    saved_world = meta.get("world_size")
+    if saved_world is not None and saved_world != world:
+        raise LcxError(f"checkpoint {str(path)!r} was written by {saved_world} processes, and this run has {world}: the "
+                       f"batches would differ; resume with {saved_world} (accelerate launch --num_processes {saved_world})")
+    try:
+        _optimizer_from_files(opt, load_safetensors(path / "optimizer.safetensors", fix), meta["optimizer"])
+    except ValueError as e:  # torch: parameter groups of another size
+        raise LcxError(f"checkpoint {str(path)!r}: its optimizer state does not fit this run's trainable parameters "
+                       f"({e}); resume with the settings it was written with") from None
     sd = sched.state_dict()
     sd.update(meta["scheduler"])
     sched.load_state_dict(sd)

@@ -139,15 +139,61 @@ def test_documents_shorter_than_the_window(model_dir, tmp_path):
 
 
 def test_existing_output_folder_needs_overwrite(model_dir, corpus, tmp_path):
+    """An earlier run's folder is replaced with --overwrite; a folder that is not a run's is never deleted."""
     out = tmp_path / "o"
-    out.mkdir()
-    (out / "keep.txt").write_text("x")
     args = ["train", "-m", str(model_dir), "-d", str(corpus), "--out", str(out), "--seq-len", "64", "--steps", "1"]
+    assert _cli(*args).exit_code == 0
+    (out / "keep.txt").write_text("x")
     r = _cli(*args)
     assert r.exit_code == 2 and "--overwrite" in r.output and (out / "keep.txt").exists()
     r = _cli(*args, "--overwrite")
     assert r.exit_code == 0, r.output
     assert not (out / "keep.txt").exists() and (out / "adapter_model.safetensors").exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("x")
+    r = _cli(*args[:5], "--out", str(mine), "--seq-len", "64", "--steps", "1", "--overwrite")
+    assert r.exit_code == 2 and "is not the folder of an lcx train run" in r.output and (mine / "notes.txt").exists()
+
+
+def test_overwrite_never_deletes_what_the_run_reads(model_dir, corpus, tmp_path):
+    """--out naming the adapter the run starts from, the model or the data (or a folder holding them) is refused
+    before anything is deleted: --overwrite there would remove the run's own input."""
+    first = tmp_path / "a"
+    base = ["train", "-m", str(model_dir), "-d", str(corpus), "--seq-len", "64", "--steps", "1"]
+    assert _cli(*base, "--out", str(first)).exit_code == 0
+    before = sorted(p.name for p in first.iterdir())
+    r = _cli(*base, "--init-adapter", str(first), "--out", str(first), "--overwrite")
+    assert r.exit_code == 2 and f"holds --init-adapter {str(first)!r}, which this run reads" in r.output
+    assert sorted(p.name for p in first.iterdir()) == before
+    r = _cli(*base, "--out", str(corpus.parent), "--overwrite")
+    assert r.exit_code == 2 and "which this run reads" in r.output and corpus.is_dir()
+
+
+def test_a_run_that_failed_while_setting_up_does_not_block_the_corrected_one(model_dir, corpus, tmp_path):
+    out = tmp_path / "o"
+    r = _cli("train", "-m", str(model_dir), "-d", str(corpus), "--out", str(out), "--method", "nosuch")
+    assert r.exit_code == 2 and "nosuch" in r.output
+    r = _cli("train", "-m", str(model_dir), "-d", str(corpus), "--out", str(out), "--seq-len", "64", "--steps", "1")
+    assert r.exit_code == 0, r.output
+
+
+def test_resume_refuses_settings_that_change_the_run(model_dir, corpus, tmp_path):
+    """Windows (concat), the learning-rate curve (warmup, schedule) and the processes' count must match the
+    interrupted run's; so must the trainable parameters, whose optimizer state otherwise fails inside torch."""
+    out = tmp_path / "o"
+    train(_cfg(model_dir, corpus, out, steps=2, save_every=1), progress=False)
+    for change, name in (({"concat": False}, "concat"), ({"warmup": 1}, "warmup"), ({"schedule": "cosine"}, "schedule"),
+                         ({"lora_roles": ["q", "k"]}, "lora_roles")):
+        with pytest.raises(LcxError, match=f"--resume: {name} differs from the interrupted run"):
+            train(_cfg(model_dir, corpus, out, steps=3, save_every=1, **change), resume=True, progress=False)
+    latest = sorted((out / "checkpoints").iterdir())[-1]
+    meta = json.loads((latest / "meta.json").read_text())
+    (latest / "meta.json").write_text(json.dumps({**meta, "world_size": 2}))
+    with pytest.raises(LcxError, match="written by 2 processes, and this run has 1"):
+        train(_cfg(model_dir, corpus, out, steps=3, save_every=1), resume=True, progress=False)
+    (latest / "meta.json").write_text(json.dumps(meta))
+    assert train(_cfg(model_dir, corpus, out, steps=3, save_every=1), resume=True, progress=False) is not None
 
 
 def test_resume_without_checkpoint_is_refused(model_dir, corpus, tmp_path):
@@ -316,3 +362,13 @@ def test_killed_three_times_and_resumed_ends_with_the_uninterrupted_adapter(mode
     fm, pm = _metrics(full), _metrics(part)
     assert [m["step"] for m in pm] == list(range(1, 25))  # redone steps are not recorded twice
     assert [m["loss"] for m in fm] == [m["loss"] for m in pm]
+
+
+def test_a_fully_trained_model_on_text_loads_with_its_tokenizer(model_dir, corpus, tmp_path):
+    """`--full all` on text writes a model folder that `-m OUT` loads, tokenizer included (it said so, and the
+    folder had none)."""
+    from lcx.models import load_model
+
+    out = train(_cfg(model_dir, corpus, tmp_path / "full", steps=1, full=["all"]), progress=False)
+    model, tok = load_model(str(out))
+    assert tok is not None and tok("the quick brown fox")["input_ids"]
