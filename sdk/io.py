@@ -35,6 +35,11 @@ def token_counts(text: str) -> list[int]:
     return out
 
 
+def token_label(n: int) -> str:
+    """A token count as ``token_counts`` reads it back: ``8K`` for 8192, ``4000`` for 4000 (never a rounded K)."""
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
 def read_json_file(path: str | os.PathLike[str], fix: str) -> Any:
     """A JSON file lcx wrote, or a clear error naming it (``fix``: what the user should do)."""
     from lcx.errors import LcxError

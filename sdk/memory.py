@@ -31,6 +31,7 @@ import copy
 import hashlib
 import json
 import os
+import re
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -476,6 +477,7 @@ def load_memory(path: str | os.PathLike, config: StoreConfig | None = None) -> t
     if not meta_path.exists() or not tensor_path.exists():
         raise LcxError(f"{str(d)!r} is not an lcx memory folder (needs {MEMORY_META} and {MEMORY_TENSORS})")
     meta = read_json_file(meta_path, "rebuild the memory")
+    _check_memory_meta(meta, meta_path)
     if _sha256(tensor_path) != meta.get("sha256"):
         raise LcxError(f"memory file {str(tensor_path)!r} is corrupted or truncated (checksum mismatch); rebuild it")
     tensors = load_file(str(tensor_path))
@@ -487,6 +489,24 @@ def load_memory(path: str | os.PathLike, config: StoreConfig | None = None) -> t
         store.load_tensors(tensors, f"{name}.")
         stores[(layer, head)] = store
     return stores, meta
+
+
+def _check_memory_meta(meta: Any, path: Path) -> None:
+    """memory.json has the shape ``save_memory`` writes (the checksum covers only the tensors): else one line
+    naming the file, not a KeyError or ValueError from the reading code."""
+    stores = meta.get("stores") if isinstance(meta, dict) else None
+    problem = None
+    if not isinstance(meta, dict):
+        problem = "it is not a JSON object"
+    elif not isinstance(stores, list) or not stores:
+        problem = "'stores' must be a non-empty list of \"layer.head\" names"
+    elif not all(isinstance(n, str) and re.fullmatch(r"\d+\.\d+", n) for n in stores):
+        bad = next(n for n in stores if not (isinstance(n, str) and re.fullmatch(r"\d+\.\d+", n)))
+        problem = f"store name {bad!r} is not \"layer.head\""
+    elif not isinstance(meta.get("model", {}), dict):
+        problem = "'model' must be an object (the model it was built with)"
+    if problem:
+        raise LcxError(f"memory file {str(path)!r} is damaged: {problem}; rebuild the memory with `lcx memory build`")
 
 
 def _sha256(path: Path) -> str:

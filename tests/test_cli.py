@@ -79,6 +79,17 @@ def test_eval_compare_loads_an_adapter_for_its_stack_only(tiny_dir, tmp_path):
         "compare-passkey.streaming.samples.jsonl", "compare-passkey.streaming@ad.samples.jsonl"]
     r = run("eval", "compare", "ppl", "-m", str(tiny_dir), "--stack", "none", "--stack", "streaming@", *common)
     assert r.exit_code == 2 and "stack 'streaming@' names no adapter after '@'" in r.output
+    # two adapter folders of one name (results/x/adapter, results/y/adapter): a journal each, resumable
+    twin = random_adapter(model, tmp_path / "other" / "ad", seed=4, scale=0.5,
+                          methods=[{"name": "streaming", "options": {"chunk": 32, "sinks": 2}}])
+    args = ["eval", "compare", "passkey", "-m", str(tiny_dir), "--stack", f"streaming@{adapter}", "--stack",
+            f"streaming@{twin}", "-o", "streaming.chunk=64", "--lengths", "400", "--depths", "0.5", "--samples", "1",
+            "--out", str(tmp_path / "twins"), "--json", "--resume"]
+    for _ in range(2):  # the second run resumes both stacks' journals
+        r = run(*args)
+        assert r.exit_code == 0, r.output
+    journals = sorted(p.name for p in (tmp_path / "twins").glob("*.samples.jsonl"))
+    assert len(journals) == 2 and "compare-passkey.streaming@ad.samples.jsonl" in journals, journals
 
 
 def test_methods_and_plugins_json():

@@ -231,6 +231,10 @@ def test_memory_build_refuses_a_file_as_out_and_a_blank_document(tiny_dir, tmp_p
     assert_error(lcx("memory", "build", "-m", str(tiny_dir), "--out", str(f), str(doc)), repr(str(f)), "is a file")
     assert_error(lcx("memory", "build", "-m", str(tiny_dir), "--out", str(tmp_path / "mem"), str(doc), str(blank)),
                  "1 document(s) have no text", repr(str(blank)))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert_error(lcx("memory", "build", "-m", str(tiny_dir), "--out", str(tmp_path / "mem"), str(empty)),
+                 "no documents in", str(empty))  # it saved an empty memory, which readers then refused obscurely
     assert not (tmp_path / "mem").exists()
 
 

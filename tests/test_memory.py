@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 
@@ -88,6 +91,25 @@ def test_save_load_roundtrip_and_integrity(tmp_path):
         load_memory(tmp_path / "mem")
     with pytest.raises(LcxError, match="not an lcx memory folder"):
         load_memory(tmp_path)
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (lambda m: {k: v for k, v in m.items() if k != "stores"}, "'stores' must be a non-empty list"),
+    (lambda m: {**m, "stores": ["3.0", "x"]}, "store name 'x' is not \"layer.head\""),
+    (lambda m: {**m, "model": None}, "'model' must be an object"),
+    (lambda m: [m], "it is not a JSON object"),
+])
+def test_an_edited_memory_json_is_one_clear_error(tmp_path, edit, problem):
+    """The checksum covers the tensors only: memory.json of another shape is refused naming the file, not read
+    into a KeyError or ValueError."""
+    keys, values, _ = _data(20)
+    store = make_store(kind="torch")
+    store.add(keys, values, torch.arange(20), doc_id=0)
+    save_memory({(3, 0): store}, tmp_path / "mem", {"model": {"model_type": "llama"}})
+    meta_path = tmp_path / "mem" / "memory.json"
+    meta_path.write_text(json.dumps(edit(json.loads(meta_path.read_text()))))
+    with pytest.raises(LcxError, match=f"memory file .*memory.json' is damaged: {re.escape(problem)}"):
+        load_memory(tmp_path / "mem")
 
 
 def test_bad_arguments():

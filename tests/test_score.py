@@ -73,3 +73,27 @@ def test_runs_with_different_contexts_score_the_same_spans_only_with_the_same_ro
     doc.write_text("word " * 500)
     r = CliRunner().invoke(main, ["eval", "ppl", "-m", "x", "-d", str(doc), "--room", "1K,2K"])
     assert r.exit_code == 2 and "give one token count" in r.output
+
+
+def test_plots_label_what_was_run(monkeypatch, tmp_path):
+    """Axis labels read back as the lengths and depths asked for (4000 is not "3K", 0.25 not "0.2"); the ppl
+    plot draws contexts in increasing order and names the scored tail it was given."""
+    from lcx.evals import passkey
+    from lcx.io import token_label
+
+    assert [token_label(n) for n in (512, 1536, 4000, 8192, 131072)] == ["512", "1536", "4000", "8K", "128K"]
+    figs = []
+    monkeypatch.setattr(passkey, "save_figure", lambda fig, path, title: figs.append(fig) or path)
+    monkeypatch.setattr(ppl, "save_figure", lambda fig, path, title: figs.append(fig) or path)
+    cells = {f"{n}@{d}": 1.0 for n in (4000, 8192) for d in (0.05, 0.25)}
+    passkey.plot_heatmap({"config": {"lengths": [4000, 8192], "depths": [0.05, 0.25]},
+                          "summary": {"accuracy_by_cell": cells}}, tmp_path / "p.png", "t")
+    ax = figs[-1].axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["4000", "8K"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["0.05", "0.25"]
+    res = {"config": {"target": 1024}, "summary": {"ppl": {"8192": 3.0, "2048": 5.0, "4096": 4.0},
+                                                   "accuracy": {"8192": 0.5, "2048": 0.3, "4096": 0.4}}}
+    ppl.plot({"s": res}, tmp_path / "q.png", "t")
+    a1 = figs[-1].axes[0]
+    assert list(a1.lines[0].get_xdata()) == [2048, 4096, 8192] and list(a1.lines[0].get_ydata()) == [5.0, 4.0, 3.0]
+    assert a1.get_title() == "perplexity of the last 1024 tokens"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 import sys
 from pathlib import Path
@@ -196,9 +197,15 @@ def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, 
     hf_model, tok = load_model(model, device=_device())
     if suite == "passkey":
         cfg = passkey.PasskeyConfig(lengths=lengths, depths=depths, samples=samples or 5, seed=seed)
+        stems: dict[str, str] = {}  # journal name -> the adapter folder it is for
+
         def ev(run, adapter):
             stem = "+".join(m.name for m in run.methods) or "none"
             stem = re.sub(r"[^A-Za-z0-9_.+@-]", "_", stem + (f"@{Path(adapter).name}" if adapter else ""))
+            where = str(Path(adapter).resolve()) if adapter else ""
+            if stems.setdefault(stem, where) != where:  # two adapter folders of one name (.../a/adapter, .../b/adapter)
+                stem += "-" + hashlib.sha256(where.encode()).hexdigest()[:8]
+                stems[stem] = where
             journal = _passkey_journal(out / f"compare-passkey.{stem}.samples.jsonl", model, run, adapter, cfg, resume)
             return passkey.evaluate(_passkey_generator(run, progress=not as_json), tok, cfg, progress=not as_json,
                                     journal=journal)

@@ -49,6 +49,9 @@ def memory_build(model, methods, options, out, overwrite, text_field, as_json, d
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise LcxError(f"memory folder {str(out)!r} exists; pass --overwrite to replace it")
     documents = list(iter_documents([str(p) for p in docs], text_field))
+    if not documents:
+        raise LcxError(f"no documents in {', '.join(map(str, docs))}; give text files, folders of them or .jsonl "
+                       f"files with a {text_field!r} field")
     blank = [d["source"] for d in documents if not d["text"].strip()]
     if blank:
         raise LcxError(f"{len(blank)} document(s) have no text: {', '.join(map(repr, blank[:3]))}"

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 
 from lcx.composition import Run, attach
 from lcx.errors import LcxError
-from lcx.io import pyplot, save_figure, write_json  # noqa: F401  (write_json: re-exported for the CLI)
+from lcx.io import pyplot, save_figure, token_label, write_json  # noqa: F401  (write_json: re-exported for the CLI)
 
 NONE = "none"
 
@@ -97,7 +97,7 @@ def compare(model: Any, stacks: list[str], options: dict[str, Any],
 
 def passkey_table(results: dict[str, dict]) -> tuple[list[str], list[list[str]]]:
     lengths = next(iter(results.values()))["config"]["lengths"]
-    header = ["stack", *[f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in lengths], "all"]
+    header = ["stack", *map(token_label, lengths), "all"]
     rows = []
     for stack, r in results.items():
         by = r["summary"]["accuracy_by_length"]
@@ -107,8 +107,7 @@ def passkey_table(results: dict[str, dict]) -> tuple[list[str], list[list[str]]]
 
 def ppl_table(results: dict[str, dict]) -> tuple[list[str], list[list[str]]]:
     contexts = next(iter(results.values()))["config"]["contexts"]
-    header = ["stack", *[f"ppl@{n // 1024}K" if n % 1024 == 0 else f"ppl@{n}" for n in contexts],
-              *[f"acc@{n // 1024}K" if n % 1024 == 0 else f"acc@{n}" for n in contexts]]
+    header = ["stack", *[f"ppl@{token_label(n)}" for n in contexts], *[f"acc@{token_label(n)}" for n in contexts]]
     rows = []
     for stack, r in results.items():
         s = r["summary"]
@@ -126,7 +125,7 @@ def plot_passkey(results: dict[str, dict], path: Path, title: str) -> Path:
         xs = [j + i * width for j in range(len(lengths))]
         ax.bar(xs, [by[str(n)] for n in lengths], width=width, label=stack)
     ax.set_xticks([j + width * (len(results) - 1) / 2 for j in range(len(lengths))],
-                  [f"{n // 1024}K" if n >= 1024 else str(n) for n in lengths])
+                  [token_label(n) for n in lengths])
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("passkey accuracy")
     ax.set_xlabel("prompt length (tokens)")

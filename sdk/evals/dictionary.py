@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from lcx.errors import LcxError
-from lcx.io import pyplot, save_figure
+from lcx.io import pyplot, save_figure, token_label
 
 N_SYMBOLS = 64
 KEY, VALUE, QUERY, PAD = 64, 65, 66, 67
@@ -130,7 +130,7 @@ def plot(runs: dict[str, dict], path, title: str):
         xs = sorted(int(n) for n in r["results"])
         ax.plot(xs, [r["results"][str(n)]["accuracy"] for n in xs], marker="o", label=label)
     ax.set_xscale("log", base=2)
-    ax.set_xticks(sizes, [f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n) for n in sizes])
+    ax.set_xticks(sizes, [token_label(n) for n in sizes])
     ax.set_ylim(0, 1.02)
     ax.set_xlabel("dictionary tokens before the queries")
     ax.set_ylabel("query accuracy (all 4 value tokens)")

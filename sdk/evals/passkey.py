@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from lcx.errors import LcxError
-from lcx.io import Journal, pyplot, save_figure, write_json
+from lcx.io import Journal, pyplot, save_figure, token_label, write_json
 
 INSTRUCTION = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -152,8 +152,8 @@ def plot_heatmap(result: dict[str, Any], path: Path, title: str) -> Path:
     data = [[grid.get(f"{n}@{d}", float("nan")) for n in lengths] for d in depths]
     fig, ax = pyplot().subplots(figsize=(1.2 + 0.9 * len(lengths), 1.2 + 0.5 * len(depths)))
     im = ax.imshow(data, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-    ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" if n >= 1024 else str(n) for n in lengths])
-    ax.set_yticks(range(len(depths)), [f"{d:.1f}" for d in depths])
+    ax.set_xticks(range(len(lengths)), [token_label(n) for n in lengths])
+    ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
     ax.set_xlabel("prompt length (tokens)")
     ax.set_ylabel("needle depth")
     for i, row in enumerate(data):

@@ -105,11 +105,14 @@ def summarize(samples: list[dict[str, Any]], contexts: list[int]) -> dict[str, A
 def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> Path:
     """Perplexity and accuracy vs context, one line per method stack."""
     fig, (a1, a2) = pyplot().subplots(1, 2, figsize=(10, 3.8))
+    targets = set()
     for label, res in results.items():
-        xs = [int(n) for n in res["summary"]["ppl"]]
-        a1.plot(xs, list(res["summary"]["ppl"].values()), marker="o", label=label)
-        a2.plot(xs, list(res["summary"]["accuracy"].values()), marker="o", label=label)
-    for ax, name in ((a1, "perplexity of the last 256 tokens"), (a2, "next-token accuracy")):
+        xs = sorted(int(n) for n in res["summary"]["ppl"])  # in context order, however --contexts listed them
+        a1.plot(xs, [res["summary"]["ppl"][str(n)] for n in xs], marker="o", label=label)
+        a2.plot(xs, [res["summary"]["accuracy"][str(n)] for n in xs], marker="o", label=label)
+        targets.add(res.get("config", {}).get("target"))
+    scored = f"the last {targets.pop()} tokens" if len(targets) == 1 and None not in targets else "the scored tokens"
+    for ax, name in ((a1, f"perplexity of {scored}"), (a2, "next-token accuracy")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context tokens")
         ax.set_title(name, fontsize=9)
