@@ -4,7 +4,8 @@ The loop is a small accelerate loop rather than the HF Trainer, for two reasons
 that matter to users: resumption is exact by construction (the rows of step s
 are a pure function of (seed, s), and every piece of state is restored), and
 checkpoints are safetensors + JSON only (no pickle).  Scaling out is
-accelerate's job: ``accelerate launch [--config_file fsdp.yaml] -m lcx.cli train ...``.
+accelerate's job: ``accelerate launch --config_file configs/accelerate/ddp-2proc.yaml -m lcx.cli train ...``
+(DDP; FSDP and DeepSpeed shard what the checkpoints read whole, and are refused at start).
 
 Per optimizer step, for each gradient-accumulation micro-batch:
     batch = lcx_sample(batch, step) or batch          # sampling stage
@@ -64,7 +65,7 @@ class TrainConfig:
         "help": "an lcx adapter whose weights the run starts from (same base model and rank; its roles)"})
     seed: int = field(default=0, metadata={"help": "seed for data order, init and sampling"})
     bf16: bool = field(default=False, metadata={"help": "bf16 autocast"})
-    save_every: int = field(default=50, metadata={"help": "checkpoint every N steps (0 = only at the end)"})
+    save_every: int = field(default=50, metadata={"help": "checkpoint every N steps (0 = never; a stopped or failed run still keeps one)"})
     keep_checkpoints: int = field(default=2, metadata={"help": "how many recent checkpoints to keep"})
     concat: bool = field(default=True, metadata={"help": "concatenate short documents into windows"})
     text_field: str = field(default="text", metadata={"help": "JSONL field holding the text"})
@@ -209,6 +210,11 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, progr
     AcceleratorState._reset_state()
     accel = Accelerator(gradient_accumulation_steps=1, mixed_precision="bf16" if cfg.bf16 else "no", cpu=not torch.cuda.is_available())
     rank, world = accel.process_index, accel.num_processes
+    sharded = str(accel.distributed_type).rsplit(".", 1)[-1]
+    if sharded in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
+        raise LcxError(f"lcx train runs under DDP (configs/accelerate/ddp-2proc.yaml), not {sharded}: its exact "
+                       f"checkpoints read and write the trainable parameters and optimizer state whole, on the main "
+                       f"process, which {sharded} shards; launch with a DDP (MULTI_GPU) accelerate config")
 
     if accel.is_main_process:
         _prepare_out(out, cfg, resume, overwrite)
@@ -339,13 +345,23 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, progr
             )
         return out
     accel.wait_for_everyone()
+    failed = None
     if accel.is_main_process:
         extra = {"training": dataclasses.asdict(cfg), "steps_done": step}
-        if cfg.full_model:
-            save_full_model(accel.unwrap_model(ddp_model), out, methods=run.describe()["methods"], extra=extra,
-                            tokenizer=tok)
-        else:
-            save_adapter(accel.unwrap_model(ddp_model), out, methods=run.describe()["methods"], extra=extra)
+        try:
+            if cfg.full_model:
+                save_full_model(accel.unwrap_model(ddp_model), out, methods=run.describe()["methods"], extra=extra,
+                                tokenizer=tok)
+            else:
+                save_adapter(accel.unwrap_model(ddp_model), out, methods=run.describe()["methods"], extra=extra)
+        except Exception as e:  # disk full, ...: the trained state must not go with it
+            if world > 1:
+                raise
+            failed = e
+    if failed is not None:
+        path = _save_checkpoint(ckpt_root, step, peft_model, names, opt, sched, cfg, accel, run.state)
+        raise LcxError(f"writing the result to {str(out)!r} failed ({failed}); the trained state is kept in {path}: "
+                       f"fix the cause and run the same command plus --resume (it only writes the result)") from failed
     run.detach()
     ddp_model = None  # the DDP wrapper goes before the process group (see _end)
     _end(accel)

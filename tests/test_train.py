@@ -372,3 +372,40 @@ def test_a_fully_trained_model_on_text_loads_with_its_tokenizer(model_dir, corpu
     out = train(_cfg(model_dir, corpus, tmp_path / "full", steps=1, full=["all"]), progress=False)
     model, tok = load_model(str(out))
     assert tok is not None and tok("the quick brown fox")["input_ids"]
+
+
+def test_sharding_accelerate_configs_are_refused_before_anything_is_written(model_dir, corpus, tmp_path, monkeypatch):
+    """FSDP/DeepSpeed shard the parameters and optimizer state that lcx's checkpoints read whole on the main
+    process (names, shapes): refused at start with the DDP config to use, not a KeyError at the first
+    checkpoint.  (accelerate's FSDP needs GPUs: a stand-in Accelerator reports the type.)"""
+    import accelerate
+    from accelerate.utils import DistributedType
+
+    class Sharded:
+        def __init__(self, **kw):
+            self.distributed_type, self.process_index, self.num_processes = DistributedType.FSDP, 0, 1
+
+    monkeypatch.setattr(accelerate, "Accelerator", Sharded)
+    with pytest.raises(LcxError, match="lcx train runs under DDP .*, not FSDP"):
+        train(_cfg(model_dir, corpus, tmp_path / "o"), progress=False)
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_failed_final_write_keeps_the_trained_state_for_resume(model_dir, corpus, tmp_path, monkeypatch):
+    """The adapter write fails after the last step (say, a full disk) with --save-every 0: the run's state is
+    kept as a checkpoint and the error says to --resume, which writes the same adapter as an unfailed run."""
+    from lcx.adapters import peft_bridge
+
+    ok = train(_cfg(model_dir, corpus, tmp_path / "ok"), progress=False)
+    real = peft_bridge.save_adapter
+
+    def full_disk(*a, **kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(peft_bridge, "save_adapter", full_disk)
+    with pytest.raises(LcxError, match="No space left on device.*the trained state is kept in .*--resume"):
+        train(_cfg(model_dir, corpus, tmp_path / "o"), progress=False)
+    monkeypatch.setattr(peft_bridge, "save_adapter", real)
+    out = train(_cfg(model_dir, corpus, tmp_path / "o"), resume=True, progress=False)
+    a, b = load_file(str(ok / "adapter_model.safetensors")), load_file(str(out / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
