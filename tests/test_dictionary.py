@@ -114,3 +114,10 @@ def test_eval_dictionary_cli_runs_on_a_tiny_model(tmp_path):
     assert r.exit_code == 0, r.output
     res = json.loads((tmp_path / "out" / "dictionary.json").read_text())
     assert set(res["runs"]) == {"streaming", "no memory"} and (tmp_path / "out" / "dictionary.png").stat().st_size > 1000
+    # the default label of a run with other options names another run: both are kept; a rerun replaces its own
+    for chunk, runs in (("64", {"streaming", "no memory", "streaming #2"}), ("128", {"streaming", "no memory", "streaming #2"})):
+        r = CliRunner().invoke(main, ["eval", "dictionary", "-m", str(tmp_path / "m"), "--method", "streaming",
+                                      "-o", f"chunk={chunk}", "--dict-tokens", "300", "--samples", "1",
+                                      "--out", str(tmp_path / "out"), "--json"])
+        assert r.exit_code == 0, r.output
+        assert set(json.loads((tmp_path / "out" / "dictionary.json").read_text())["runs"]) == runs

@@ -49,6 +49,11 @@ def test_ppl_suite_reports_per_context_and_document():
                            progress=False)
     assert set(res["summary"]["ppl"]) == {"32", "64"} and set(res["summary"]["by_document"]) == {"a", "b"}
     assert len(res["samples"]) == 2 * 2 * 2
+    assert res["summary"]["documents_scored"] == 2 and res["summary"]["documents_too_short"] == []
+    with lcx.attach(model, ["streaming"], chunk=16) as run:  # "a" (200 tokens) cannot hold 200 + 16: left out, said
+        res = ppl.evaluate(lambda x, n: score_tail(run, x, n), docs, ppl.PplConfig(contexts=[200], target=16),
+                           progress=False)
+    assert res["summary"]["documents_scored"] == 1 and res["summary"]["documents_too_short"] == ["a"]
     with pytest.raises(lcx.LcxError, match="no document has"):
         ppl.evaluate(lambda x, n: {}, docs, ppl.PplConfig(contexts=[1000]), progress=False)
 

@@ -150,6 +150,10 @@ def eval_ppl(model, methods, options, adapter, trust_remote_code, data, text_fie
     else:
         for n in result["summary"]["ppl"]:
             click.echo(f"N={n:>6}: ppl {result['summary']['ppl'][n]:8.3f}  acc {result['summary']['accuracy'][n]:.3f}")
+        short = result["summary"]["documents_too_short"]
+        click.echo(f"scored {result['summary']['documents_scored']} document(s)"
+                   + (f"; {len(short)} shorter than the longest context + target were left out: "
+                      f"{', '.join(short[:3])}{' ...' if len(short) > 3 else ''}" if short else ""))
         click.echo(f"wrote {js} and {png}")
 
 
@@ -294,11 +298,19 @@ def eval_dictionary(model, methods, options, adapter, trust_remote_code, dict_to
                 bar.write(f"{n:>8} dictionary tokens: accuracy {per_size[str(n)]['accuracy']:.3f}")
         desc = run.describe()
     bar.close()
+    named = label is not None
     label = label or ("+".join(m["name"] for m in desc["methods"]) or "none") + (f" + {Path(adapter).name}" if adapter else "")
     result = {"model": model, **desc, "adapter": str(adapter) if adapter else None, "query_tokens": query_tokens,
               "results": per_size}
     path = out / "dictionary.json"
+    same = ("model", "methods", "adapter", "query_tokens")  # a rerun of these replaces its earlier line
     with accumulated_runs(path) as runs:
+        if not named and label in runs and any(runs[label].get(k) != result.get(k) for k in same):
+            base, k = label, 2  # the default label names another run (other options, model...): keep both
+            while label in runs and any(runs[label].get(x) != result.get(x) for x in same):
+                label, k = f"{base} #{k}", k + 1
+            click.echo(f"note: {base!r} in {path} is a run with other settings; this one is {label!r} "
+                       f"(name runs with --label)", err=True)
         runs[label] = result
         js = write_json({**result, "label": label, "command": "lcx " + " ".join(sys.argv[1:]), "runs": runs}, path)
         models = {Path(r["model"]).name for r in runs.values()}  # the runs may come from several models

@@ -66,10 +66,11 @@ def evaluate(
     """``documents``: (name, token ids); ``score_fn(ids (1, T), n_target)`` -> nll_sum/correct/count."""
     config.validate()
     longest = config.longest
-    work = []
+    work, too_short = [], []
     for name, ids in documents:
         ends = sample_ends(len(ids), longest, config.target, config.samples)
         if not ends:
+            too_short.append(name)
             continue
         for end in ends:
             for n in config.contexts:
@@ -85,7 +86,10 @@ def evaluate(
         r = score_fn(span, config.target)
         per_sample.append({"document": name, "context": n, "end": end, **r,
                            "ppl": math.exp(r["nll_sum"] / r["count"]), "accuracy": r["correct"] / r["count"]})
-    return {"config": asdict(config), "samples": per_sample, "summary": summarize(per_sample, config.contexts)}
+    summary = summarize(per_sample, config.contexts)
+    # what was read and what was not: a --max-docs 20 run may score fewer, and says so
+    summary.update(documents_scored=len(documents) - len(too_short), documents_too_short=too_short)
+    return {"config": asdict(config), "samples": per_sample, "summary": summary}
 
 
 def summarize(samples: list[dict[str, Any]], contexts: list[int]) -> dict[str, Any]:
