@@ -179,6 +179,19 @@ def test_vanilla_applies_to_every_served_name_when_named_and_to_its_adapter_when
 FOCUS = {"chunk": 16, "local": 24, "fragment": 8, "refresh": 0}  # tiny llama: window 128
 
 
+def _focus_server(tmp_path):
+    """A tiny focusllm server's middleware: (call(body, **kw), its spool folder, a 91-character prompt, the served
+    table, the model entry)."""
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path / "model")
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    served = {"f": [{"name": "focusllm", "options": FOCUS}]}
+    where = {"tokenizer": str(tmp_path / "model"), "window": 128, "spool": str(spool)}
+    text = "".join(chr(ord("a") + i % 26) for i in range(90))
+    return (lambda body, **kw: _call(body, served=served, tokenizer=_Chars(), model=where, **kw)), spool, text, served, where
+
+
 def test_focusllm_prompts_reach_vllm_as_placeholders_and_local_tokens_with_spooled_candidates(tmp_path, monkeypatch):
     """The middleware computes a long prompt's candidates on lcx's own path (what `serve_request` returns:
     the served attention's test checks those against `lcx generate`), spools them under a random id and
@@ -189,14 +202,7 @@ def test_focusllm_prompts_reach_vllm_as_placeholders_and_local_tokens_with_spool
 
     import lcx
 
-    model = tiny_model("llama")
-    model.save_pretrained(tmp_path / "model")
-    spool = tmp_path / "spool"
-    spool.mkdir()
-    served = {"f": [{"name": "focusllm", "options": FOCUS}]}
-    where = {"tokenizer": str(tmp_path / "model"), "window": 128, "spool": str(spool)}
-    call = lambda body: _call(body, served=served, tokenizer=_Chars(), model=where)  # noqa: E731
-    text = "".join(chr(ord("a") + i % 26) for i in range(90))
+    call, spool, text, served, where = _focus_server(tmp_path)
     status, _, got = call({"model": "f", "prompt": text, "max_tokens": 4, "vllm_xargs": {"other": 1}})
     sent = json.loads(got["body"])
     assert status == 200 and sent["vllm_xargs"]["other"] == 1
@@ -241,25 +247,13 @@ def test_focusllm_prompts_reach_vllm_as_placeholders_and_local_tokens_with_spool
     assert not all(torch.equal(adapted[k], tensors[k]) for k in tensors)
 
 
-def _focus_server(tmp_path):
-    """A tiny focusllm server's middleware inputs: (call(body, **kw), spool folder, a 91-character prompt)."""
-    model = tiny_model("llama")
-    model.save_pretrained(tmp_path / "model")
-    spool = tmp_path / "spool"
-    spool.mkdir()
-    served = {"f": [{"name": "focusllm", "options": FOCUS}]}
-    where = {"tokenizer": str(tmp_path / "model"), "window": 128, "spool": str(spool)}
-    text = "".join(chr(ord("a") + i % 26) for i in range(90))
-    return (lambda body, **kw: _call(body, served=served, tokenizer=_Chars(), model=where, **kw)), spool, text
-
-
 def test_focusllm_requests_that_would_break_the_engine_or_share_a_state_get_a_400(tmp_path):
     """A request whose candidates the middleware computes: a forged state id is refused on every path however
     its JSON spells the key (the worker would fail inside the engine's forward); n > 1, beam search and prompt
     truncation (several sequences sharing, or cutting, one state) and token ids outside the vocabulary (lcx's
     forward would fail: a 500) are refused before any forward; a one-element prompt list is one prompt; the
     limits' message names the request's max_tokens and the server's environment.  Nothing is spooled."""
-    call, spool, text = _focus_server(tmp_path)
+    call, spool, text, *_ = _focus_server(tmp_path)
     forged = ('{"model": "f", "messages": [{"role": "user", "content": "hi"}], "vllm_xargs": {"lcx\\u005fstate": "'
               + "0" * 32 + '"}}').encode()
     assert vr.STATE_ARG.encode() not in forged and json.loads(forged)["vllm_xargs"] == {vr.STATE_ARG: "0" * 32}
@@ -291,7 +285,7 @@ def test_requests_vllm_will_refuse_for_their_api_key_pass_through_untouched(tmp_
     """lcx's middleware runs before vLLM's API-key check: with keys set (`lcx serve ... -- --api-key K`, or
     VLLM_API_KEY), a request without the key reaches vLLM as it came (which answers 401): no forward pass, no
     state, no 400 describing the server's methods; with the key it is served as usual."""
-    call, spool, text = _focus_server(tmp_path)
+    call, spool, text, *_ = _focus_server(tmp_path)
     body = {"model": "f", "prompt": text, "max_tokens": 4, "lcx": {"rope": {}}}
     monkeypatch.setenv(vr.API_KEYS_ENV, json.dumps(["k1", "k2"]))
     status, _, got = call(body)
@@ -322,7 +316,7 @@ def test_a_state_file_left_after_its_exchange_is_deleted_after_a_grace(tmp_path,
     """The client may leave before vLLM schedules its request (vLLM aborts it): the worker then never reads nor
     deletes the candidates.  Every request that spooled a state schedules its file's deletion when its HTTP
     exchange ends, STATE_GRACE_S later (the worker has read it by then, or never will)."""
-    call, spool, text = _focus_server(tmp_path)
+    call, spool, text, *_ = _focus_server(tmp_path)
     later = []
     monkeypatch.setattr(vr, "_unlink_later", later.append)
     status, _, got = call({"model": "f", "prompt": text, "max_tokens": 4})
