@@ -177,16 +177,15 @@ def served_state_budget(insts: list, config: dict[str, Any], window: int, max_mo
 def check_memory_for_serving(path: Path, model_dir: Path, methods: list[Any]) -> None:
     """A memory for ``lcx serve --memory``: built by `lcx memory build` for this model, served with fot
     reading the layers it holds (``methods``: the served method instances)."""
-    from lcx.io import read_json_file
-    from lcx.memory import MEMORY_META, MEMORY_TENSORS
+    from lcx.memory import check_memory_files
 
     fot = next((m for m in methods if m.name == "fot"), None)
     if fot is None:
         raise LcxError(f"--memory {str(path)!r} is read by the fot method: add --method fot")
-    if not (path / MEMORY_META).is_file() or not (path / MEMORY_TENSORS).is_file():
-        raise LcxError(f"--memory {str(path)!r} is not an lcx memory folder (needs {MEMORY_META} and "
-                       f"{MEMORY_TENSORS}); build one with `lcx memory build`")
-    meta = read_json_file(path / MEMORY_META, "rebuild the memory")
+    try:  # whole files before vLLM starts (its worker would fail on them after the engine start)
+        meta = check_memory_files(path)
+    except LcxError as e:
+        raise LcxError(f"--memory: {e}") from None
     built = meta.get("model", {})
     config = json.loads((model_dir / "config.json").read_text())
     have = {"model_type": config.get("model_type"), "num_hidden_layers": config.get("num_hidden_layers"),

@@ -470,17 +470,8 @@ def save_memory(stores: dict[tuple[int, int], MemoryStore], path: str | os.PathL
 
 def load_memory(path: str | os.PathLike, config: StoreConfig | None = None) -> tuple[dict[tuple[int, int], MemoryStore], dict]:
     """Read a memory written by ``save_memory``; the tensor file must match its recorded sha256."""
-    d = Path(path)
-    if d.is_dir():
-        recover(d)  # finish a save that a crash interrupted after its commit point
-    meta_path, tensor_path = d / MEMORY_META, d / MEMORY_TENSORS
-    if not meta_path.exists() or not tensor_path.exists():
-        raise LcxError(f"{str(d)!r} is not an lcx memory folder (needs {MEMORY_META} and {MEMORY_TENSORS})")
-    meta = read_json_file(meta_path, "rebuild the memory")
-    _check_memory_meta(meta, meta_path)
-    if _sha256(tensor_path) != meta.get("sha256"):
-        raise LcxError(f"memory file {str(tensor_path)!r} is corrupted or truncated (checksum mismatch); rebuild it")
-    tensors = load_file(str(tensor_path))
+    meta = check_memory_files(path)
+    tensors = load_file(str(Path(path) / MEMORY_TENSORS))
     cfg = config or StoreConfig(**(meta.get("store_config") or {}))
     stores = {}
     for name in meta["stores"]:
@@ -489,6 +480,23 @@ def load_memory(path: str | os.PathLike, config: StoreConfig | None = None) -> t
         store.load_tensors(tensors, f"{name}.")
         stores[(layer, head)] = store
     return stores, meta
+
+
+def check_memory_files(path: str | os.PathLike) -> dict:
+    """A memory folder's metadata, once its files are whole: an interrupted save finished (``recover``),
+    memory.json of the shape ``save_memory`` writes, the tensor file matching its recorded sha256."""
+    d = Path(path)
+    if d.is_dir():
+        recover(d)  # finish a save that a crash interrupted after its commit point
+    meta_path, tensor_path = d / MEMORY_META, d / MEMORY_TENSORS
+    if not meta_path.exists() or not tensor_path.exists():
+        raise LcxError(f"{str(d)!r} is not an lcx memory folder (needs {MEMORY_META} and {MEMORY_TENSORS}); "
+                       f"build one with `lcx memory build`")
+    meta = read_json_file(meta_path, "rebuild the memory")
+    _check_memory_meta(meta, meta_path)
+    if _sha256(tensor_path) != meta.get("sha256"):
+        raise LcxError(f"memory file {str(tensor_path)!r} is corrupted or truncated (checksum mismatch); rebuild it")
+    return meta
 
 
 def _check_memory_meta(meta: Any, path: Path) -> None:

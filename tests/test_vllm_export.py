@@ -292,6 +292,11 @@ def test_a_served_document_memory_is_checked_before_the_server_starts(model_dir,
     other = make_tiny_model_dir(tmp_path / "other", seed=1)
     with pytest.raises(LcxError, match=r"was built with another model \(embedding_sha256"):
         export_for_vllm(str(other), ["fot"], out=tmp_path / "y", memory=tmp_path / "mem")
+    tensors = tmp_path / "mem" / "memory.safetensors"  # truncated: refused here, not by vLLM's worker after its start
+    tensors.write_bytes(tensors.read_bytes()[:-8])
+    with pytest.raises(LcxError, match=r"--memory: memory file .* is corrupted or truncated"):
+        export_for_vllm(str(model_dir), ["fot"], {"fot": {"local": 16, "memory_layers": "1"}}, out=tmp_path / "y",
+                        memory=tmp_path / "mem")
     assert not (tmp_path / "y").exists()
 
 
