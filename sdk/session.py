@@ -69,37 +69,41 @@ def apply_adapter(model: Any, adapter: str | Path, methods: list[str],
     if not methods:  # default to the methods (and options) the adapter was trained with
         methods = list(trained)
         options = merge_options(trained, options, methods)
+    else:  # the named methods with the user's options, but what the adapter's training fixed stays fixed
+        options = merge_options({m: _fixed(m, trained) for m in methods}, options, methods)
     _check_trained_options(trained, options, methods, adapter)
     return peft_model, sidecar, methods, options
 
 
+def _fixed(method: str, trained: dict[str, dict]) -> dict[str, Any]:
+    """The options of ``method`` its training fixed (``fixed_by_training``, e.g. fot's positions mode), as trained."""
+    from lcx.registry import registry
+
+    reg = registry()
+    if method not in trained or method not in reg.methods:
+        return {}
+    return {k: trained[method][k] for k in getattr(reg.get(method), "fixed_by_training", ()) if k in trained[method]}
+
+
 def merge_options(trained: dict[str, dict], given: dict[str, Any], methods: list[str]) -> dict[str, Any]:
     """Options per method: ``trained`` (e.g. an adapter's), overridden key by key by ``given`` (the
-    user's; flat options go to the single method)."""
+    user's; a flat option goes to the method that has it, as ``attach`` routes it)."""
+    from lcx.composition import split_options
+
     merged = {m: dict(trained.get(m, {})) for m in methods}
-    for k, v in given.items():
-        if isinstance(v, dict):
-            merged.setdefault(k, {}).update(v)
-        elif len(methods) == 1:
-            merged[methods[0]][k] = v
-        else:
-            raise LcxError(f"with several methods, give options per method: -o METHOD.{k}=VALUE")
+    for m, opts in split_options(methods, given).items():
+        merged.setdefault(m, {}).update(opts)
     return merged
 
 
 def _check_trained_options(trained: dict[str, dict], given: dict[str, Any], methods: list[str], adapter) -> None:
     """Refuse options a method's training fixed (e.g. fot's positions mode) when they differ from the adapter's."""
-    from lcx.registry import registry
-
-    reg = registry()
     per_method = merge_options({}, given, methods)
     for m in methods:
-        if m not in trained or m not in reg.methods:
-            continue
         mine = per_method.get(m, {})
-        for key in getattr(reg.get(m), "fixed_by_training", ()):
-            if key in mine and key in trained[m] and str(mine[key]) != str(trained[m][key]):
-                raise LcxError(f"adapter {str(adapter)!r} was trained with {m} {key}={trained[m][key]}; "
+        for key, value in _fixed(m, trained).items():
+            if key in mine and str(mine[key]) != str(value):
+                raise LcxError(f"adapter {str(adapter)!r} was trained with {m} {key}={value}; "
                                f"{key}={mine[key]} is incompatible with it (drop -o {key} or retrain)")
 
 

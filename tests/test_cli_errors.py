@@ -368,3 +368,32 @@ def test_the_analyses_read_jsonl_documents_by_text_field(tiny_dir, tmp_path):
     assert r.exit_code == 0, r.output
     assert_error(lcx("analyze", "distraction", "-m", str(tiny_dir), "-d", str(jl), "--text-field", "nope",
                      "--out", str(tmp_path / "d")), "has no 'nope' field")
+
+
+def test_models_init_overwrite_replaces_the_folder_and_takes_nested_settings(tiny_dir, tmp_path):
+    """--overwrite replaces the folder (an old tokenizer beside a new 68-token model was read with it); a dotted
+    setting (-s rope_scaling.factor=4) is a nested one (it was a TypeError traceback)."""
+    import shutil
+
+    m = tmp_path / "m"
+    shutil.copytree(tiny_dir, m)
+    assert (m / "tokenizer.json").exists() or (m / "tokenizer_config.json").exists()
+    r = lcx("models", "init", str(m), "--overwrite", "-s", "num_hidden_layers=1", "-s", "vocab_size=68", "--json")
+    assert r.exit_code == 0, r.output
+    assert not (m / "tokenizer.json").exists() and not (m / "tokenizer_config.json").exists()
+    r = lcx("models", "init", str(tmp_path / "r"), "-s", "num_hidden_layers=1", "-s", "rope_scaling.rope_type=linear",
+            "-s", "rope_scaling.factor=2", "--json")
+    assert r.exit_code == 0, r.output
+    cfg = json.loads((tmp_path / "r" / "config.json").read_text())
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    assert scaling["factor"] == 2 and scaling["rope_type"] == "linear", cfg
+
+
+def test_a_file_the_machine_refuses_is_one_error_line(tmp_path):
+    """OSError (a permission, a full disk, a file where a folder must go) prints one error: line naming the
+    path, not a traceback."""
+    f = tmp_path / "f.txt"
+    f.write_text("x")
+    r = lcx("models", "init", str(f / "m"), "-s", "num_hidden_layers=1")  # a folder inside a file
+    assert r.exit_code == 2 and r.output.startswith("error: Not a directory") and str(f) in r.output, r.output
+    assert "Traceback" not in r.output and f.read_text() == "x"

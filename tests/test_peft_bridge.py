@@ -67,3 +67,19 @@ def test_truncated_weights_give_a_clear_error(tmp_path):
     w.write_bytes(w.read_bytes()[:100])
     with pytest.raises(lcx.LcxError, match="adapter_model.safetensors. is corrupted or truncated"):
         peft_bridge.load_adapter(tiny_model("llama"), tmp_path)
+
+
+def test_named_methods_keep_what_the_adapters_training_fixed_and_route_flat_options(tmp_path):
+    """`--adapter A --method fot`: the options fot's training fixed (positions) stay the adapter's (they fell back
+    to the default, a mode the memory keys were not trained in), the others are the user's; a flat option with
+    several methods goes to the method that has it (it was refused with an adapter, accepted without)."""
+    from lcx.session import apply_adapter
+
+    adapter = peft_bridge.random_adapter(tiny_model("llama"), tmp_path / "a", seed=1,
+                                         methods=[{"name": "fot", "options": {"positions": "none", "local": 16}}])
+    _, _, methods, options = apply_adapter(tiny_model("llama"), adapter, ["fot"], {})
+    assert options["fot"] == {"positions": "none"}  # local: the default, as documented for named methods
+    _, _, methods, options = apply_adapter(tiny_model("llama"), adapter, ["rope", "fot"], {"k": 8, "factor": 2.0})
+    assert options["fot"] == {"positions": "none", "k": 8} and options["rope"] == {"factor": 2.0}
+    with pytest.raises(lcx.LcxError, match="trained with fot positions=none; positions=first is incompatible"):
+        apply_adapter(tiny_model("llama"), adapter, ["fot"], {"positions": "first"})

@@ -8,6 +8,7 @@ line starting with ``error:`` and exit with status 2.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,13 @@ class LcxGroup(click.Group):
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             ctx.exit(130)
+        except OSError as e:  # a file or folder the machine refuses (permissions, a full disk, ...)
+            if os.environ.get("LCX_DEBUG"):
+                raise
+            what = f"{e.strerror or e}" + (f": {e.filename!r}" if e.filename else "")
+            click.echo(f"error: {what} (check the path, its permissions and the free space; LCX_DEBUG=1 shows "
+                       f"where it happened)", err=True)
+            ctx.exit(2)
 
 
 @click.group(cls=LcxGroup, context_settings=CONTEXT)

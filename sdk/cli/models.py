@@ -57,7 +57,9 @@ def models_init(out: Path, family: str, settings: tuple[str, ...], seed: int, ov
     from lcx.models import init_model
     from lcx.session import parse_options
 
-    def value(v: str) -> Any:
+    def value(v: Any) -> Any:
+        if isinstance(v, dict):  # -s rope_scaling.factor=4 -> {"rope_scaling": {"factor": "4"}}
+            return {k: value(x) for k, x in v.items()}
         try:
             return json.loads(v)  # 68 -> int, 0.1 -> float, true -> bool, [..] -> list
         except ValueError:
