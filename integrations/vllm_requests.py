@@ -196,14 +196,16 @@ class RequestStates:
 
 #: Request fields that would let vLLM run a prompt whose state the middleware computed otherwise than once,
 #: whole: several sequences sharing one state file (the first to end deletes it), or the placeholders cut.
-_ONE_STATE_FIELDS = {"n": 1, "best_of": None, "use_beam_search": False, "truncate_prompt_tokens": None}
+#: Each field's accepted values.
+_ONE_STATE_FIELDS = {"n": (None, 1), "best_of": (None, 1), "use_beam_search": (None, False),
+                     "truncate_prompt_tokens": (None,)}
 
 
 def check_one_state(body: dict[str, Any], method: str) -> None:
     """Refuse what a request with middleware-computed state cannot ask for (``_ONE_STATE_FIELDS``)."""
     for field, fine in _ONE_STATE_FIELDS.items():
-        value = body.get(field, fine)
-        if value is not None and value != fine and not (field == "best_of" and value == 1):
+        value = body.get(field)
+        if value not in fine:
             raise LcxError(f"{method} serves one sequence per request over its whole prompt; {field}={json.dumps(value)} "
                            f"is not supported (leave it out, or send separate requests)")
 

@@ -503,13 +503,14 @@ def _check_memory_meta(meta: Any, path: Path) -> None:
     """memory.json has the shape ``save_memory`` writes (the checksum covers only the tensors): else one line
     naming the file, not a KeyError or ValueError from the reading code."""
     stores = meta.get("stores") if isinstance(meta, dict) else None
+    bad = next((n for n in stores if not (isinstance(n, str) and re.fullmatch(r"\d+\.\d+", n))), None) \
+        if isinstance(stores, list) else None
     problem = None
     if not isinstance(meta, dict):
         problem = "it is not a JSON object"
     elif not isinstance(stores, list) or not stores:
         problem = "'stores' must be a non-empty list of \"layer.head\" names"
-    elif not all(isinstance(n, str) and re.fullmatch(r"\d+\.\d+", n) for n in stores):
-        bad = next(n for n in stores if not (isinstance(n, str) and re.fullmatch(r"\d+\.\d+", n)))
+    elif bad is not None:
         problem = f"store name {bad!r} is not \"layer.head\""
     elif not isinstance(meta.get("model", {}), dict):
         problem = "'model' must be an object (the model it was built with)"

@@ -21,9 +21,9 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
-import shutil
 import tempfile
 import time
 import zipfile

@@ -192,6 +192,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, progr
     (with a checkpoint), as if interrupted; used to test exact resumption.
     """
     from accelerate import Accelerator
+    from accelerate.utils import DistributedType
     from tqdm.auto import tqdm
 
     from lcx.adapters.peft_bridge import add_adapter, save_adapter, save_full_model, trainable_parameters
@@ -210,8 +211,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, progr
     AcceleratorState._reset_state()
     accel = Accelerator(gradient_accumulation_steps=1, mixed_precision="bf16" if cfg.bf16 else "no", cpu=not torch.cuda.is_available())
     rank, world = accel.process_index, accel.num_processes
-    sharded = str(accel.distributed_type).rsplit(".", 1)[-1]
-    if sharded in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
+    if accel.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+        sharded = accel.distributed_type.name
         raise LcxError(f"lcx train runs under DDP (configs/accelerate/ddp-2proc.yaml), not {sharded}: its exact "
                        f"checkpoints read and write the trainable parameters and optimizer state whole, on the main "
                        f"process, which {sharded} shards; launch with a DDP (MULTI_GPU) accelerate config")

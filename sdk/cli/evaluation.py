@@ -305,9 +305,10 @@ def eval_dictionary(model, methods, options, adapter, trust_remote_code, dict_to
     path = out / "dictionary.json"
     same = ("model", "methods", "adapter", "query_tokens")  # a rerun of these replaces its earlier line
     with accumulated_runs(path) as runs:
-        if not named and label in runs and any(runs[label].get(k) != result.get(k) for k in same):
-            base, k = label, 2  # the default label names another run (other options, model...): keep both
-            while label in runs and any(runs[label].get(x) != result.get(x) for x in same):
+        other = lambda name: name in runs and any(runs[name].get(k) != result.get(k) for k in same)  # noqa: E731
+        if not named and other(label):  # the default label names another run (other options, model...): keep both
+            base, k = label, 2
+            while other(label):
                 label, k = f"{base} #{k}", k + 1
             click.echo(f"note: {base!r} in {path} is a run with other settings; this one is {label!r} "
                        f"(name runs with --label)", err=True)
