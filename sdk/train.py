@@ -255,6 +255,9 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, progr
     latest = _latest_checkpoint(ckpt_root) if resume else None
     if latest is not None:
         start = _load_checkpoint(latest, peft_model, names, opt, sched, rank, run.state, world)
+        if start > cfg.steps:  # it would save the checkpoint's weights as a run of cfg.steps
+            raise LcxError(f"--resume: the latest checkpoint ({str(latest)!r}) is at step {start}, past --steps "
+                           f"{cfg.steps}; a run can be extended, not shortened: pass --steps {start} or more")
         if accel.is_main_process:
             _trim_metrics(out / METRICS, start)
     ddp_model, opt = accel.prepare(peft_model, opt)

@@ -196,6 +196,18 @@ def test_resume_refuses_settings_that_change_the_run(model_dir, corpus, tmp_path
     assert train(_cfg(model_dir, corpus, out, steps=3, save_every=1), resume=True, progress=False) is not None
 
 
+def test_resume_past_a_lower_steps_is_refused(model_dir, corpus, tmp_path):
+    """A checkpoint at step 3 resumed with --steps 2 would save step 3's weights as a 2-step run."""
+    out = tmp_path / "o"
+    train(_cfg(model_dir, corpus, out, steps=4, save_every=0), progress=False, stop_after=3)
+    assert (out / "checkpoints" / "step-3").is_dir()
+    with pytest.raises(LcxError, match=r"is at step 3, past --steps 2; .* pass --steps 3 or more"):
+        train(_cfg(model_dir, corpus, out, steps=2), resume=True, progress=False)
+    assert not (out / "adapter_model.safetensors").exists()
+    train(_cfg(model_dir, corpus, out, steps=3), resume=True, progress=False)  # at the checkpoint: only writes it
+    assert [m["step"] for m in _metrics(out)] == [1, 2, 3]
+
+
 def test_resume_without_checkpoint_is_refused(model_dir, corpus, tmp_path):
     with pytest.raises(LcxError, match="no checkpoint"):
         train(_cfg(model_dir, corpus, tmp_path / "fresh"), resume=True, progress=False)
