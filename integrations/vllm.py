@@ -260,6 +260,14 @@ def embedding_fingerprint(model_dir: Path) -> str | None:
     return None
 
 
+def check_export_dir(out: Path, replacing: str) -> None:
+    """An export replaces its folder whole: one holding anything but an earlier export (its ``MANIFEST``) is
+    refused, and kept as it was."""
+    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file():
+        raise LcxError(f"{str(out)!r} is not empty and holds no lcx export ({MANIFEST}); {replacing}, so name a new "
+                       f"or empty folder")
+
+
 def export_for_vllm(model: str, methods: list[str] | tuple[str, ...] = (), options: dict[str, Any] | None = None,
                     adapters: dict[str, Path] | None = None, out: str | Path = "out/vllm",
                     max_model_len: int | None = None, overwrite: bool = False,
@@ -304,6 +312,7 @@ def export_for_vllm(model: str, methods: list[str] | tuple[str, ...] = (), optio
     if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise LcxError(f"output folder {str(out)!r} exists and is not empty; pass --overwrite to replace it")
+        check_export_dir(out, "--overwrite replaces an earlier export only")
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     mdir = tmp / "model"

@@ -1,6 +1,6 @@
 """`lcx export --for vllm`: what plain vLLM loads must equal what lcx's Hugging Face path runs.
 
-No vLLM engine here (tests/test_vllm_serve.py starts one): these check the exported folder with
+No vLLM engine here (tests/serve/ starts them): these check the exported folder with
 transformers, and every refusal.
 """
 
@@ -156,6 +156,14 @@ def test_cli_export_json_and_errors(model_dir, tmp_path):
     assert list(json.loads(r.output)["adapters"]) == ["mine"]
     r = CliRunner().invoke(main, ["export", "-m", str(model_dir), "--adapter", str(a), "--out", str(tmp_path / "x")])
     assert r.exit_code == 2 and "exists and is not empty; pass --overwrite" in r.output
+    r = CliRunner().invoke(main, ["export", "-m", str(model_dir), "--out", str(tmp_path / "x"), "--overwrite"])
+    assert r.exit_code == 0 and not (tmp_path / "x" / "adapters").exists()  # an earlier export is replaced whole
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    r = CliRunner().invoke(main, ["export", "-m", str(model_dir), "--out", str(mine), "--overwrite"])
+    assert r.exit_code == 2 and "holds no lcx export (lcx-export.json); --overwrite replaces an earlier export only" in r.output
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]  # kept as it was
     r = CliRunner().invoke(main, ["export", "-m", str(model_dir), "--adapter", f"a={a}", "--adapter", f"a={a}",
                                   "--out", str(tmp_path / "y")])
     assert r.exit_code == 2 and "two adapters are named 'a'" in r.output

@@ -44,7 +44,7 @@ def serve_options(f):
 @click.option("--for", "target", type=click.Choice(["vllm"]), default="vllm", show_default=True,
               help="The engine to export for.")
 @click.option("--out", required=True, type=OUT_DIR, help="Folder to write (model/ + adapters/).")
-@click.option("--overwrite", is_flag=True, help="Replace an existing OUT folder.")
+@click.option("--overwrite", is_flag=True, help="Replace an earlier export in OUT (any other folder is refused).")
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
 def export_cmd(model, options, methods, adapters, max_model_len, target, out, overwrite, as_json) -> None:
     """Write a model folder (+ adapters) that plain vLLM serves with no lcx code.
@@ -127,11 +127,9 @@ def serve_cmd(model, options, methods, adapters, max_model_len, host, port, serv
     from lcx.session import parse_options
 
     named = _named_adapters(adapters)
-    if export_dir is not None and export_dir.is_dir() and any(export_dir.iterdir()) \
-            and not (export_dir / lv.MANIFEST).is_file():
-        raise LcxError(f"--export-dir {str(export_dir)!r} is not empty and holds no lcx export ({lv.MANIFEST}); "
-                       f"lcx serve replaces the folder it exports to, so name a new or empty folder (or leave "
-                       f"--export-dir out)")
+    if export_dir is not None:
+        lv.check_export_dir(export_dir, "lcx serve replaces the folder it exports to (leave --export-dir out to "
+                                        "export into lcx's cache)")
     if export_dir is None:
         key = json.dumps([model, sorted(methods), sorted(options), {k: str(v.resolve()) for k, v in named.items()},
                           max_model_len, host, port, str(memory_dir), state_gib], sort_keys=True)  # one per address
