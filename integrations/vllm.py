@@ -598,7 +598,9 @@ def stop(proc: subprocess.Popen, grace: float = 30.0) -> int:
 
 def die_with_parent() -> None:
     """``preexec_fn``: the child gets SIGTERM when the process that started it dies, however it dies (a
-    SIGKILLed ``lcx serve`` or script must not leave a vLLM server running).  Linux only; a no-op elsewhere."""
+    SIGKILLed ``lcx serve`` or script must not leave a vLLM server running).  Linux only; a no-op elsewhere.
+    Linux sends it when the *thread* that started the child ends: start children from a thread that lives
+    as long as they should (a pool's worker thread does not)."""
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -617,9 +619,11 @@ def start(exp: Export, host: str = "127.0.0.1", port: int = 8000, served_name: s
 
 class ServerProcess:
     """``lcx serve`` in a subprocess, for tests, benchmarks and scripts: start, wait for the ready
-    line, post JSON, stop with SIGINT (as Ctrl-C).  vLLM's log goes to ``log_path``."""
+    line, post JSON, stop with SIGINT (as Ctrl-C).  vLLM's log goes to ``log_path``.  With ``wait=False`` the
+    caller works while the server starts (~25 s, a core idle about half of it), then calls ``wait_ready``."""
 
-    def __init__(self, model: str, args: list[str], log_path: str | Path, port: int | None = None) -> None:
+    def __init__(self, model: str, args: list[str], log_path: str | Path, port: int | None = None,
+                 wait: bool = True) -> None:
         import socket
 
         if port is None:
@@ -632,13 +636,22 @@ class ServerProcess:
         self.proc = subprocess.Popen([sys.executable, "-m", "lcx.cli", "serve", model, "--port", str(port), "--json",
                                       *args], stdout=subprocess.PIPE, stderr=self._log, text=True,
                                      preexec_fn=die_with_parent)
-        line = self.proc.stdout.readline()  # the ready line, or EOF when the server failed to start
-        if not line:
-            self.proc.wait()
-            self._log.close()
-            raise LcxError(f"lcx serve failed (status {self.proc.returncode}); "
-                           f"log tail:\n{self.log_path.read_text()[-3000:]}")
-        self.ready: dict[str, Any] = json.loads(line)
+        self.ready: dict[str, Any] = {}
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> "ServerProcess":
+        """Block until the server's ready line (kept in ``ready``); raises with the log's tail when it failed
+        to start."""
+        if not self.ready:
+            line = self.proc.stdout.readline()  # the ready line, or EOF when the server failed to start
+            if not line:
+                self.proc.wait()
+                self._log.close()
+                raise LcxError(f"lcx serve failed (status {self.proc.returncode}); "
+                               f"log tail:\n{self.log_path.read_text()[-3000:]}")
+            self.ready = json.loads(line)
+        return self
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 1800) -> tuple[int, dict[str, Any]]:
         """(HTTP status, JSON body); 4xx/5xx answers are returned, not raised."""

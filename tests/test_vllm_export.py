@@ -421,3 +421,15 @@ def test_a_server_that_asks_for_an_api_key_is_ready():
     finally:
         proc.kill()
         server.shutdown()
+
+
+def test_a_server_launched_without_waiting_reports_its_failed_start_when_waited_on(tmp_path):
+    """ServerProcess(wait=False) returns at once (the caller works while vLLM starts); ``wait_ready`` then
+    raises with the log's tail when the server could not start."""
+    from lcx.integrations.vllm import ServerProcess
+
+    s = ServerProcess("no-such-org/no-such-model", [], tmp_path / "serve.log", wait=False)
+    assert s.ready == {}
+    with pytest.raises(LcxError, match=r"lcx serve failed \(status 2\); log tail:\n.*no-such-org/no-such-model"):
+        s.wait_ready()
+    assert s.close() == 2
