@@ -1,7 +1,7 @@
 """streaming and fot inside vLLM's attention (`lcx.integrations.vllm_attention`), driven the way vLLM
 drives it: every scheduled token of every request flattened into one forward, prompts cut anywhere by
 chunked prefill, generated tokens one per step, requests interleaved.  The logits of every step must
-equal lcx's own path (`lcx.generate`).  tests/test_vllm_serve.py checks the real server."""
+equal lcx's own path (`lcx.generate`).  tests/serve/ checks the real server."""
 
 from __future__ import annotations
 

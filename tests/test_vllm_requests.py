@@ -1,6 +1,6 @@
 """Per-request lcx options on the served API (`lcx.integrations.vllm_requests`): refused with a 400
 naming the fix when they cannot apply, stripped before vLLM when they restate the server's own.
-An ASGI stand-in for vLLM's app keeps these tests fast; tests/test_vllm_serve.py checks the real server."""
+An ASGI stand-in for vLLM's app keeps these tests fast; tests/serve/ checks the real server."""
 
 from __future__ import annotations
 
