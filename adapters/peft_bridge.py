@@ -45,6 +45,15 @@ def base_identity(model: nn.Module) -> dict[str, Any]:
     }
 
 
+def adapter_digest(adapter_dir: str | os.PathLike) -> str:
+    """sha256 of an adapter's weights file: which adapter a folder held (retraining into it changes it)."""
+    h = hashlib.sha256()
+    with open(Path(adapter_dir) / ADAPTER_WEIGHTS, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The transformers model inside a PeftModel (or the model itself)."""
     return model.get_base_model() if isinstance(model, PeftModel) else model

@@ -231,6 +231,7 @@ class Journal:
         self.fingerprint = json.loads(json.dumps(fingerprint, default=str))
         self.defaults = json.loads(json.dumps(defaults or {}, default=str))
         self.records: dict[str, dict[str, Any]] = {}
+        self.head: dict[str, Any] | None = None  # the resumed journal's own fingerprint
         if resume and self.path.exists():
             self._read()
         else:
@@ -246,6 +247,7 @@ class Journal:
             head = json.loads(lines[0])["fingerprint"] if lines else None
         except (ValueError, KeyError, TypeError):
             head = None
+        self.head = head
         if not _matches(head, self.fingerprint, self.defaults):
             diff = sorted(k for k in set(self.fingerprint) | set(head or {})
                           if not _matches((head or {}).get(k, _MISSING), self.fingerprint.get(k),

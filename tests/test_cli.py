@@ -113,6 +113,31 @@ def test_eval_passkey_resume_reuses_the_journal_and_refuses_other_options(tiny_d
     assert r.exit_code != 0 and "passkey.samples.jsonl" in r.output and "differs in: methods" in r.output
 
 
+def test_eval_passkey_resume_refuses_another_adapter_in_the_same_folder(tiny_dir, tmp_path):
+    """The journal knows the adapter by its weights, not only its path: retrained into the same folder, it is
+    another run.  A journal written before the weights were recorded resumes, with a note saying so."""
+    from lcx.adapters.peft_bridge import random_adapter
+    from lcx.models import load_model
+
+    a = tmp_path / "adapter"
+    random_adapter(load_model(str(tiny_dir))[0], a, seed=1)
+    args = ["eval", "passkey", "-m", str(tiny_dir), "--adapter", str(a), "--method", "streaming", "-o", "chunk=64",
+            "--lengths", "400", "--depths", "0.5", "--samples", "2", "--out", str(tmp_path / "pk")]
+    assert run(*args).exit_code == 0
+    journal = tmp_path / "pk" / "passkey.samples.jsonl"
+    head, *samples = journal.read_text().splitlines()
+    r = run(*args, "--resume")
+    assert r.exit_code == 0 and "resuming: 2 samples" in r.output and "predates" not in r.output, r.output
+    random_adapter(load_model(str(tiny_dir))[0], a, seed=2)  # retrained into the same folder
+    r = run(*args, "--resume")
+    assert r.exit_code != 0 and "differs in: adapter_sha256" in r.output, r.output
+    old = json.loads(head)
+    del old["fingerprint"]["adapter_sha256"]  # as lcx wrote journals before it recorded the weights
+    journal.write_text("\n".join([json.dumps(old), *samples]) + "\n")
+    r = run(*args, "--resume")
+    assert r.exit_code == 0 and "resuming: 2 samples" in r.output and "predates lcx recording the adapter's weights" in r.output
+
+
 def test_demo_runs_every_inference_method_and_leaves_out_training_only_ones(tiny_dir):
     from lcx.registry import registry
 

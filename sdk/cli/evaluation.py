@@ -82,14 +82,22 @@ def _passkey_generator(run, progress: bool = False):
 def _passkey_journal(path: Path, model: str, run, adapter, cfg, resume: bool):
     from dataclasses import asdict
 
+    from lcx.adapters.peft_bridge import adapter_digest
     from lcx.io import Journal
 
-    fingerprint = {"model": model, **run.describe(), "adapter": str(adapter) if adapter else None, "config": asdict(cfg)}
-    # options added to a method after a journal was written match it at their defaults
-    defaults = {"methods": [{"options": m.default_options()} for m in run.methods]}
+    # the adapter by its weights as well as its path: a run retrained into the same folder is another run
+    digest = adapter_digest(adapter) if adapter else None
+    fingerprint = {"model": model, **run.describe(), "adapter": str(adapter) if adapter else None,
+                   "adapter_sha256": digest, "config": asdict(cfg)}
+    # options added to a method after a journal was written match it at their defaults; a journal written
+    # before lcx recorded the adapter's digest is taken as this adapter's (said below)
+    defaults = {"methods": [{"options": m.default_options()} for m in run.methods], "adapter_sha256": digest}
     journal = Journal(path, fingerprint, resume=resume, defaults=defaults)
     if journal.reused:
         click.echo(f"resuming: {journal.reused} samples already in {path}", err=True)
+        if digest and "adapter_sha256" not in (journal.head or {}):
+            click.echo(f"note: {path} predates lcx recording the adapter's weights; its samples are taken as "
+                       f"those of the adapter now in {adapter}", err=True)
     return journal
 
 
