@@ -138,6 +138,32 @@ def test_eval_passkey_resume_refuses_another_adapter_in_the_same_folder(tiny_dir
     assert r.exit_code == 0 and "resuming: 2 samples" in r.output and "predates lcx recording the adapter's weights" in r.output
 
 
+def test_a_memory_read_with_another_adapter_than_it_was_built_with_gets_a_note(tiny_dir, tmp_path):
+    """`memory build --adapter` indexes with the adapter's projections and records it; `generate --memory` says
+    so when the memory is read with another adapter (or none), and says nothing when they agree."""
+    from lcx.adapters.peft_bridge import adapter_digest, random_adapter
+    from lcx.models import load_model
+
+    a = random_adapter(load_model(str(tiny_dir))[0], tmp_path / "a", seed=1, scale=0.5)
+    doc = tmp_path / "d.txt"
+    doc.write_text("some words to remember. " * 30)
+    fot = ["-o", "local=64", "-o", "memory_layers=1"]
+    mem0, mem_a = tmp_path / "mem0", tmp_path / "mem-a"
+    assert run("memory", "build", "-m", str(tiny_dir), *fot, "--out", str(mem0), str(doc)).exit_code == 0
+    r = run("memory", "build", "-m", str(tiny_dir), *fot, "--adapter", str(a), "--out", str(mem_a), str(doc))
+    assert r.exit_code == 0, r.output
+    assert json.loads((mem_a / "memory.json").read_text())["adapter"] == {"path": str(a), "sha256": adapter_digest(a)}
+    assert (mem_a / "memory.safetensors").read_bytes() != (mem0 / "memory.safetensors").read_bytes()  # its keys
+    gen = ["generate", "-m", str(tiny_dir), "--method", "fot", *fot, "-p", "words", "-n", "2", "--json"]
+    for mem, adapter, note in ((mem0, None, None), (mem_a, a, None),
+                               (mem0, a, "was built by the model without an adapter, and is read with the adapter in"),
+                               (mem_a, None, "was built with the adapter then in")):
+        r = run(*gen, "--memory", str(mem), *(["--adapter", str(adapter)] if adapter else []))
+        assert r.exit_code == 0, r.output
+        json.loads(r.stdout)  # the note goes to stderr
+        assert (note in r.stderr if note else "note:" not in r.stderr), (mem, adapter, r.stderr)
+
+
 def test_demo_runs_every_inference_method_and_leaves_out_training_only_ones(tiny_dir):
     from lcx.registry import registry
 

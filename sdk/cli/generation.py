@@ -58,7 +58,7 @@ def generate_cmd(model, methods, options, adapter, trust_remote_code, input_file
             fot = s.run.method("fot")
             if fot is None:
                 raise LcxError("--memory needs the fot method: add --method fot")
-            fot.load(memory_dir, s.model)
+            _note_memory_adapter(memory_dir, fot.load(memory_dir, s.model), adapter)
         ids = s.tokenizer(text, return_tensors="pt")["input_ids"]
         torch.manual_seed(seed)
         kwargs: dict[str, Any] = {"do_sample": sample}
@@ -78,3 +78,19 @@ def generate_cmd(model, methods, options, adapter, trust_remote_code, input_file
             })
     finally:
         s.close()
+
+
+def _note_memory_adapter(memory_dir: Path, meta: dict[str, Any], adapter: Path | None) -> None:
+    """Say so when a memory is read with another adapter than it was built with: its keys and values came
+    from other projections than the ones now attending to them (allowed: `lcx serve --memory` shares one memory
+    across its adapters on purpose)."""
+    from lcx.adapters.peft_bridge import adapter_digest
+
+    built = meta.get("adapter") or None
+    if (built or {}).get("sha256") == (adapter_digest(adapter) if adapter else None):
+        return
+    what = f"with the adapter then in {built['path']}" if built else "by the model without an adapter"
+    now = f"read with the adapter in {adapter}" if adapter else "read without an adapter"
+    fix = f"--adapter {adapter}" if adapter else "no --adapter"
+    click.echo(f"note: memory {str(memory_dir)!r} was built {what}, and is {now}: its keys come from other "
+               f"projections (rebuild it with `lcx memory build {fix}` to match)", err=True)
