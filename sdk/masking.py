@@ -27,9 +27,12 @@ def visible_mask(attention_mask: torch.Tensor | None, kept: torch.Tensor, total:
 
 
 def to_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A bool (True = attend) or additive mask as an additive float mask."""
+    """A bool (True = attend) or additive mask as an additive float mask.  Hidden keys get the dtype's lowest
+    finite value, not -inf: a query that sees no key at all (padding before a left-padded row's tokens) then
+    averages the hidden ones instead of giving NaN, which the next layer's keys would carry into every real
+    token (NaN times a zero weight is NaN); any visible key still takes all of the weight."""
     if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
     return mask.to(dtype)
 
 
