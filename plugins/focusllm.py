@@ -402,6 +402,12 @@ class FocusLLM(Method):
     # ------------------------------------------------------------------ chunking stage
     @hookimpl
     def lcx_plan(self, run, input_ids, attention_mask, max_new_tokens):
+        from lcx.generation import SCORED
+
+        # an earlier plan's candidates that never reached lcx_memory (its caller failed in between) must not
+        # reach this prompt's cache
+        run.state.pop("focusllm_candidates", None)
+        run.state.pop("focusllm_groups", None)
         self.check_window(run)
         B, T = input_ids.shape
         if T <= self.local:
@@ -415,11 +421,17 @@ class FocusLLM(Method):
         if n + self.local + max_new_tokens > run.window:
             raise LcxError(f"focusllm: {n} candidates + {self.local} local tokens + {max_new_tokens} new tokens "
                            f"exceed the model's window ({run.window}); raise -o focusllm.chunk or lower -o focusllm.local")
+        # the fragment: the last local tokens, or when scoring, the last ones before the scored tokens (every
+        # local token reads the candidates, so they may only have read what the first scored logit reads)
+        scored = int(run.state.get(SCORED, 0))
+        if scored >= self.local:
+            raise LcxError(f"focusllm scores at most its local tokens minus one ({self.local - 1}), got {scored}; "
+                           f"score fewer tokens or raise -o focusllm.local")
+        fragment = local[:, : self.local - scored][:, -self.fragment:]
         groups: list[ChunkGroup] | None = [] if self.refresh and max_new_tokens > 1 else None
-        cand = candidate_kv(run.model, memory, local[:, -self.fragment:], spans, self.parallel,
-                            run.state.get("focusllm_gate"), groups)
+        cand = candidate_kv(run.model, memory, fragment, spans, self.parallel, run.state.get("focusllm_gate"), groups)
         # each candidate was rotated at the last position of its own forward; move it to its slot i
-        run.state["focusllm_candidates"] = to_slots(cand, candidate_positions(spans, self.fragment), run)
+        run.state["focusllm_candidates"] = to_slots(cand, candidate_positions(spans, fragment.shape[1]), run)
         run.state["focusllm_groups"] = groups
         placeholder = torch.full((B, n), int(local[0, 0]), dtype=input_ids.dtype, device=input_ids.device)
         ids = torch.cat([placeholder, local], dim=1)

@@ -171,13 +171,23 @@ def _pad_id(model: Any) -> int | None:
     return pad
 
 
+#: ``run.state`` key set while ``tail_logits`` plans: how many trailing tokens are scored.  A method whose plan
+#: reads later tokens for earlier positions (focusllm's fragment: the prompt's last tokens, read by every
+#: candidate) must keep the scored ones out of that, or each logit would see what it predicts.
+SCORED = "scored_tokens"
+
+
 @torch.no_grad()
 def tail_logits(run: Run, input_ids: torch.Tensor, n_target: int) -> torch.Tensor:
     """Logits (n_target, V) predicting the last ``n_target`` tokens of ``input_ids`` (1, T), computed
     through the run's plan and memory; each window's logits are kept only where they predict a target."""
     if input_ids.shape[1] <= n_target:
         raise LcxError(f"input of {input_ids.shape[1]} tokens is too short to score its last {n_target}")
-    plan = make_plan(run, input_ids, None, 0)
+    run.state[SCORED] = n_target  # a plan must not let the logits read the tokens they predict
+    try:
+        plan = make_plan(run, input_ids, None, 0)
+    finally:
+        run.state.pop(SCORED, None)
     ids = plan.input_ids
     T = ids.shape[1]
     if not torch.equal(ids[0, T - n_target - 1:].cpu(), input_ids[0, -n_target - 1:].cpu()):

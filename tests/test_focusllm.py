@@ -21,11 +21,12 @@ def _ids(T=100, rows=1, seed=0):
     return torch.randint(3, 256, (rows, T), generator=torch.Generator().manual_seed(seed))
 
 
-def _reference_candidates(model, ids, chunk=16, local=24, fragment=8, overlap=0):
-    """Each chunk (with the `overlap` tokens before it) + the last `fragment` local tokens through the plain
-    model; the last position's keys/values per layer, moved from that position to the candidate's slot i."""
+def _reference_candidates(model, ids, chunk=16, local=24, fragment=8, overlap=0, scored=0):
+    """Each chunk (with the `overlap` tokens before it) + the last `fragment` local tokens (before the `scored`
+    last ones) through the plain model; the last position's keys/values per layer, moved from that position to
+    the candidate's slot i."""
     T = ids.shape[1]
-    memory, frag = ids[:, : T - local], ids[:, T - fragment:]
+    memory, frag = ids[:, : T - local], ids[:, T - scored - fragment:T - scored]
     inv = model.model.rotary_emb.inv_freq
     per_layer = None
     for i, start in enumerate(range(0, memory.shape[1], chunk)):
@@ -95,18 +96,35 @@ def test_serial_and_parallel_chunks_give_the_same_logits(overlap):
 
 def test_local_tokens_read_the_candidates_at_contiguous_positions():
     """The local tokens' logits equal an explicit computation: a cache holding the reference candidates
-    at positions 0..n-1, then the local tokens at positions n..n+23."""
+    at positions 0..n-1, then the local tokens at positions n..n+23.  Scoring the last 16 tokens, the
+    candidates read the 8 local tokens before them (the fragment never holds a scored token)."""
     model = tiny_model("llama")
     ids = _ids()
-    ref = _reference_candidates(model, ids)
+    ref = _reference_candidates(model, ids, scored=16)
     cache = DynamicCache(config=model.config)
     for layer, (k, v) in enumerate(ref):
         cache.update(k, v, layer)
     with torch.no_grad():
         want = model(input_ids=ids[:, -24:], position_ids=torch.arange(5, 29)[None], past_key_values=cache).logits[0, :-1]
     with lcx.attach(model, ["focusllm"], focusllm=OPTS) as run:
-        got = tail_logits(run, ids, 23)
-    torch.testing.assert_close(got, want[-23:], atol=1e-5, rtol=0)
+        got = tail_logits(run, ids, 16)
+    torch.testing.assert_close(got, want[-16:], atol=1e-5, rtol=0)
+
+
+def test_scored_logits_never_read_the_tokens_they_predict():
+    """Perplexity is causal: changing the last token changes no logit that predicts an earlier one.  The
+    fragment (the prompt's last local tokens, read by every candidate) held the scored tokens, so each logit
+    read what it predicted (all 22 did); with 23 of 24 local tokens scored, one token is left to read."""
+    model = tiny_model("llama")
+    ids = _ids()
+    changed = ids.clone()
+    changed[0, -1] = (ids[0, -1] + 1) % 250 + 3
+    with lcx.attach(model, ["focusllm"], focusllm=OPTS) as run:
+        for n in (23, 16):
+            a, b = tail_logits(run, ids, n), tail_logits(run, changed, n)
+            assert torch.equal(a[:-1], b[:-1]), n
+        with pytest.raises(LcxError, match=r"focusllm scores at most its local tokens minus one \(23\), got 24"):
+            tail_logits(run, ids, 24)
 
 
 def test_a_memory_of_one_chunk_and_an_input_shorter_than_local():
@@ -116,6 +134,17 @@ def test_a_memory_of_one_chunk_and_an_input_shorter_than_local():
         assert plan.windows == [(0, 1), (1, 25)]
         assert generate(run, _ids(T=34), max_new_tokens=3).shape == (1, 3)
         assert make_plan(run, _ids(T=20), None, 0).windows == [(0, 20)]  # all local: the model as it is
+
+
+def test_a_plan_left_unused_never_reaches_the_next_prompt():
+    """A plan whose caller failed before the memory stage (or `make_plan` on its own) leaves its candidates in
+    the run's state; a following prompt short enough to be read as it is got them in its cache."""
+    model = tiny_model("llama")
+    short = _ids(T=5, seed=3)
+    with lcx.attach(model, ["focusllm"], focusllm=OPTS) as run:
+        alone = generate(run, short, max_new_tokens=4)
+        make_plan(run, _ids(), None, 0)  # candidates computed, never used
+        assert torch.equal(generate(run, short, max_new_tokens=4), alone)
 
 
 def test_bad_input():
