@@ -111,6 +111,7 @@ class Run:
 def attach(
     model: nn.Module,
     methods: Iterable[str | Method] | str | Method | None = None,
+    /,
     **options: Any,
 ) -> Run:
     """Attach ``methods`` to ``model``; use as a context manager or call ``run.detach()``.
@@ -178,6 +179,10 @@ def resolve_methods(methods: Any, options: dict[str, Any]) -> list[Method]:
     out: list[Method] = []
     for m in chosen:
         if isinstance(m, Method):
+            if per_method[m.name]:  # they would be dropped: the instance is already configured
+                given = ", ".join(f"{k}={v!r}" for k, v in per_method[m.name].items())
+                raise LcxError(f"options {given} for {m!r}, a configured method: set them on it "
+                               f"(dataclasses.replace(method, ...)) or pass its name instead")
             out.append(m)
         else:
             out.append(reg.get(m).from_options(**per_method[m]))

@@ -25,7 +25,7 @@ def token_counts(text: str) -> list[int]:
             continue
         try:
             n = int(float(item[:-1]) * 1024) if item.lower().endswith("k") else int(item)
-        except ValueError:
+        except (ValueError, OverflowError):  # OverflowError: infK
             raise ValueError(f"{item!r} is not a token count (e.g. 4096 or 8K)") from None
         if n <= 0:
             raise ValueError(f"{item!r}: token counts must be positive")

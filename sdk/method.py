@@ -8,6 +8,7 @@ with ``@hookimpl``.  An instance is what a run's plugin manager holds.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from typing import Any, ClassVar
 
@@ -171,7 +172,7 @@ def _convert(method: str, key: str, value: Any, hint: Any) -> Any:
                 return False
             raise ValueError(value)
         if target in (int, float):
-            return target(value)
+            return _finite(method, key, target(value))
         if typing.get_origin(target) in (list, tuple):
             inner = typing.get_args(target)[0] if typing.get_args(target) else str
             return [inner(x) for x in value.split(",") if x]
@@ -182,11 +183,19 @@ def _convert(method: str, key: str, value: Any, hint: Any) -> Any:
     return value
 
 
+def _finite(method: str, key: str, value: float) -> float:
+    """nan and inf parse as floats, and pass every ``<`` check a method makes (rope's factor=nan gave a NaN
+    rotary table, and JSON output with NaN in it)."""
+    if not math.isfinite(value):
+        raise LcxError(f"option {key}={value!r} of method {method!r} must be a finite number")
+    return value
+
+
 def _convert_number(method: str, key: str, value: Any, target: Any) -> Any:
     """A JSON-typed option value as its field's type (see ``_convert``)."""
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if target is float and number:
-        return float(value)
+        return _finite(method, key, float(value))
     if target is int and number:
         if isinstance(value, float) and not value.is_integer():
             raise LcxError(f"option {key}={value!r} of method {method!r} must be a whole number, e.g. {key}={int(value)}")

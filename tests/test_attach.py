@@ -104,6 +104,16 @@ def test_generate_batch_left_padding_matches_unpadded(family, method):
     assert torch.equal(batched[1], alone[0])
 
 
+def test_options_for_a_configured_method_are_refused_not_dropped(llama):
+    from lcx.plugins.streaming import Streaming
+
+    for options in ({"sinks": 8}, {"streaming": {"sinks": 8}}):
+        with pytest.raises(lcx.LcxError, match=r"options sinks=8 for Streaming\(sinks=4, window=32, chunk=512\), a configured"):
+            lcx.attach(llama, [Streaming(window=32)], **options)
+    with lcx.attach(llama, [Streaming(window=32, sinks=8)]) as run:
+        assert run.methods[0].sinks == 8
+
+
 def test_attach_is_a_plain_call_too(llama):
     run = lcx.attach(llama, ["vanilla"])
     assert lcx.attached_run(llama) is run

@@ -397,3 +397,17 @@ def test_a_file_the_machine_refuses_is_one_error_line(tmp_path):
     r = lcx("models", "init", str(f / "m"), "-s", "num_hidden_layers=1")  # a folder inside a file
     assert r.exit_code == 2 and r.output.startswith("error: Not a directory") and str(f) in r.output, r.output
     assert "Traceback" not in r.output and f.read_text() == "x"
+
+
+def test_option_values_and_keys_that_cannot_apply_are_one_error_line(tiny_dir):
+    """nan/inf passed every range check (rope's factor=nan gave a NaN rotary table and NaN in --json); a key
+    named like attach's own arguments, a method given both a value and options, and infK were tracebacks."""
+    gen = ["generate", "-m", str(tiny_dir), "-p", "hello world", "-n", "2", "--json"]
+    for value in ("nan", "inf", "-inf"):
+        assert_error(lcx(*gen, "--method", "rope", "-o", f"factor={value}"), f"option factor={float(value)!r} of method "
+                     "'rope' must be a finite number")
+    for key in ("model", "methods"):
+        assert_error(lcx(*gen, "--method", "rope", "-o", f"{key}=x"), f"option {key!r} belongs to none of the selected methods")
+    assert_error(lcx(*gen, "--method", "rope", "-o", "rope=yarn", "-o", "rope.factor=8"),
+                 "'rope' is given both as an option and as a method's options")
+    assert_error(lcx("analyze", "retrieval", "-m", str(tiny_dir), "--length", "infK"), "'infK' is not a token count")
