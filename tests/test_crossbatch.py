@@ -49,10 +49,25 @@ def test_longllama_segments():
     (dict(w=1, d=1, segments="0:0,x"), "give POSITIVES:NEGATIVES per context"),
     (dict(w=-1, d=1), "w (previous contexts per document) must be >= 0"),
     (dict(w=1, d=0), "d (documents a memory layer sees) must be >= 1"),
+    (dict(w=1, d=1, segments="0:0,1:1", most_d=1), "context 1 asks for 1 negatives, but with d=1"),
+    (dict(w=3, d=1, segments="0:0,1:1,2:1,3:0", most_d=1), "context 1 asks for 1 negatives, but with d=1"),
+    (dict(w=1, d=2, segments="0:0,1:4", most_d=2), "context 1 asks for 4 negatives, but with d=2 (documents a memory "
+                                                   "layer sees, at most) only 1 earlier contexts"),
 ])
 def test_bad_layouts(kwargs, needle):
     with pytest.raises(lcx.LcxError, match=needle.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
         crossbatch.layout(L, **kwargs)
+
+
+def test_negatives_are_checked_against_the_largest_d_the_schedule_reaches():
+    """LongLLaMA's segments ask for negatives: with d=1 for good there are none (they were silently dropped); a
+    schedule that reaches d=2 has them after it switches (before, a step gives what it has)."""
+    model = tiny_model("llama")
+    spec = "0:0,1:1,2:1,3:0"
+    with pytest.raises(lcx.LcxError, match="context 1 asks for 1 negatives, but with d=1"):
+        lcx.attach(model, ["fot"], w=3, d=1, segments=spec)
+    with lcx.attach(model, ["fot"], w=3, d=1, segments=spec, d_schedule="step:100:2") as run:
+        assert run.methods[0].crossbatch_layout(2).sources(1, 1) == [(1, 0, True), (0, 0, False)]
 
 
 def test_d_schedules():
@@ -67,9 +82,12 @@ def test_d_schedules():
     picks = [crossbatch.d_for_step("choice:2,128", 1, s, 7, None, False)[0] for s in range(40)]
     assert set(picks) == {2, 128} and picks == [crossbatch.d_for_step("choice:2,128", 1, s, 7, None, False)[0]
                                                  for s in range(40)]
-    for bad in ("step:x", "acc:0.9:4:0", "acc:0.9:4:2:2"):
-        with pytest.raises(lcx.LcxError, match=f"d_schedule='{bad}'"):
+    for bad in ("step:x", "acc:0.9:4:0", "acc:0.9:4:2:2", "step:3:", "acc:high:8:2", "choice:2,x"):
+        with pytest.raises(lcx.LcxError, match=f"d_schedule='{bad}': use constant"):
             crossbatch.d_for_step(bad, 1, 0, 0, None, False)
+    for bad in ("step:3:0", "acc:0.9:-1", "choice:2,0"):  # each field is read when attached, not at its step
+        with pytest.raises(lcx.LcxError, match=f"d_schedule='{bad}': d .* must be >= 1"):
+            lcx.attach(tiny_model("llama"), ["fot"], d_schedule=bad)
 
 
 # ---------------------------------------------------------------------- the training forward
@@ -219,7 +237,7 @@ def test_train_k_keeps_each_querys_top_k_memory_keys_only():
 def test_bank_holds_the_previous_steps_contexts_as_memory():
     """bank = 2, rows of 2 contexts: the second step's contexts read the first step's two contexts from the
     bank; the logits equal one forward of a row holding all four contexts in which contexts 2 and 3 see
-    every earlier context (segments 0:0,1:1,2:2,3:3)."""
+    every earlier context (segments 0:0,1:0,2:0,3:0)."""
     model = tiny_model("llama").train()
     a, b = _ids(1, 2 * L, seed=1), _ids(1, 2 * L, seed=2)
     with lcx.attach(model, ["fot"], local=L, w=1, d=1, memory_layers="all", bank=2) as run:
@@ -227,7 +245,7 @@ def test_bank_holds_the_previous_steps_contexts_as_memory():
         banked = _forward(run, b, step=1).logits
         assert set(run.state["crossbatch_bank"]) == set(range(model.config.num_hidden_layers))
         assert run.state["crossbatch_bank"][0][0].shape[1] == 2 * L and not run.state["crossbatch_bank"][0][0].requires_grad
-    with lcx.attach(model, ["fot"], local=L, w=3, d=1, memory_layers="all", segments="0:0,1:1,2:2,3:3") as run:
+    with lcx.attach(model, ["fot"], local=L, w=3, d=1, memory_layers="all", segments="0:0,1:0,2:0,3:0") as run:
         whole = _forward(run, torch.cat([a, b], 1)).logits
     torch.testing.assert_close(banked[0], whole[0, 2 * L:], rtol=1e-4, atol=1e-4)
     with lcx.attach(model, ["fot"], local=L, w=1, d=1, memory_layers="all") as run:  # no bank: b alone

@@ -279,6 +279,10 @@ def test_fot_crossbatch_trains_and_resumes_with_its_d_schedule(model_dir, corpus
     fm = _metrics(full)
     # acc:0.0:2:1 switches after the first measured accuracy: d=1 at step 1, then 2 for good
     assert [m["state/d"] for m in fm] == [1, 2, 2, 2] and all(m["state/d_switched"] for m in fm[1:])
+    # N counts optimizer steps, not micro-batches: with 2 per step, step 1 keeps d=1 in both (its second
+    # micro-batch switched to d=2 when the history grew per micro-batch)
+    acc2 = train(_cfg(model_dir, corpus, tmp_path / "accum", grad_accum=2, **kw), progress=False)
+    assert [m["state/d"] for m in _metrics(acc2)] == [1, 2, 2, 2]
     assert json.loads((full / "lcx.json").read_text())["methods"][0]["options"]["w"] == 1
     part = tmp_path / "part"
     train(_cfg(model_dir, corpus, part, save_every=1, **kw), progress=False, stop_after=2)

@@ -61,8 +61,10 @@ class Layout:
         return out
 
 
-def parse_segments(spec: str, contexts: int) -> tuple[tuple[int, int], ...] | None:
-    """``"0:0,1:1,2:1,3:0"`` -> ((0, 0), (1, 1), (2, 1), (3, 0)); empty -> None (the default rule)."""
+def parse_segments(spec: str, contexts: int, most_d: int | None = None) -> tuple[tuple[int, int], ...] | None:
+    """``"0:0,1:1,2:1,3:0"`` -> ((0, 0), (1, 1), (2, 1), (3, 0)); empty -> None (the default rule).  With
+    ``most_d`` (the largest d the run reaches), context j may ask for at most (most_d - 1) x j negatives: the
+    earlier contexts of the other documents its memory sees (more were silently not there)."""
     spec = spec.strip()
     if not spec:
         return None
@@ -77,16 +79,59 @@ def parse_segments(spec: str, contexts: int) -> tuple[tuple[int, int], ...] | No
         if not 0 <= p <= j or n < 0:
             raise LcxError(f"segments={spec!r}: context {j} can have 0..{j} positives (earlier contexts of its "
                            f"document) and >= 0 negatives, got {p}:{n}")
+        if most_d is not None and n > (most_d - 1) * j:
+            raise LcxError(f"segments={spec!r}: context {j} asks for {n} negatives, but with d={most_d} (documents a "
+                           f"memory layer sees, at most) only {(most_d - 1) * j} earlier contexts of other documents "
+                           f"exist; raise -o d (or the d_schedule's) or ask for fewer")
     return segs
 
 
-def layout(local: int, w: int, d: int, segments: str = "") -> Layout:
+def layout(local: int, w: int, d: int, segments: str = "", most_d: int | None = None) -> Layout:
+    """One step's layout at d; ``most_d`` (the largest d of the run) checks what ``segments`` asks for (a step
+    at a smaller d, before a d_schedule switches, gives the negatives it has)."""
     if w < 0:
         raise LcxError(f"w (previous contexts per document) must be >= 0, got {w}")
     if d < 1:
         raise LcxError(f"d (documents a memory layer sees) must be >= 1, got {d}")
-    segs = parse_segments(segments, w + 1) or tuple((j, (d - 1) * j) for j in range(w + 1))
+    segs = parse_segments(segments, w + 1, most_d) or tuple((j, (d - 1) * j) for j in range(w + 1))
     return Layout(local, w + 1, d, segs)
+
+
+def parse_d_schedule(schedule: str) -> tuple[str, tuple]:
+    """``schedule`` parsed whole, each d checked: (kind, fields).  A field read only at the step that
+    switches (``step:3:0``, ``acc:0.9:``) failed there, thousands of steps into a run."""
+    kind, _, rest = schedule.partition(":")
+    ds: tuple[int, ...] = ()
+    try:
+        if kind == "constant" and not rest:
+            return kind, ()
+        if kind == "step":
+            n, target = rest.split(":")
+            fields: tuple = (int(n), int(target))
+            ds = (fields[1],)
+        elif kind == "acc":
+            a, target, *window = rest.split(":")
+            fields = (float(a), int(target), int(window[0]) if window else 10)
+            if fields[2] < 1 or len(window) > 1:
+                raise ValueError
+            ds = (fields[1],)
+        elif kind == "choice":
+            fields = ds = tuple(int(x) for x in rest.split(","))
+        else:
+            raise ValueError
+    except ValueError:
+        raise LcxError(f"d_schedule={schedule!r}: use constant, step:N:D (D from step N), acc:A:D[:N] (D once the "
+                       f"training accuracy over the last N steps, default 10, is >= A) or choice:D1,D2,... (one "
+                       f"per step)") from None
+    if min(ds) < 1:
+        raise LcxError(f"d_schedule={schedule!r}: d (documents a memory layer sees) must be >= 1, got {min(ds)}")
+    return kind, fields
+
+
+def most_d(schedule: str, d: int) -> int:
+    """The largest d a run under ``schedule`` reaches."""
+    kind, fields = parse_d_schedule(schedule)
+    return max(d, fields[1] if kind in ("step", "acc") else max(fields) if kind == "choice" else d)
 
 
 def d_for_step(schedule: str, d: int, step: int, seed: int, accuracy: list[float] | None,
@@ -98,29 +143,18 @@ def d_for_step(schedule: str, d: int, step: int, seed: int, accuracy: list[float
     reached A, and for good (the paper: d=1 until 98%, then 128); ``choice:D1,D2,...`` one of them
     per step (seeded).
     """
-    kind, _, rest = schedule.partition(":")
-    if kind == "constant" and not rest:
+    kind, fields = parse_d_schedule(schedule)
+    if kind == "step":
+        return (fields[1], True) if step >= fields[0] else (d, False)
+    if kind == "acc":
+        a, target, n = fields
+        recent = (accuracy or [])[-n:]
+        if switched or (len(recent) == n and sum(recent) / n >= a):
+            return target, True
         return d, False
-    try:
-        if kind == "step":
-            n, target = rest.split(":")
-            return (int(target), True) if step >= int(n) else (d, False)
-        if kind == "acc":
-            a, target, *window = rest.split(":")
-            n = int(window[0]) if window else 10
-            if n < 1 or len(window) > 1:
-                raise ValueError
-            recent = (accuracy or [])[-n:]
-            if switched or (len(recent) == n and sum(recent) / n >= float(a)):
-                return int(target), True
-            return d, False
-        if kind == "choice":
-            options = [int(x) for x in rest.split(",")]
-            return random.Random(seed * 1_000_003 + step).choice(options), False
-    except ValueError:
-        pass
-    raise LcxError(f"d_schedule={schedule!r}: use constant, step:N:D (D from step N), acc:A:D[:N] (D once the "
-                   f"training accuracy over the last N steps, default 10, is >= A) or choice:D1,D2,... (one per step)")
+    if kind == "choice":
+        return random.Random(seed * 1_000_003 + step).choice(fields), False
+    return d, False
 
 
 def chunk_positions(batch: int, layout_: Layout) -> torch.Tensor:

@@ -84,8 +84,8 @@ class FoT(Method):
         if self.positions not in ("first", "fixed", "none"):
             raise ValueError(f"positions must be first, fixed or none, got {self.positions!r}")
         self.store_config().validate()
-        self.crossbatch_layout(self.d)  # validates d, w and segments
-        crossbatch.d_for_step(self.d_schedule, self.d, 0, 0, None, False)  # validates the schedule
+        crossbatch.parse_d_schedule(self.d_schedule)  # validates every field of the schedule
+        self.crossbatch_layout(self.d)  # validates d, w and segments (against the largest d the schedule reaches)
         self._stores: dict[int, dict[tuple[int, int], MemoryStore]] | None = None  # multi-document memory
         self._shared: dict[int, dict[tuple[int, int], MemoryStore]] | None = None  # while a document is added
 
@@ -115,7 +115,7 @@ class FoT(Method):
 
     def crossbatch_layout(self, d: int) -> crossbatch.Layout:
         try:
-            return crossbatch.layout(self.local, self.w, d, self.segments)
+            return crossbatch.layout(self.local, self.w, d, self.segments, crossbatch.most_d(self.d_schedule, self.d))
         except LcxError as e:
             raise ValueError(str(e)) from None
 
@@ -170,12 +170,18 @@ class FoT(Method):
         if not bool(batch["attention_mask"].all()):
             raise LcxError("fot crossbatch training takes full windows (no padding); train with --concat")
         ts = run.state.setdefault("train_state", {})
-        d, switched = crossbatch.d_for_step(self.d_schedule, self.d, step, run.state.get("seed", 0),
-                                            ts.get("accuracy_history"), ts.get("d_switched", False))
+        if run.state.get("fot_d_step") != step:  # d is decided once per optimizer step (this runs per micro-batch)
+            done = ts.pop("step_accuracy", None)  # the previous step's micro-batches: one entry of the history
+            if done:
+                ts["accuracy_history"] = (ts.get("accuracy_history", []) + [sum(done) / len(done)])[-100:]
+            d, switched = crossbatch.d_for_step(self.d_schedule, self.d, step, run.state.get("seed", 0),
+                                                ts.get("accuracy_history"), ts.get("d_switched", False))
+            ts.update(d=d, d_switched=switched)
+            run.state["fot_d_step"] = step
+        d = ts["d"]
         if d > B:
             raise LcxError(f"d={d} (documents a memory layer sees) is larger than the batch ({B} rows); "
                            f"raise --batch-size to >= {d} or lower d")
-        ts.update(d=d, d_switched=switched)
         run.state["crossbatch"] = self.crossbatch_layout(d)
         return {**batch, "position_ids": crossbatch.chunk_positions(B, run.state["crossbatch"])}
 
@@ -192,7 +198,9 @@ class FoT(Method):
             acc = float((pred == gold)[seen].float().mean()) if seen.any() else 0.0
         ts = run.state["train_state"]
         ts["accuracy"] = acc
-        ts["accuracy_history"] = (ts.get("accuracy_history", []) + [acc])[-100:]  # for acc:A:D:N (N <= 100)
+        # this step's micro-batches; lcx_sample folds them into one entry of the per-step history (acc:A:D:N,
+        # N <= 100) when the next step starts
+        ts.setdefault("step_accuracy", []).append(acc)
         return {"lm": out.loss}
 
     @hookimpl
