@@ -97,8 +97,11 @@ class Streaming(Method):
         """Recent tokens kept per layer, for a model whose trained window is ``window``."""
         w = self.window or window - self.sinks - self.chunk
         if w <= 0:
+            room = window - self.sinks - 1  # the largest chunk that leaves a one-token recent window
+            fix = (f"use -o streaming.chunk={min(room, max(1, window // 4))} or less" if room >= 1 else
+                   f"lower -o streaming.sinks below {window - 1}")
             raise LcxError(f"streaming: sinks={self.sinks} + chunk={self.chunk} leave no recent window in the model's "
-                           f"window ({window}); use -o streaming.chunk={max(1, window // 4)}")
+                           f"window ({window}); {fix}, or set the recent window with -o streaming.window=N")
         return w
 
     def reusable_prefix(self) -> bool:

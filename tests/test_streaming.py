@@ -71,3 +71,16 @@ def test_streaming_generates_far_beyond_the_window_with_bounded_cache():
         kept = cache.layers[0].sink_k.shape[-2] + cache.layers[0].keys.shape[-2]
         assert kept <= run.window
         assert cache.get_seq_length() == 700 + 4  # every token seen, absolute positions preserved
+
+
+def test_no_room_for_a_recent_window_names_a_fix_that_works():
+    """The message suggested chunk=window/4 whatever caused it, even the value already set (sinks=120)."""
+    import pytest
+
+    model = tiny_model("llama")  # window 128
+    for opts, fix in (({"chunk": 200}, "use -o streaming.chunk=32 or less"),
+                      ({"sinks": 120, "chunk": 32}, "use -o streaming.chunk=7 or less"),
+                      ({"sinks": 127, "chunk": 8}, "lower -o streaming.sinks below 127")):
+        with lcx.attach(model, ["streaming"], **opts) as run, pytest.raises(lcx.LcxError, match="leave no recent window") as e:
+            lcx.generate(run, torch.randint(3, 200, (1, 300)), None, max_new_tokens=1)
+        assert fix in str(e.value) and "-o streaming.window=N" in str(e.value), str(e.value)
