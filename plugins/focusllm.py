@@ -505,6 +505,8 @@ class FocusLLM(Method):
 
         def limit(c: int) -> int:
             hi = min(c, (N - c) // 2) if term == "repetition" else min(self.local, N - c)
+            if term == "recall":  # the memory holds the copied span (a cue of 4 or more, then `fresh` tokens)
+                hi = min(hi, N - RECALL_CUE[0] - self.fresh)
             reads = c + self.overlap + min(self.fragment, c) + self.fresh  # one chunk's forward
             return hi if hi >= least and reads <= window and -(-(N - 2) // c) + hi <= window and self.overlap < c else 0
 
@@ -526,7 +528,7 @@ class FocusLLM(Method):
                          start=start, fresh=fresh)
         if term != "recall":
             return draw
-        m = rng.randint(RECALL_CUE[0], min(RECALL_CUE[1], l - fresh - 2)) + fresh
+        m = rng.randint(RECALL_CUE[0], min(RECALL_CUE[1], l - fresh - 2, N - l - fresh)) + fresh
         placed = -1
         if self.recall_local and rng.random() < self.recall_local and l >= 2 * m:
             placed = rng.randrange(0, l - 2 * m + 1)

@@ -147,6 +147,19 @@ def test_a_plan_left_unused_never_reaches_the_next_prompt():
         assert torch.equal(generate(run, short, max_new_tokens=4), alone)
 
 
+def test_recall_draws_always_fit_the_memory():
+    """A copied span (cue + fresh tokens) longer than the memory left an empty random range: ValueError at a
+    fixed step (18 of 2,000 with fresh=32, chunks 32/64, 1,024-token windows), and again on --resume."""
+    import random
+
+    from lcx.plugins.focusllm import FocusLLM
+
+    m = FocusLLM(losses="continuation,recall", fresh=32, train_chunks="32,64")
+    for step in range(2000):
+        draw = m._draw(8192, 1024, "recall", random.Random(f"focusllm:0:{step}"))  # window 8K, 1K-token rows
+        assert 0 <= draw.source and draw.source + draw.copied <= draw.memory, (step, draw)
+
+
 def test_bad_input():
     with pytest.raises(LcxError, match=r"fragment \(40\) must not be longer than the chunk \(16\)"):
         lcx.attach(tiny_model("llama"), ["focusllm"], focusllm={"chunk": 16, "fragment": 40, "local": 64})
