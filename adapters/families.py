@@ -8,6 +8,7 @@ in ``FAMILIES``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -116,7 +117,11 @@ def num_layers(model: nn.Module, family: Family) -> int:
 
 def context_window(model: nn.Module) -> int:
     """The trained context length (positions) of the model."""
-    cfg = model.config
+    return config_window(model.config)
+
+
+def config_window(cfg: Any) -> int:
+    """The trained context length of a transformers config: a stretched rope's original length first."""
     rope = getattr(cfg, "rope_parameters", None) or {}
     orig = rope.get("original_max_position_embeddings") if isinstance(rope, dict) else None
     for v in (orig, getattr(cfg, "max_position_embeddings", None), getattr(cfg, "n_positions", None)):

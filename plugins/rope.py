@@ -48,11 +48,17 @@ class Rope(Method):
     def vllm_config(self, config: dict) -> dict:
         """config.json with the stretched rope parameters baked in: vLLM builds the same rotary
         embedding (its maximum length, factor x window, is passed as --max-model-len: vLLM does not
-        derive it for YaRN, whose max_position_embeddings it takes as already stretched)."""
-        out = dict(config)
-        window = int(config["max_position_embeddings"])
+        derive it for YaRN, whose max_position_embeddings it takes as already stretched).  The parameters
+        and the window are read as transformers reads them on lcx's own path (a legacy ``rope_scaling``
+        included, e.g. Llama 3.x's llama3 rope: its original length is the window), and ``rope_scaling`` is
+        dropped: loaders take it over ``rope_parameters``."""
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
+        out = {k: v for k, v in config.items() if k != "rope_scaling"}
+        window = families.config_window(cfg)
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        params = dict(config.get("rope_parameters") or {"rope_type": "default", "rope_theta": config.get("rope_theta", 10000.0)})
+        params = dict(cfg.rope_parameters or {"rope_type": "default", "rope_theta": config.get("rope_theta", 10000.0)})
         if "rope_theta" in params:
             out["rope_parameters"] = self.scaled_parameters(params, window, int(head_dim * params.get("partial_rotary_factor", 1.0)))
         else:  # per-layer-type parameters (gemma3): stretch the full-attention layers only
