@@ -152,6 +152,14 @@ def attach(
     try:
         if family is not None and families._uses_attention_interface(model):
             _route_attention(run)
+        elif run._has_attention:  # its lcx_attention would never run: results without the method in them
+            names = sorted({impl.plugin_name for impl in run.pm.hook.lcx_attention.get_hookimpls()})
+            kind = getattr(model.config, "model_type", type(model).__name__)
+            why = ("lcx has no map for that family" if family is None else
+                   "its attention does not go through transformers' attention interface")
+            raise UnsupportedModelError(
+                f"{', '.join(names)} work inside the attention of each layer, which lcx cannot reach in model "
+                f"family {kind!r} ({why}); families it reaches: {', '.join(sorted(families.FAMILIES))}")
         run.hook.lcx_patch_model(run=run, model=model)
         setattr(model, _RUN_ATTR, run)
         run.patches.callback(_delattr, model, _RUN_ATTR)

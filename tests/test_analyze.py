@@ -60,3 +60,22 @@ def test_retrieval_mass_equals_output_attentions():
     want = torch.stack([a[0, :, -len(answer):, targets].sum(-1).mean(-1) for a in atts])  # (layers, heads)
     assert torch.allclose(torch.tensor(got["mass_by_layer_head"]), want, atol=1e-4)
     assert got["suggested_memory_layers"] == ",".join(str(i) for i in range(len(atts)))  # threshold 0: all
+
+
+def test_a_family_lcx_cannot_reach_is_refused_not_measured_as_zeros():
+    """phi (no lcx map): the probes' attention hook never ran, and the analysis reported 0 queries as a result
+    (0% of the mass in the first bin); attention methods were as silently inert."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lcx import analyze
+    from lcx.errors import UnsupportedModelError
+
+    cfg = AutoConfig.for_model("phi", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                               vocab_size=128, max_position_embeddings=256)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    with pytest.raises(UnsupportedModelError, match=r"attention-probe work inside the attention of each layer, which "
+                                                    r"lcx cannot reach in model family 'phi' \(lcx has no map"):
+        analyze.analyze(model, [("doc", list(range(3, 67)))], 64, progress=False)
+    from lcx.composition import attached_run
+
+    assert attached_run(model) is None  # nothing left attached
