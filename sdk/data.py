@@ -44,7 +44,7 @@ def _files(paths: Iterable[str | os.PathLike]) -> list[Path]:
 
 def _read_text(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is not text
     except UnicodeDecodeError as e:
         raise LcxError(f"data file {str(path)!r} is not UTF-8 text (offset {e.start}); convert it or remove it") from None
 
@@ -76,7 +76,11 @@ def iter_documents(paths: Iterable[str | os.PathLike], text_field: str = "text")
                     have = f" (it has: {', '.join(map(str, list(row)[:6]))})" if isinstance(row, dict) else ""
                     raise LcxError(f"{str(f)!r} {where} {i + 1} has no {text_field!r} field{have}; "
                                    f"pass --text-field NAME")
-                yield {"text": str(row[text_field]), "source": f"{f}:{i + 1}"}
+                value = row[text_field]
+                if not isinstance(value, str):  # null, a number or a list became the text "None", "42", "['a']"
+                    raise LcxError(f"{str(f)!r} {where} {i + 1}: field {text_field!r} holds {json.dumps(value)[:40]}, "
+                                   f"not text; give each document's text as a string (or leave the row out)")
+                yield {"text": value, "source": f"{f}:{i + 1}"}
         else:
             yield {"text": _read_text(f), "source": str(f)}
 

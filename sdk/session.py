@@ -119,7 +119,7 @@ def read_text_file(path: str | Path) -> str:
         raise LcxError(f"input {str(p)!r} is a folder; pass a text file")
     data = p.read_bytes()
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")  # a byte-order mark (Windows editors) is not part of the prompt
     except UnicodeDecodeError as e:
         raise LcxError(
             f"input file {str(p)!r} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -67,3 +68,20 @@ def test_missing_and_empty(corpus):
     (corpus / "bin" / "x.bin").write_bytes(b"1")
     with pytest.raises(LcxError, match="has no documents"):
         load_documents([corpus / "bin"])
+
+
+def test_text_fields_that_are_not_text_are_refused_and_a_byte_order_mark_is_not_text(tmp_path):
+    from lcx.data import iter_documents
+    from lcx.session import read_text_file
+
+    for value, shown in ((None, "null"), (42, "42"), (["a", "b"], '["a", "b"]')):
+        f = tmp_path / "d.jsonl"
+        f.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": value}) + "\n")
+        with pytest.raises(LcxError, match=re.escape(f"line 2: field 'text' holds {shown}, not text")):
+            list(iter_documents([str(f)]))
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + json.dumps({"text": "hello"}).encode() + b"\n")
+    assert [d["text"] for d in iter_documents([str(bom)])] == ["hello"]
+    txt = tmp_path / "bom.txt"
+    txt.write_bytes(b"\xef\xbb\xbfhello")
+    assert [d["text"] for d in iter_documents([str(txt)])] == ["hello"] and read_text_file(txt) == "hello"
