@@ -429,6 +429,12 @@ class FocusLLM(Method):
                            f"score fewer tokens or raise -o focusllm.local")
         fragment = local[:, : self.local - scored][:, -self.fragment:]
         groups: list[ChunkGroup] | None = [] if self.refresh and max_new_tokens > 1 else None
+        if groups is not None and run.state.get("focusllm_gate") is not None and getattr(run.model.config, "sliding_window", None):
+            # a kept chunk cache trades its gated last token for the base one (crop, then one more token),
+            # which transformers' sliding-window cache layers refuse
+            raise LcxError(f"focusllm with a candidate adapter refreshes its candidates from each chunk's cache, which "
+                           f"this model's sliding-window layers (sliding_window={run.model.config.sliding_window}) "
+                           f"cannot take back; use -o focusllm.refresh=0 (the prompt's candidates)")
         cand = candidate_kv(run.model, memory, fragment, spans, self.parallel, run.state.get("focusllm_gate"), groups)
         # each candidate was rotated at the last position of its own forward; move it to its slot i
         run.state["focusllm_candidates"] = to_slots(cand, candidate_positions(spans, fragment.shape[1]), run)

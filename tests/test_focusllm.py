@@ -160,6 +160,20 @@ def test_recall_draws_always_fit_the_memory():
         assert 0 <= draw.source and draw.source + draw.copied <= draw.memory, (step, draw)
 
 
+def test_an_adapter_on_a_sliding_window_model_asks_for_refresh_0():
+    """gemma2 (sliding layers) with a candidate adapter: refreshing crashed inside transformers' cache (crop on a
+    sliding layer) at the prompt or partway through generation; it is refused up front, and refresh=0 works."""
+    from lcx.adapters.peft_bridge import add_adapter
+
+    model = add_adapter(tiny_model("gemma2"), roles=("q", "k", "v", "o"), rank=4).eval()
+    ids = _ids(T=24 + 64)
+    with lcx.attach(model, ["focusllm"], focusllm=OPTS) as run:
+        with pytest.raises(LcxError, match=r"sliding-window layers \(sliding_window=64\).*use -o focusllm.refresh=0"):
+            generate(run, ids, max_new_tokens=3)
+    with lcx.attach(model, ["focusllm"], focusllm={**OPTS, "refresh": 0}) as run:
+        assert generate(run, ids, max_new_tokens=3).shape == (1, 3)
+
+
 def test_bad_input():
     with pytest.raises(LcxError, match=r"fragment \(40\) must not be longer than the chunk \(16\)"):
         lcx.attach(tiny_model("llama"), ["focusllm"], focusllm={"chunk": 16, "fragment": 40, "local": 64})
