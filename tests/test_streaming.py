@@ -84,3 +84,22 @@ def test_no_room_for_a_recent_window_names_a_fix_that_works():
         with lcx.attach(model, ["streaming"], **opts) as run, pytest.raises(lcx.LcxError, match="leave no recent window") as e:
             lcx.generate(run, torch.randint(3, 200, (1, 300)), None, max_new_tokens=1)
         assert fix in str(e.value) and "-o streaming.window=N" in str(e.value), str(e.value)
+
+
+def test_a_padded_batch_that_would_evict_is_refused():
+    """A left-padded row's first positions are padding: once tokens are evicted it ran without sinks (its
+    answer was the sinks=0 one).  Padded batches that never evict still run."""
+    import pytest
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 200, (2, 120))
+    mask = torch.ones_like(ids)
+    mask[1, :80] = 0
+    with lcx.attach(model, ["streaming"], sinks=4, window=16, chunk=8) as run:
+        with pytest.raises(lcx.LcxError, match="left-padded batch of 120 \\+ 4 tokens evicts \\(it keeps 20\\)"):
+            lcx.generate(run, ids, mask, max_new_tokens=4)
+        short = torch.ones(2, 12, dtype=torch.long)
+        short[1, :4] = 0
+        assert lcx.generate(run, ids[:, -12:], short, max_new_tokens=4).shape == (2, 4)  # 16 tokens: none evicted
+    with lcx.attach(model, ["streaming"], sinks=4, window=120, chunk=8) as run:
+        assert lcx.generate(run, ids, mask, max_new_tokens=4).shape == (2, 4)  # 124 tokens, all kept
