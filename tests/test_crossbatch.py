@@ -291,3 +291,14 @@ def test_each_query_reads_its_bank_k_best_bank_entries():
     assert q1.grad.abs().sum() > 0
     every = crossbatch.memory_attention(q, k, v, lay, None, "first", 0, D ** -0.5, bank=bank, bank_k=M)
     assert not torch.allclose(every, out.detach())
+
+
+def test_crossbatch_contexts_longer_than_a_sliding_window_are_refused():
+    """gemma2's sliding layers (64 tokens) were trained with full attention over 128-token contexts: the loss
+    equalled the one without any sliding window."""
+    model = tiny_model("gemma2").train()  # sliding_window 64
+    with lcx.attach(model, ["fot"], local=128, w=0, d=1, memory_layers="1") as run:
+        with pytest.raises(lcx.LcxError, match="sliding-window layers see 64 tokens .* set -o fot.local=64 or less"):
+            _forward(run, _ids(1, 128))
+    with lcx.attach(model, ["fot"], local=64, w=1, d=1, memory_layers="1") as run:
+        assert _forward(run, _ids(1, 128)).loss.isfinite()

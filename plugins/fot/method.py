@@ -169,6 +169,11 @@ class FoT(Method):
                            f"got {T}; set --seq-len {want} or change -o w / -o local")
         if not bool(batch["attention_mask"].all()):
             raise LcxError("fot crossbatch training takes full windows (no padding); train with --concat")
+        sliding = getattr(run.model.config, "sliding_window", None)
+        if sliding and sliding < self.local:  # crossbatch attends causally over whole contexts, no band
+            raise LcxError(f"fot crossbatch training attends over whole {self.local}-token contexts, but this model's "
+                           f"sliding-window layers see {sliding} tokens (it would train them otherwise than they "
+                           f"run); set -o fot.local={sliding} or less")
         ts = run.state.setdefault("train_state", {})
         if run.state.get("fot_d_step") != step:  # d is decided once per optimizer step (this runs per micro-batch)
             done = ts.pop("step_accuracy", None)  # the previous step's micro-batches: one entry of the history
