@@ -429,6 +429,14 @@ class FocusLLM(Method):
                            f"score fewer tokens or raise -o focusllm.local")
         fragment = local[:, : self.local - scored][:, -self.fragment:]
         groups: list[ChunkGroup] | None = [] if self.refresh and max_new_tokens > 1 else None
+        longest = max(e - s for s, e in spans) + fragment.shape[1]
+        if groups is not None and longest + max_new_tokens - 1 > run.window:
+            # refreshing grows each chunk's sequence by the generated tokens: past the window, its positions
+            # are ones the model never saw
+            raise LcxError(f"focusllm refreshes each chunk's candidate as it generates: a chunk's {longest} tokens + "
+                           f"{max_new_tokens - 1} generated ones exceed the model's window ({run.window}); use "
+                           f"-o focusllm.chunk={self.chunk - (longest + max_new_tokens - 1 - run.window)} or less, "
+                           f"fewer new tokens, or -o focusllm.refresh=0")
         if groups is not None and run.state.get("focusllm_gate") is not None and getattr(run.model.config, "sliding_window", None):
             # a kept chunk cache trades its gated last token for the base one (crop, then one more token),
             # which transformers' sliding-window cache layers refuse

@@ -174,6 +174,21 @@ def test_an_adapter_on_a_sliding_window_model_asks_for_refresh_0():
         assert generate(run, ids, max_new_tokens=3).shape == (1, 3)
 
 
+def test_refreshed_chunks_past_the_window_are_refused_with_a_chunk_that_fits():
+    """Refreshing grows each chunk's sequence by the generated tokens: 112 + 8 + 29 ran to position 148 of a
+    128-token window, unchecked.  The error's chunk fits; refresh=0 needs no room."""
+    model = tiny_model("llama")
+    ids = _ids(T=248)
+    opts = {"chunk": 112, "fragment": 8, "local": 24}
+    with lcx.attach(model, ["focusllm"], focusllm=opts) as run, pytest.raises(
+            LcxError, match=r"a chunk's 120 tokens \+ 29 generated ones exceed the model's window \(128\); use "
+                            r"-o focusllm.chunk=91 or less"):
+        generate(run, ids, max_new_tokens=30)
+    for fix in ({"chunk": 91}, {"refresh": 0}):
+        with lcx.attach(model, ["focusllm"], focusllm={**opts, **fix}) as run:
+            assert generate(run, ids, max_new_tokens=30).shape == (1, 30)
+
+
 def test_bad_input():
     with pytest.raises(LcxError, match=r"fragment \(40\) must not be longer than the chunk \(16\)"):
         lcx.attach(tiny_model("llama"), ["focusllm"], focusllm={"chunk": 16, "fragment": 40, "local": 64})
