@@ -452,6 +452,23 @@ class FocusLLM(Method):
         return Plan(ids, torch.ones_like(ids), [(0, n), (n, n + self.local)], dropped=0,
                     info={"candidates": n, "memory_tokens": int(memory.shape[1])})
 
+    def memory_entries(self, run, input_tokens: int) -> int:
+        """The chunk caches at their peak (``lcx.limits``): [chunk (+ overlap) ; fragment] per chunk, every chunk
+        at once with parallel=0 or when candidates are refreshed (their caches are kept), else ``parallel``."""
+        M = input_tokens - self.local
+        if M <= 0:
+            return 0
+        n = -(-M // self.chunk)
+        at_once = n if (not self.parallel or self.refresh) else min(self.parallel, n)
+        return at_once * (min(self.chunk, M) + self.overlap + self.fragment)
+
+    def generation_entries(self, run, input_tokens: int, max_new_tokens: int) -> int:
+        """Refreshed candidates: each kept chunk cache grows by every generated token but the last."""
+        M = input_tokens - self.local
+        if M <= 0 or not self.refresh or max_new_tokens <= 1:
+            return 0
+        return -(-M // self.chunk) * (max_new_tokens - 1)
+
     def check_serving(self):
         if self.refresh:
             raise LcxError(f"served focusllm keeps the prompt's candidates (vLLM runs no chunk forwards while it "

@@ -147,7 +147,7 @@ def check_request(run: Any, input_tokens: int, max_new_tokens: int, batch: int =
     needs: dict[torch.device, int] = {}  # device -> bytes the request plans to hold there
     entries, memory = 0, 0
     for m in run.methods:
-        n = m.memory_entries(run, input_tokens)
+        n = m.memory_entries(run, input_tokens) + m.generation_entries(run, input_tokens, max_new_tokens)
         if n > limits.max_memory_entries:
             raise LimitError(f"{m.name}: its memory would hold {n:,} entries per layer and KV head after this "
                              f"request, over the limit of {limits.max_memory_entries:,}; cap it with "

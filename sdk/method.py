@@ -62,6 +62,11 @@ class Method:
         ``input_tokens`` (checked against ``lcx.limits``); 0 for methods whose memory is the model's cache."""
         return 0
 
+    def generation_entries(self, run: Any, input_tokens: int, max_new_tokens: int) -> int:
+        """Entries per layer and KV head this method's own memory gains while generating ``max_new_tokens``
+        (added to ``memory_entries`` by ``lcx.limits``); 0 by default."""
+        return 0
+
     def memory_bytes(self, run: Any, entries: int) -> int:
         """An upper bound on the bytes this method's own memory takes per batch row at ``entries`` entries per
         memory layer and KV head (``lcx.limits``' estimate); by default a key and a value of every layer each."""

@@ -169,3 +169,21 @@ def test_available_ram_reads_the_machine():
     with open("/proc/meminfo") as f:
         total = int(next(l for l in f if l.startswith("MemTotal:")).split()[1]) * 1024
     assert 0 < free <= total
+
+
+def test_focusllm_estimate_bounds_its_chunk_caches():
+    """focusllm holds every chunk's [chunk ; fragment] cache at once (parallel=0), and with refreshed
+    candidates keeps them all, each growing by the generated tokens: the estimate counted the prompt and the
+    new tokens only (724 tokens where 3,763 were held)."""
+    from lcx.generation import generate
+    from lcx.limits import check_request, kv_bytes_per_token
+
+    model = tiny_model("llama")
+    T, new = 24 + 16 * 40, 60
+    ids = torch.randint(3, 256, (1, T), generator=torch.Generator().manual_seed(0))
+    with lcx.attach(model, ["focusllm"], focusllm={"chunk": 16, "fragment": 16, "local": 24}) as run:
+        estimate = check_request(run, T, new)["kv_bytes"] // kv_bytes_per_token(model)
+        generate(run, ids, max_new_tokens=new)
+        held = sum(g.cache.layers[0].keys.shape[0] * g.cache.layers[0].keys.shape[2]
+                   for g in run.state["focusllm_generation"]["groups"]) + run.state["memory"].layers[0].keys.shape[2]
+    assert held == 3763 and held <= estimate
