@@ -171,6 +171,8 @@ def test_bad_options():
         lcx.attach(model, ["fot"], train_k=-1)
     with pytest.raises(lcx.LcxError, match="memory layer 9 out of range: the model has 2 layers"):
         lcx.attach(model, ["fot"], memory_layers="0,9")
+    with pytest.raises(lcx.LcxError, match=r"fixed_distance must be >= 0 \(0 = local\), got -5"):
+        lcx.attach(model, ["fot"], positions="fixed", fixed_distance=-5)
     with pytest.raises(lcx.LcxError, match="unknown memory backend"):
         lcx.attach(model, ["fot"], backend="annoy")
     assert model.config._attn_implementation == "sdpa"

@@ -83,6 +83,8 @@ class FoT(Method):
             raise ValueError(f"chunk must be in 0..local ({self.local}), got {self.chunk}")
         if self.positions not in ("first", "fixed", "none"):
             raise ValueError(f"positions must be first, fixed or none, got {self.positions!r}")
+        if self.fixed_distance < 0:
+            raise ValueError(f"fixed_distance must be >= 0 (0 = local), got {self.fixed_distance}")
         self.store_config().validate()
         crossbatch.parse_d_schedule(self.d_schedule)  # validates every field of the schedule
         self.crossbatch_layout(self.d)  # validates d, w and segments (against the largest d the schedule reaches)
