@@ -118,8 +118,9 @@ class Streaming(Method):
 
     @hookimpl
     def lcx_plan(self, run, input_ids, attention_mask, max_new_tokens):
-        kept = self.sinks + self.recent(run)
-        if attention_mask is not None and not bool(attention_mask.all()) and input_ids.shape[1] + max_new_tokens > kept:
+        padded = attention_mask is not None and not bool(attention_mask.all())
+        kept = self.sinks + self.recent(run) if padded else 0
+        if padded and input_ids.shape[1] + max_new_tokens > kept:
             # the sinks are the batch's first positions: padding in a left-padded row, which then evicts with none
             raise LcxError(f"streaming: a left-padded batch of {input_ids.shape[1]} + {max_new_tokens} tokens evicts "
                            f"(it keeps {kept}), and its padded rows would have no attention sinks; give inputs of "
