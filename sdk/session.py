@@ -18,9 +18,10 @@ def parse_options(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
         if not eq or not key:
             raise LcxError(f"option {pair!r} is not KEY=VALUE; e.g. -o window=1024 or -o streaming.window=1024")
         method, dot, name = key.partition(".")
-        if isinstance(out.get(method if dot else key), dict) != bool(dot) and (method if dot else key) in out:
-            raise LcxError(f"option {pair!r}: {method if dot else key!r} is given both as an option and as a method's "
-                           f"options (METHOD.KEY=VALUE); give one of them")
+        top = method if dot else key
+        if top in out and isinstance(out[top], dict) != bool(dot):  # a value one time, a method's options another
+            raise LcxError(f"option {pair!r}: {top!r} is given both as an option and as a method's options "
+                           f"(METHOD.KEY=VALUE); give one of them")
         if dot:
             out.setdefault(method, {})[name] = value
         else:
