@@ -416,7 +416,7 @@ class FocusLLM(Method):
             raise LcxError("focusllm: padded batches are not supported yet; give inputs of equal length "
                            "(or one at a time)")
         memory, local = input_ids[:, : T - self.local], input_ids[:, T - self.local:]
-        spans = chunk_spans(memory.shape[1], self.chunk, self.overlap)
+        spans = self._spans(T)
         n = len(spans)
         if n + self.local + max_new_tokens > run.window:
             raise LcxError(f"focusllm: {n} candidates + {self.local} local tokens + {max_new_tokens} new tokens "
@@ -452,22 +452,24 @@ class FocusLLM(Method):
         return Plan(ids, torch.ones_like(ids), [(0, n), (n, n + self.local)], dropped=0,
                     info={"candidates": n, "memory_tokens": int(memory.shape[1])})
 
+    def _spans(self, input_tokens: int) -> list[tuple[int, int]]:
+        """The memory chunks of a prompt of ``input_tokens`` (none when it fits the local tokens)."""
+        return chunk_spans(max(0, input_tokens - self.local), self.chunk, self.overlap)
+
     def memory_entries(self, run, input_tokens: int) -> int:
         """The chunk caches at their peak (``lcx.limits``): [chunk (+ overlap) ; fragment] per chunk, every chunk
         at once with parallel=0 or when candidates are refreshed (their caches are kept), else ``parallel``."""
-        M = input_tokens - self.local
-        if M <= 0:
+        spans = self._spans(input_tokens)
+        if not spans:
             return 0
-        n = -(-M // self.chunk)
-        at_once = n if (not self.parallel or self.refresh) else min(self.parallel, n)
-        return at_once * (min(self.chunk, M) + self.overlap + self.fragment)
+        at_once = len(spans) if (not self.parallel or self.refresh) else min(self.parallel, len(spans))
+        return at_once * (max(e - s for s, e in spans) + self.fragment)
 
     def generation_entries(self, run, input_tokens: int, max_new_tokens: int) -> int:
         """Refreshed candidates: each kept chunk cache grows by every generated token but the last."""
-        M = input_tokens - self.local
-        if M <= 0 or not self.refresh or max_new_tokens <= 1:
+        if not self.refresh or max_new_tokens <= 1:
             return 0
-        return -(-M // self.chunk) * (max_new_tokens - 1)
+        return len(self._spans(input_tokens)) * (max_new_tokens - 1)
 
     def check_serving(self):
         if self.refresh:
