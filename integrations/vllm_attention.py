@@ -503,7 +503,10 @@ class FoTServed(ServedAttention):
         rings, slot, n = d["rings"], d["slot"], q.shape[1]
         rings.write(slot, pos, k, v)
         d["count"] += n
-        keys, values, held = rings.k[slot], rings.v[slot], rings.pos[slot]
+        # a window that has not wrapped yet holds positions 0..pos+n-1 in rows 0..pos+n-1 and nothing after them:
+        # read only those rows (a prompt's first windows: up to half of its local attention's work)
+        used = pos + n if pos + n <= rings.width else rings.width
+        keys, values, held = rings.k[slot, :, :used], rings.v[slot, :, :used], rings.pos[slot, :used]
         q_index = torch.arange(pos, pos + n, device=q.device)
         allowed = (held >= 0) & (held[None, :] <= q_index[:, None])  # (n, W): the window, causally
         memory = d["memory"]
@@ -541,6 +544,9 @@ class FoTServed(ServedAttention):
             sel, keys, values, held = slots - lo, rings.k[lo:hi], rings.v[lo:hi], rings.pos[lo:hi]
         else:
             sel, keys, values, held = torch.arange(len(batch), device=dev), rings.k[slots], rings.v[slots], rings.pos[slots]
+        used = max(p for _, _, p in batch) + 1
+        if used < rings.width:  # no window has wrapped: rows from `used` on are empty (as in `read`)
+            keys, values, held = keys[:, :, :used], values[:, :, :used], held[:, :used]
         R, (H, _, D), Hkv = keys.shape[0], query.shape, keys.shape[1]
         G = H // Hkv
         q = query.new_zeros(R, H, D)
