@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from lcx.adapters import families
+from lcx.errors import LcxError
 from lcx.hookspecs import hookimpl
 from lcx.method import Method, option
 
@@ -25,7 +26,7 @@ class Rope(Method):
     serving = "config"
 
     type: Literal["linear", "ntk", "dynamic", "yarn"] = option("yarn", "scaling rule: linear (PI), ntk (static NTK-aware base), dynamic (dynamic NTK), yarn")
-    factor: float = option(4.0, "context extension factor: new window = factor x trained window")
+    factor: float = option(4.0, "context extension factor: new window = factor x trained window (a rope the model already stretches, of the same type: stretched that much further)")
 
     def __post_init__(self) -> None:
         if self.factor < 1.0:
@@ -34,8 +35,22 @@ class Rope(Method):
             raise ValueError(f"type must be linear, ntk, dynamic or yarn, got {self.type!r}")
 
     def scaled_parameters(self, params: dict, window: int, head_dim: int) -> dict:
-        """New rope parameters for one attention type."""
-        new = dict(params)
+        """New rope parameters for one attention type.  Parameters already scaled (a model trained with a
+        stretched rope, e.g. Llama 3.1's llama3 or a linear x2) are stretched further when they are of this
+        method's type (factors multiply, the original length stays) and refused otherwise: replacing them
+        would move every position the model was trained on, and can shrink what it reads."""
+        have = params.get("rope_type") or params.get("type") or "default"
+        if have != "default":
+            if have == self.type and self.type in ("linear", "dynamic", "yarn"):
+                new = {k: v for k, v in params.items() if k != "type"}  # vLLM refuses a legacy `type` beside `rope_type`
+                new["rope_type"] = have
+                new["factor"] = float(params.get("factor") or 1.0) * self.factor
+                return new
+            how = (f"-o rope.type={have} stretches it by a further factor" if have in ("linear", "dynamic", "yarn")
+                   else "lcx's rope cannot stretch that kind further; use the model without rope")
+            raise LcxError(f"rope: the model's rotary embedding is already scaled ({have}, factor {params.get('factor')}); "
+                           f"rope type={self.type} would replace that scaling, not extend it ({how})")
+        new = {k: v for k, v in params.items() if k != "type"}
         if self.type == "ntk":  # NTK-aware: raise the base so the lowest frequency stretches by `factor`
             new["rope_theta"] = params["rope_theta"] * self.factor ** (head_dim / max(head_dim - 2, 1))
             new["rope_type"] = "default"
@@ -54,6 +69,9 @@ class Rope(Method):
         dropped: loaders take it over ``rope_parameters``."""
         from transformers import AutoConfig
 
+        if config.get("model_type") == "phi3":  # vLLM reads a phi3 rope as longrope only (short/long factors)
+            raise LcxError(f"rope: vLLM cannot serve a phi3 model with {self.type} rope (it accepts only phi3's "
+                           "longrope scaling); use lcx generate, or serve it without rope")
         cfg = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
         out = {k: v for k, v in config.items() if k != "rope_scaling"}
         window = families.config_window(cfg)

@@ -40,10 +40,11 @@ def test_rope_rejects_bad_factor():
         lcx.attach(tiny_model("llama"), ["rope"], factor=0.5)
 
 
-def test_the_served_config_stretches_rope_as_lcx_does_for_a_legacy_llama3_config():
-    """A Llama 3.x config.json: legacy `rope_scaling` (llama3, original 64) under max_position_embeddings 128.
-    lcx's path stretches from the original 64; the served config stretched from 128 and, read through
-    `rope_parameters` beside a `rope_scaling` that loaders take first, lost it."""
+def test_the_served_config_stretches_rope_as_lcx_does_for_a_legacy_scaled_config():
+    """A config.json with a legacy `rope_scaling` (yarn x2 from an original 64, under max_position_embeddings 128,
+    written with the old `type` key): lcx's path stretches that yarn by 4 more (factor 8 from the original 64),
+    and the served config says the same, without `rope_scaling` (loaders take it over `rope_parameters`) and
+    without the legacy `type` beside `rope_type` (vLLM refuses the pair as conflicting)."""
     import json
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -53,16 +54,54 @@ def test_the_served_config_stretches_rope_as_lcx_does_for_a_legacy_llama3_config
 
     from tests.conftest import TINY_FAMILIES
 
-    legacy = {**TINY_FAMILIES["llama"], "model_type": "llama", "rope_theta": 10000.0,
-              "rope_scaling": {"rope_type": "llama3", "factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                               "original_max_position_embeddings": 64}}
+    legacy = {**TINY_FAMILIES["llama"], "model_type": "llama", "rope_theta": 10000.0, "max_position_embeddings": 128,
+              "rope_scaling": {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}}
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**legacy)).eval()
     with lcx.attach(model, ["rope"], type="yarn", factor=4.0) as run:
         assert run.window == 64
         lcx_inv = model.model.rotary_emb.inv_freq.clone()
         lcx_params = dict(model.model.rotary_emb.config.rope_parameters)
+    assert lcx_params["rope_type"] == "yarn" and lcx_params["factor"] == 8.0
+    assert lcx_params["original_max_position_embeddings"] == 64 and "type" not in lcx_params
     served = Rope(type="yarn", factor=4.0).vllm_config(json.loads(json.dumps(legacy)))
     assert "rope_scaling" not in served and served["rope_parameters"] == lcx_params
-    assert lcx_params["original_max_position_embeddings"] == 64
     loaded = AutoConfig.for_model(**{k: v for k, v in served.items()})  # as a loader reads the written config
     assert torch.equal(LlamaRotaryEmbedding(config=loaded).inv_freq, lcx_inv)
+
+
+def test_rope_stretches_a_scaled_rope_of_its_type_further_and_refuses_to_replace_another():
+    """A model trained with linear x2: rope linear x4 makes it linear x8 (positions 8p read as p did unscaled);
+    rope yarn would replace the linear scaling, and any rope would replace Llama 3.1's llama3 scaling (shrinking
+    what such a model reads): both refused, naming the scaling and the way out."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.conftest import TINY_FAMILIES
+
+    def model_with(scaling):
+        cfg = {**TINY_FAMILIES["llama"], "model_type": "llama", "rope_theta": 10000.0, "rope_scaling": scaling}
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg)).eval()
+
+    plain, x = tiny_model("llama"), torch.zeros(1, 1, 1)
+    cos_ref, _ = plain.model.rotary_emb(x, torch.tensor([[3]]))
+    model = model_with({"rope_type": "linear", "factor": 2.0})
+    with lcx.attach(model, ["rope"], type="linear", factor=4.0):
+        cos_new, _ = model.model.rotary_emb(x, torch.tensor([[24]]))
+    torch.testing.assert_close(cos_new, cos_ref)
+    with pytest.raises(lcx.LcxError, match=r"already scaled \(linear, factor 2.0\).*rope.type=linear"):
+        lcx.attach(model, ["rope"], type="yarn", factor=4.0)
+    llama3 = model_with({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64})
+    with pytest.raises(lcx.LcxError, match=r"already scaled \(llama3, factor 8.0\).*without rope"):
+        lcx.attach(llama3, ["rope"], type="yarn", factor=4.0)
+    assert llama3.model.rotary_emb.config.rope_parameters["rope_type"] == "llama3"  # nothing left attached
+
+
+def test_rope_on_phi3_is_refused_for_vllm_with_the_reason():
+    """vLLM validates a phi3 config's rope as longrope (short and long factors) and fails on yarn or linear
+    with a KeyError in its engine; the export refuses it first."""
+    from lcx.plugins.rope import Rope
+
+    from tests.conftest import TINY_FAMILIES
+
+    with pytest.raises(lcx.LcxError, match="phi3.*longrope"):
+        Rope(type="yarn", factor=4.0).vllm_config({**TINY_FAMILIES["phi3"], "model_type": "phi3"})
