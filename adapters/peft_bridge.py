@@ -107,10 +107,19 @@ def add_adapter(
     )
     peft = get_peft_model(model, config)
     if host is not None:
+        freeze_host(peft)
+    return peft
+
+
+def freeze_host(peft: PeftModel) -> None:
+    """Keep ``add_adapter``'s inert LoRA host frozen (its B stays 0): needed again after every load that
+    makes the adapter trainable (``lcx train --init-adapter``/``--resume`` of a ``--full`` adapter), where
+    PEFT marks every LoRA parameter trainable.  The host is the only str (regex) target lcx writes."""
+    config = peft.peft_config.get(peft.active_adapter)
+    if config is not None and isinstance(config.target_modules, str) and config.modules_to_save:
         for name, p in peft.named_parameters():
             if ".lora_" in name:
                 p.requires_grad_(False)
-    return peft
 
 
 def lora_host(model: nn.Module, modules_to_save: list[str]) -> str:
@@ -206,6 +215,8 @@ def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike, trainable: bo
         peft_model = PeftModel.from_pretrained(model, str(d), is_trainable=trainable, use_safetensors=True)
     except Exception as e:  # safetensors header errors, shape mismatches
         raise LcxError(f"could not load adapter {str(d)!r}: {type(e).__name__}: {e}") from None
+    if trainable:
+        freeze_host(peft_model)
     peft_model.eval()
     return peft_model, sidecar
 

@@ -83,3 +83,15 @@ def test_named_methods_keep_what_the_adapters_training_fixed_and_route_flat_opti
     assert options["fot"] == {"positions": "none", "k": 8} and options["rope"] == {"factor": 2.0}
     with pytest.raises(lcx.LcxError, match="trained with fot positions=none; positions=first is incompatible"):
         apply_adapter(tiny_model("llama"), adapter, ["fot"], {"positions": "first"})
+
+
+def test_a_full_adapter_loaded_trainable_keeps_its_lora_host_frozen(tmp_path):
+    """A --full q/k adapter (SMT's full training) hosts PEFT's config in an inert rank-1 LoRA that must never
+    train: loaded as trainable (lcx train --init-adapter / --resume), only the fully trained modules are
+    (PEFT marked the host's LoRA trainable too, and its B moved off 0 at the first step)."""
+    peft_model = peft_bridge.add_adapter(tiny_model("llama"), roles=("q", "k"), modules_to_save=["q_proj", "k_proj"])
+    assert not any(".lora_" in n for n in peft_bridge.trainable_parameters(peft_model))
+    peft_bridge.save_adapter(peft_model, tmp_path, methods=[{"name": "smt", "options": {}}])
+    loaded, _ = peft_bridge.load_adapter(tiny_model("llama"), tmp_path, trainable=True)
+    names = list(peft_bridge.trainable_parameters(loaded))
+    assert names and all(("q_proj" in n or "k_proj" in n) and ".lora_" not in n for n in names), names
