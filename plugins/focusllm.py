@@ -290,6 +290,7 @@ class FocusLLM(Method):
     # attention stores the candidates' keys/values in the placeholders' stead, as CandidateLayer does
     serving = "attention"
     serve_state = True
+    lora_gated = True  # the candidate adapter is open at candidate positions only
 
     chunk: int = option(2048, "memory chunk size in tokens (at most the model's window)")
     overlap: int = option(0, "tokens each chunk also reads from the end of the chunk before it (0 = the paper's "

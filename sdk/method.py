@@ -34,6 +34,10 @@ class Method:
     requires: ClassVar[frozenset[str]] = frozenset()
     #: Attention roles a LoRA adapter targets by default when this method is trained.
     lora_roles: ClassVar[tuple[str, ...]] = ("q", "k", "v", "o")
+    #: Whether the method reads its LoRA adapter at some positions only (focusllm: its candidates, through a
+    #: per-token gate): an adapter trained with it acts as trained only under it, and another method's adapter
+    #: would be read at those positions only (``lcx.session.apply_adapter`` refuses both).
+    lora_gated: ClassVar[bool] = False
     #: Training data order this method needs: "shuffle" (windows in a seeded random order) or
     #: "streams" (every batch row continues its own stretch of the corpus, step after step).
     data_order: ClassVar[str] = "shuffle"

@@ -76,7 +76,27 @@ def apply_adapter(model: Any, adapter: str | Path, methods: list[str],
     else:  # the named methods with the user's options, but what the adapter's training fixed stays fixed
         options = merge_options({m: _fixed(m, trained) for m in methods}, options, methods)
     _check_trained_options(trained, options, methods, adapter)
+    _check_gated(trained, methods, adapter)
     return peft_model, sidecar, methods, options
+
+
+def _check_gated(trained: dict[str, dict], methods: list[str], adapter) -> None:
+    """Refuse an adapter whose LoRA the named methods would read otherwise than its training did: one trained
+    with a method that gates its LoRA per token (``Method.lora_gated``: focusllm's candidate positions) used
+    without that method (it would act on every token), or another adapter under such a method (it would act
+    at the gated positions only)."""
+    from lcx.registry import registry
+
+    reg = registry()
+    for m in sorted(set(trained) | set(methods)):
+        if m in reg.methods and reg.get(m).lora_gated and (m in trained) != (m in methods):
+            if m in trained:
+                raise LcxError(f"adapter {str(adapter)!r} was trained with {m}, which reads its LoRA at some positions "
+                               f"only; without {m} (methods: {', '.join(methods) or 'none'}) it would act on every "
+                               f"token: add --method {m}")
+            raise LcxError(f"{m} reads a LoRA adapter at its own positions only, and adapter {str(adapter)!r} was "
+                           f"trained with {', '.join(trained) or 'no method'}, not {m}: it would not act as trained; "
+                           f"use an adapter trained with {m} (lcx train --method {m}) or drop --adapter")
 
 
 def _fixed(method: str, trained: dict[str, dict]) -> dict[str, Any]:

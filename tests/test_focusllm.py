@@ -500,3 +500,22 @@ def test_lcx_train_focusllm_learns_and_its_adapter_serves_the_candidates(tmp_pat
         train(TrainConfig(model=str(model_dir), data=[str(tmp_path / "doc.txt")], out=str(tmp_path / "full"),
                           methods=["focusllm"], options={"focusllm": TRAIN_OPTS}, seq_len=120, steps=1, full=["k_proj"]),
               progress=False)
+
+
+def test_a_focusllm_adapter_is_read_only_under_focusllm_and_another_adapter_not_under_it(tmp_path):
+    """focusllm reads its LoRA at candidate positions only: its adapter under other methods would act on every
+    token, and an adapter trained without it (smt's q/k) would act at the candidates only.  Both refused,
+    naming the fix; the adapter with its own method (named or by default) loads."""
+    from lcx.adapters.peft_bridge import random_adapter
+    from lcx.session import apply_adapter
+
+    focus = random_adapter(tiny_model("llama"), tmp_path / "f", seed=0, roles=("q", "k", "v", "o"),
+                           methods=[{"name": "focusllm", "options": {}}])
+    smt = random_adapter(tiny_model("llama"), tmp_path / "s", seed=0)
+    with pytest.raises(lcx.LcxError, match="trained with focusllm.*every token: add --method focusllm"):
+        apply_adapter(tiny_model("llama"), focus, ["vanilla"], {})
+    with pytest.raises(lcx.LcxError, match="trained with smt, not focusllm"):
+        apply_adapter(tiny_model("llama"), smt, ["focusllm"], {})
+    for methods in (["focusllm"], []):
+        assert apply_adapter(tiny_model("llama"), focus, methods, {})[2] == ["focusllm"]
+    assert apply_adapter(tiny_model("llama"), smt, ["vanilla"], {})[2] == ["vanilla"]
