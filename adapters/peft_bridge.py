@@ -33,8 +33,10 @@ def base_identity(model: nn.Module) -> dict[str, Any]:
     """Architecture fields plus a fingerprint of the input embeddings (cheap, weight-sensitive)."""
     model = unwrap(model)
     cfg = model.config
-    emb = model.get_input_embeddings().weight.detach()
-    rows = emb[: min(16, emb.shape[0])].float().contiguous().cpu().numpy().tobytes()
+    emb = model.get_input_embeddings().weight.detach()[:16]
+    rows = emb.float().contiguous().cpu().numpy().tobytes()
+    # the same rows rounded to bfloat16: equal for the same weights loaded in float32 or bfloat16
+    rounded = emb.to(torch.bfloat16).float().contiguous().cpu().numpy().tobytes()
     return {
         "model_type": cfg.model_type,
         "num_hidden_layers": getattr(cfg, "num_hidden_layers", None),
@@ -42,6 +44,7 @@ def base_identity(model: nn.Module) -> dict[str, Any]:
         "vocab_size": getattr(cfg, "vocab_size", None),
         "name_or_path": str(getattr(cfg, "_name_or_path", "")),
         "embedding_sha256": hashlib.sha256(rows).hexdigest(),
+        "embedding_bf16_sha256": hashlib.sha256(rounded).hexdigest(),
     }
 
 
@@ -187,7 +190,10 @@ def check_base(model: nn.Module, sidecar: dict[str, Any], adapter_dir: str | os.
     """Refuse an adapter trained for another base model, naming the first field that differs."""
     want = sidecar.get("base_model") or {}
     have = base_identity(model)
-    for key in ("model_type", "num_hidden_layers", "hidden_size", "vocab_size", "embedding_sha256"):
+    keys = ["model_type", "num_hidden_layers", "hidden_size", "vocab_size", "embedding_sha256"]
+    if want.get("embedding_bf16_sha256") and want["embedding_bf16_sha256"] == have["embedding_bf16_sha256"]:
+        keys.pop()  # the same weights in another precision (adapters saved before this field: float32 only)
+    for key in keys:
         if want.get(key) != have.get(key):
             raise LcxError(
                 f"adapter {str(adapter_dir)!r} was trained for another base model "

@@ -44,6 +44,9 @@ def test_adapter_for_another_base_is_refused(tmp_path):
         peft_bridge.load_adapter(tiny_model("llama", seed=1), tmp_path)
     with pytest.raises(lcx.LcxError, match="model_type"):
         peft_bridge.load_adapter(tiny_model("qwen2", seed=0), tmp_path)
+    peft_bridge.load_adapter(tiny_model("llama", seed=0).to(torch.bfloat16), tmp_path)  # same weights, bf16: loads
+    with pytest.raises(lcx.LcxError, match="embedding_sha256"):
+        peft_bridge.load_adapter(tiny_model("llama", seed=1).to(torch.bfloat16), tmp_path)
 
 
 def test_pickle_weights_and_broken_sidecar_are_refused(tmp_path):
