@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,12 @@ def lora_targets(model: nn.Module, roles: tuple[str, ...]) -> list[str]:
     unknown = [r for r in roles if r not in fam.roles]
     if unknown:
         raise LcxError(f"unknown LoRA role {unknown[0]!r}; roles are {', '.join(fam.roles)}")
-    return sorted({fam.roles[r] for r in roles})
+    targets = sorted({fam.roles[r] for r in roles})
+    qkv = [r for r in roles if r in ("q", "k", "v")]
+    if fam.fused_qkv and qkv and len(qkv) < 3:
+        warnings.warn(f"{fam.model_type} computes q, k and v in one projection ({fam.roles['q']}): a LoRA for roles "
+                      f"{', '.join(roles)} adapts all three", stacklevel=2)
+    return targets
 
 
 def add_adapter(
@@ -127,8 +133,14 @@ def freeze_host(peft: PeftModel) -> None:
 
 def lora_host(model: nn.Module, modules_to_save: list[str]) -> str:
     """The first decoder linear layer not trained fully: where ``add_adapter`` puts its inert LoRA."""
-    for name, module in unwrap(model).named_modules():
-        if isinstance(module, nn.Linear) and ".layers." in f".{name}" and \
+    from transformers.pytorch_utils import Conv1D  # gpt2's linear layers
+
+    model = unwrap(model)
+    fam = families.FAMILIES.get(getattr(model.config, "model_type", ""))
+    inside = f"{fam.layers}." if fam is not None else None  # the decoder layers (gpt2: transformer.h)
+    for name, module in model.named_modules():
+        in_layers = name.startswith(inside) if inside else ".layers." in f".{name}"
+        if isinstance(module, (nn.Linear, Conv1D)) and in_layers and \
                 not any(name == m or name.endswith("." + m) for m in modules_to_save):
             return name
     raise LcxError(f"the fully trained modules {modules_to_save} cover every linear layer; train every weight "

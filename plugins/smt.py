@@ -130,6 +130,9 @@ def position_range(step: int, seq_len: int, start: int, grow_every: int, grow_by
 class SMT(Method):
     name = "smt"
     description = "Sparse Memory Training: sampled far tokens at their original positions, constant step cost"
+    # tokens keep their original positions, beyond the trained window: relative (rotary) positions only; an
+    # absolute position table (gpt2's) has no row for them
+    requires = frozenset({"rotary"})
     lora_roles = ("q", "k")
     serving = "base"  # training-only: inference is the model plus the q/k LoRA adapter
 

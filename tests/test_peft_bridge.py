@@ -98,3 +98,28 @@ def test_a_full_adapter_loaded_trainable_keeps_its_lora_host_frozen(tmp_path):
     loaded, _ = peft_bridge.load_adapter(tiny_model("llama"), tmp_path, trainable=True)
     names = list(peft_bridge.trainable_parameters(loaded))
     assert names and all(("q_proj" in n or "k_proj" in n) and ".lora_" not in n for n in names), names
+
+
+def test_a_q_k_lora_on_a_fused_qkv_family_says_it_adapts_v_too():
+    """phi3/gpt2/gpt_neox compute q, k and v in one projection: SMT's q/k LoRA there adapts v as well, said in
+    a warning (LoRA on the fused projection is still what PEFT can do); q/k/v together or llama's: silent."""
+    import warnings
+
+    with pytest.warns(UserWarning, match="phi3 computes q, k and v in one projection .*adapts all three"):
+        peft_bridge.lora_targets(tiny_model("phi3"), ("q", "k"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        peft_bridge.lora_targets(tiny_model("phi3"), ("q", "k", "v", "o"))
+        peft_bridge.lora_targets(tiny_model("llama"), ("q", "k"))
+
+
+def test_full_training_of_gpt2s_fused_attention_finds_a_lora_host():
+    """gpt2's decoder layers (transformer.h) hold Conv1D layers, not nn.Linear under `.layers.`: --full c_attn was
+    refused as covering every linear layer.  Now the inert host sits on another of its Conv1D layers."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT's fan_in_fan_out note for Conv1D
+        peft_model = peft_bridge.add_adapter(tiny_model("gpt2"), roles=("q", "k", "v"), modules_to_save=["c_attn"])
+    names = list(peft_bridge.trainable_parameters(peft_model))
+    assert names and all(".c_attn.modules_to_save." in n for n in names), names

@@ -247,3 +247,12 @@ def test_progressive_training_resumes_exactly(model_dir, tmp_path):
     part = train(cfg(tmp_path / "part", save_every=1), resume=True, progress=False)
     a, b = load_file(str(whole / "adapter_model.safetensors")), load_file(str(part / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_smt_needs_rotary_positions():
+    """SMT feeds tokens at their original positions, past the trained window: a family with an absolute
+    position table (gpt2) is refused at attach, naming what it lacks (it failed with a bare IndexError in the loss)."""
+    from tests.conftest import tiny_model
+
+    with pytest.raises(lcx.LcxError, match="'smt' needs .*gpt2"):
+        lcx.attach(tiny_model("gpt2"), ["smt"])
