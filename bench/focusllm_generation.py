@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=OUT / "focusllm_generation.json")
     args = ap.parse_args()
     import lcx
-    from lcx.evals.passkey import build_prompt_ids
+    from lcx.evals.passkey import build_prompt_ids, passkey_found
     from lcx.session import parse_options
 
     model, tok = bench_model(args.model, args.device, args.random_weights)
@@ -87,7 +87,7 @@ def main() -> None:
                    "decode_tokens_per_s": round(decode, 3) if decode else None,
                    "agreement_with_exact": round(sum(same) / len(same), 3) if same else None,
                    "first_difference": next((i for i, s in enumerate(same) if not s), None),
-                   "passkey_found": (str(key) in tok.decode(new)) if key else None}
+                   "passkey_found": passkey_found(key, tok.decode(new)) if key else None}
             rows.append(row)
             print(json.dumps(row), flush=True)
     summary = {}

@@ -85,7 +85,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from lcx.adapters.peft_bridge import random_adapter
-    from lcx.evals.passkey import build_prompt_ids
+    from lcx.evals.passkey import build_prompt_ids, passkey_found
     from lcx.integrations.vllm import ServerProcess
     from lcx.models import load_model, resolve_model_path
 
@@ -114,7 +114,7 @@ def main() -> None:
                                                       "temperature": 0, "return_token_ids": True}, timeout=3600)
         dt = time.perf_counter() - t0
         text = out["choices"][0]["text"] if status == 200 else ""
-        found = {k for k in all_keys if str(k) in text}
+        found = {k for k in all_keys if passkey_found(k, text)}
         verdict = "own" if c["key"] in found else ("other" if found else "neither")
         n_new = len(out["choices"][0].get("token_ids") or []) if status == 200 else 0
         return {"status": status, "seconds": dt, "verdict": verdict, "model": c["model"], "length": c["length"],

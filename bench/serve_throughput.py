@@ -67,6 +67,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None,
                     help="default: bench/results/serve_throughput[-METHODS].json")
     args = ap.parse_args()
+    from lcx.evals.passkey import passkey_found
     from lcx.integrations.vllm import ServerProcess
     from lcx.session import open_session, parse_options
 
@@ -95,7 +96,7 @@ def main() -> None:
                 for side in order:
                     dt, outs = run_vllm(server, name, batch, new) if side == "vllm" else run_hf(session, batch, new)
                     n_new = sum(len(o) for o in outs)
-                    found = sum(str(k) in tok.decode(o) for o, (_, k) in zip(outs, batch))
+                    found = sum(passkey_found(k, tok.decode(o)) for o, (_, k) in zip(outs, batch))
                     row[side] = {"seconds": round(dt, 2), "new_tokens": n_new, "tokens_per_s": round(n_new / dt, 2),
                                  "passkeys_found": found}
                     print(f"new={new} round {r} {side}: {n_new} tokens in {dt:.1f} s = {n_new / dt:.2f} tok/s, "

@@ -15,7 +15,7 @@ import torch
 
 from lcx.composition import attach
 from lcx.errors import LcxError
-from lcx.evals.passkey import build_prompt_ids
+from lcx.evals.passkey import build_prompt_ids, passkey_found
 from lcx.generation import generate
 from lcx.measure import measure
 
@@ -74,7 +74,7 @@ def run_demo(model_name: str = "smollm2-135m", length: int | None = None, depth:
                          "peak_rss_mib": None})  # found: None, not False: the method did not run
             continue
         text = tok.decode(new[0], skip_special_tokens=True)
-        rows.append({**row, "found": str(key) in text.replace(" ", ""), "output": text.strip(),
+        rows.append({**row, "found": passkey_found(key, text), "output": text.strip(),
                      "seconds": round(m.result.seconds, 1), "peak_rss_mib": round(m.result.peak_rss_mib)})
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return rows

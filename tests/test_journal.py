@@ -73,3 +73,26 @@ def test_an_option_added_since_the_journal_was_written_matches_at_its_default_on
             Journal(path, {**FP, "methods": [{"name": "fot", "options": bad}]}, resume=True, defaults=defaults)
     with pytest.raises(LcxError, match="differs in: methods"):  # without defaults nothing new matches
         Journal(path, grown, resume=True)
+
+
+@pytest.mark.parametrize("text,found", [(" 60494. Remember", True), ("60494", True), (" 6 0 4 9 4", True),
+                                         ("key:60494!", True), (" 8604945", False), (" 604941", False),
+                                         ("56049 4", False), ("1 60 4947", False), (" 6049", False), ("", False)])
+def test_a_passkey_is_found_only_as_a_whole_number(text, found):
+    """The key must be the whole number answered: removing every space and searching anywhere counted a longer
+    number holding it (" 8604945") or digits run together across numbers ("56049 4")."""
+    assert passkey.passkey_found(60494, text) is found
+
+
+def test_resumed_samples_are_scored_with_todays_check(tmp_path):
+    """A journal keeps each sample's output; a resumed grid scores it again, so a check made stricter after the
+    samples were recorded applies to them too (a journal line claims found for a longer number)."""
+    tok = char_tokenizer()
+    cfg = passkey.PasskeyConfig(lengths=[400], depths=[0.5], samples=1)
+    path = tmp_path / "pk.samples.jsonl"
+    passkey.evaluate(counting_generate(tok, []), tok, cfg, progress=False, journal=Journal(path, FP))
+    head, line = path.read_text().splitlines()
+    sample = json.loads(line)
+    path.write_text(head + "\n" + json.dumps({**sample, "output": f"9{sample['key']}", "found": True}) + "\n")
+    again = passkey.evaluate(counting_generate(tok, []), tok, cfg, progress=False, journal=Journal(path, FP, resume=True))
+    assert again["resumed_samples"] == 1 and again["summary"]["accuracy"] == 0.0
