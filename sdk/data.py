@@ -130,24 +130,23 @@ def tokenize(docs, tokenizer: Any, num_proc: int | None = None):
                     cache_file_name=str(cache), load_from_cache_file=True)
 
 
-def token_windows(docs, tokenizer: Any, seq_len: int, concat: bool = True, min_len: int | None = None):
+def token_windows(docs, tokenizer: Any, seq_len: int, concat: bool = True):
     """Fixed-length training windows of ``seq_len`` tokens.
 
     Documents longer than ``seq_len`` are cut into consecutive windows; with
     ``concat`` the remainders and short documents are concatenated (EOS between
     them) into further windows, as long-context training does.  Without
-    ``concat``, documents shorter than ``min_len`` (default ``seq_len``) are an error.
+    ``concat``, every window lies within one document: a document's remainder, and a
+    document shorter than ``seq_len`` altogether, give no window (an error only when
+    no document gives one).
     """
     if seq_len <= 1:
         raise LcxError(f"seq_len must be > 1, got {seq_len}")
     tok = tokenize(docs, tokenizer)
-    min_len = seq_len if min_len is None else min_len
 
     def fn(batch: dict[str, list]) -> dict[str, list]:
         out, src, carry = [], [], []
         for ids, s in zip(batch["input_ids"], batch["source"]):
-            if not concat and len(ids) < min_len:
-                continue
             stream = carry + ids if concat else ids
             n_full = len(stream) // seq_len
             for k in range(n_full):

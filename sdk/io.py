@@ -235,8 +235,7 @@ class Journal:
         if resume and self.path.exists():
             self._read()
         else:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(json.dumps({"fingerprint": self.fingerprint}) + "\n")
+            write_text(json.dumps({"fingerprint": self.fingerprint}) + "\n", self.path)  # atomic: never half a header
         self.reused = len(self.records)
 
     def _read(self) -> None:
@@ -248,6 +247,9 @@ class Journal:
         except (ValueError, KeyError, TypeError):
             head = None
         self.head = head
+        if head is None:  # a crash while the header was written, or not a journal
+            raise LcxError(f"cannot resume from {self.path}: its first line is not a journal header (empty or "
+                           f"damaged); drop --resume to start afresh or choose another --out")
         if not _matches(head, self.fingerprint, self.defaults):
             diff = sorted(k for k in set(self.fingerprint) | set(head or {})
                           if not _matches((head or {}).get(k, _MISSING), self.fingerprint.get(k),

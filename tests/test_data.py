@@ -85,3 +85,17 @@ def test_text_fields_that_are_not_text_are_refused_and_a_byte_order_mark_is_not_
     txt = tmp_path / "bom.txt"
     txt.write_bytes(b"\xef\xbb\xbfhello")
     assert [d["text"] for d in iter_documents([str(txt)])] == ["hello"] and read_text_file(txt) == "hello"
+
+
+def test_ppl_documents_sharing_a_file_name_keep_apart(tmp_path):
+    """eval ppl's per-document results are keyed by document name: two __init__.py in different folders were
+    merged into one entry.  Unique names stay short; shared ones are the whole path."""
+    from lcx.cli.evaluation import _ppl_documents
+    from tests.helpers import char_tokenizer
+
+    for sub in ("a", "b"):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "__init__.py").write_text(f"text of {sub} " * 20)
+    (tmp_path / "a" / "book.txt").write_text("a book " * 20)
+    names = [name for name, _ in _ppl_documents((str(tmp_path),), char_tokenizer(), None)]
+    assert sorted(names) == sorted([str(tmp_path / "a" / "__init__.py"), str(tmp_path / "b" / "__init__.py"), "book.txt"])

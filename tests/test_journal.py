@@ -96,3 +96,17 @@ def test_resumed_samples_are_scored_with_todays_check(tmp_path):
     path.write_text(head + "\n" + json.dumps({**sample, "output": f"9{sample['key']}", "found": True}) + "\n")
     again = passkey.evaluate(counting_generate(tok, []), tok, cfg, progress=False, journal=Journal(path, FP, resume=True))
     assert again["resumed_samples"] == 1 and again["summary"]["accuracy"] == 0.0
+
+
+def test_a_journal_with_an_empty_or_damaged_header_says_so(tmp_path):
+    """A crash while the header was written left an empty file, reported as 'written for a different run'."""
+    path = tmp_path / "j.jsonl"
+    for text in ("", "{not json\n"):
+        path.write_text(text)
+        with pytest.raises(LcxError, match=r"j\.jsonl: its first line is not a journal header.*drop --resume"):
+            Journal(path, FP, resume=True)
+
+
+def test_a_grid_without_depths_is_refused():
+    with pytest.raises(LcxError, match="at least one needle depth"):
+        passkey.PasskeyConfig(lengths=[400], depths=[]).validate()

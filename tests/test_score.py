@@ -54,8 +54,10 @@ def test_ppl_suite_reports_per_context_and_document():
         res = ppl.evaluate(lambda x, n: score_tail(run, x, n), docs, ppl.PplConfig(contexts=[200], target=16),
                            progress=False)
     assert res["summary"]["documents_scored"] == 1 and res["summary"]["documents_too_short"] == ["a"]
-    with pytest.raises(lcx.LcxError, match="no document has"):
+    with pytest.raises(lcx.LcxError, match="no document has.*smaller --contexts"):
         ppl.evaluate(lambda x, n: {}, docs, ppl.PplConfig(contexts=[1000]), progress=False)
+    with pytest.raises(lcx.LcxError, match=r"no document has 5016 tokens \(--room 5000 \+ target\).*smaller --room"):
+        ppl.evaluate(lambda x, n: {}, docs, ppl.PplConfig(contexts=[32], target=16, room=5000), progress=False)
 
 
 def test_runs_with_different_contexts_score_the_same_spans_only_with_the_same_room(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 
 import click
@@ -108,12 +109,15 @@ def _ppl_documents(data: tuple[str, ...], tokenizer, max_docs: int | None,
     docs = []
     for d in iter_documents(data, text_field):
         if d["text"].strip():
-            docs.append((Path(d["source"]).name, tokenizer(d["text"], add_special_tokens=False)["input_ids"]))
+            docs.append((d["source"], tokenizer(d["text"], add_special_tokens=False)["input_ids"]))
         if max_docs and len(docs) >= max_docs:
             break
     if not docs:
         raise LcxError(f"no non-empty document in {list(data)}")
-    return docs
+    # a document is named by its file name, or by its whole path where two share a name (a/__init__.py and
+    # b/__init__.py were one entry of the per-document results)
+    names = Counter(Path(source).name for source, _ in docs)
+    return [(Path(source).name if names[Path(source).name] == 1 else source, ids) for source, ids in docs]
 
 
 @eval_grp.command("ppl", context_settings=CONTEXT)
@@ -160,7 +164,7 @@ def eval_ppl(model, methods, options, adapter, trust_remote_code, data, text_fie
             click.echo(f"N={n:>6}: ppl {result['summary']['ppl'][n]:8.3f}  acc {result['summary']['accuracy'][n]:.3f}")
         short = result["summary"]["documents_too_short"]
         click.echo(f"scored {result['summary']['documents_scored']} document(s)"
-                   + (f"; {len(short)} shorter than the longest context + target were left out: "
+                   + (f"; {len(short)} shorter than {'--room' if room else 'the longest context'} + target were left out: "
                       f"{', '.join(short[:3])}{' ...' if len(short) > 3 else ''}" if short else ""))
         click.echo(f"wrote {js} and {png}")
 

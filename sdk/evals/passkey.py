@@ -72,6 +72,8 @@ class PasskeyConfig:
             raise LcxError(f"lengths must be positive token counts, got {self.lengths}")
         if self.samples <= 0:
             raise LcxError(f"samples must be >= 1, got {self.samples}")
+        if not self.depths:
+            raise LcxError("depths must name at least one needle depth in [0, 1], got none")
         for d in self.depths:
             if not 0.0 <= d <= 1.0:
                 raise LcxError(f"depths must be in [0, 1], got {d}")

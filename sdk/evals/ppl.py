@@ -77,6 +77,8 @@ def evaluate(
                 work.append((name, ids, end, n))
     if not work:
         raise LcxError(
+            f"no document has {longest + config.target} tokens (--room {config.room} + target); use longer documents "
+            f"or a smaller --room (at least the longest context, {max(config.contexts)})" if config.room else
             f"no document has {longest + config.target} tokens (longest context + target); "
             "use longer documents or smaller --contexts"
         )
