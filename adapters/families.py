@@ -129,7 +129,7 @@ def config_window(cfg: Any) -> int:
             return int(v)
     raise UnsupportedModelError(
         f"cannot tell the context window of model type {cfg.model_type!r}: its config has no "
-        "max_position_embeddings; pass --window explicitly"
+        "max_position_embeddings; set it there (its trained context length), or for vanilla -o vanilla.window=N"
     )
 
 

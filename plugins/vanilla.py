@@ -55,7 +55,7 @@ class Vanilla(Method):
 
     @hookimpl
     def lcx_plan(self, run, input_ids, attention_mask, max_new_tokens):
-        budget = self.budget(max_new_tokens, run.window)
+        budget = self.budget(max_new_tokens, self.window or run.window)  # the model's window only when needed
         rows, dropped = [], 0
         for row in unpad(input_ids, attention_mask):
             if row.numel() > budget:

@@ -115,3 +115,18 @@ def test_option_values_take_their_fields_type_from_strings_and_json_numbers(give
 def test_json_option_values_of_the_wrong_kind_are_refused(method, given, needle):
     with pytest.raises(lcx.LcxError, match=needle.replace("(", r"\(")):
         registry().get(method).from_options(**given)
+
+
+def test_vanilla_with_its_own_window_runs_on_a_model_whose_config_names_none():
+    """bloom's config has no max_position_embeddings: -o vanilla.window=N is all vanilla needs (the model's
+    window was asked for anyway, and the error pointed at a --window flag that does not exist)."""
+    from transformers import AutoModelForCausalLM, BloomConfig
+
+    from lcx.generation import generate
+
+    model = AutoModelForCausalLM.from_config(BloomConfig(vocab_size=256, hidden_size=32, n_layer=2, n_head=2)).eval()
+    with lcx.attach(model, ["vanilla"], window=32) as run:
+        assert generate(run, torch.randint(3, 200, (1, 100)), max_new_tokens=4).shape == (1, 4)
+    with pytest.raises(lcx.LcxError, match="no max_position_embeddings; set it there.*-o vanilla.window=N"):
+        with lcx.attach(model, ["vanilla"]) as run:
+            generate(run, torch.randint(3, 200, (1, 100)), max_new_tokens=4)
