@@ -150,10 +150,7 @@ class RequestStates:
         from lcx.limits import check_request
         from lcx.session import open_session
 
-        parsed = requested_prompts(body)
-        if parsed is None:
-            return False  # malformed or empty: vLLM answers it
-        prompts, single, max_new = parsed
+        prompts, single, max_new = requested_prompts(body, spec["name"])
         if len(prompts) != 1:
             raise LcxError(f"{spec['name']} serves one prompt per request; send the {len(prompts)} prompts as "
                            f"separate requests")
@@ -214,18 +211,25 @@ def _is_ids(p: Any) -> bool:
     return isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
 
 
-def requested_prompts(body: dict[str, Any]) -> tuple[list, bool, int] | None:
+def requested_prompts(body: dict[str, Any], method: str) -> tuple[list, bool, int]:
     """A completion request's prompts (each a text or token ids), whether it sent a single prompt, and
-    its ``max_tokens``; None when these are missing or malformed (left for vLLM to refuse)."""
+    its ``max_tokens``, for ``method``'s rewrite.  Anything else is refused (``LcxError``, a 400): vLLM's
+    own parsing accepts more (``max_tokens`` "16" or 16.0, token ids 1.0, ``add_special_tokens`` "false"), and
+    such a request would reach the engine without the method's rewrite."""
     prompt, max_new = body.get("prompt"), body.get("max_tokens", DEFAULT_MAX_TOKENS)
     if max_new is None:
         max_new = DEFAULT_MAX_TOKENS
-    if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1 or not prompt:
-        return None
     single = isinstance(prompt, str) or _is_ids(prompt)
     prompts = [prompt] if single else prompt
-    if not isinstance(prompts, list) or not all(isinstance(p, str) or _is_ids(p) for p in prompts):
-        return None
+    ok = isinstance(max_new, int) and not isinstance(max_new, bool) and max_new >= 1 and bool(prompt) and \
+        isinstance(prompts, list) and all((isinstance(p, str) or _is_ids(p)) and p for p in prompts) and \
+        isinstance(body.get("add_special_tokens", True), bool)
+    if not ok:
+        shown = {k: body.get(k) for k in ("max_tokens", "add_special_tokens") if k in body}
+        raise LcxError(f"{method} rewrites each prompt before vLLM reads it and needs 'prompt' as a non-empty text or "
+                       f"list of integer token ids (or a list of those), 'max_tokens' as an integer >= 1 and "
+                       f"'add_special_tokens' as true or false; got prompt {json.dumps(prompt)[:80]}"
+                       + (f", {json.dumps(shown)[:120]}" if shown else ""))
     return prompts, single, max_new
 
 
@@ -238,11 +242,8 @@ def prompt_ids(prompt: str | list[int], body: dict[str, Any], tokenizer: Any) ->
 
 def rewrite_prompts(body: dict[str, Any], methods: list, tokenizer: Any, window: int) -> bool:
     """Apply ``methods``' ``serve_prompt`` to the completion request's prompt(s), in place; True if a prompt
-    changed (it is then token ids).  Malformed prompts and token counts are left for vLLM to refuse."""
-    parsed = requested_prompts(body)
-    if parsed is None:
-        return False
-    prompts, single, max_new = parsed
+    changed (it is then token ids).  Malformed prompts and token counts are refused (``requested_prompts``)."""
+    prompts, single, max_new = requested_prompts(body, "+".join(m.name for m in methods))
     out, changed = [], False
     for p in prompts:
         ids = prompt_ids(p, body, tokenizer)
@@ -343,11 +344,14 @@ class LcxRequestOptions:
         if rewrite or self.stateful or f'"{FIELD}"'.encode() in body or STATE_ARG.encode() in body:
             try:
                 data = json.loads(body)
-            except ValueError:
-                data = None  # not JSON: vLLM answers that itself
+            except (ValueError, RecursionError):
+                data = None  # not JSON (or nested past Python's recursion limit): vLLM answers that itself
             changed = False
             if isinstance(data, dict):
                 try:
+                    if not isinstance(data.get("model"), (str, type(None))):
+                        raise LcxError(f"'model' must be the name of a served model (a string), got "
+                                       f"{json.dumps(data['model'])[:80]}")
                     xargs = data.get("vllm_xargs")
                     if isinstance(xargs, dict) and STATE_ARG in xargs:
                         raise LcxError(f"vllm_xargs.{STATE_ARG} is set by lcx's middleware, not by requests; "
@@ -359,7 +363,9 @@ class LcxRequestOptions:
                     if rewrite:  # tokenizing a long prompt takes a while: off the event loop
                         changed |= await asyncio.to_thread(self._rewrite, data)
                 except LcxError as e:
-                    return await _send_error(send, str(e), FIELD if FIELD in data else "prompt")
+                    param = "model" if not isinstance(data.get("model"), (str, type(None))) else \
+                        FIELD if FIELD in data else "prompt"
+                    return await _send_error(send, str(e), param)
             if changed:
                 body = json.dumps(data).encode()
                 scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]

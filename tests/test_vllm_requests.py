@@ -154,10 +154,21 @@ def test_completion_prompts_of_a_vanilla_model_are_truncated_before_vllm():
 def test_prompts_that_fit_other_models_and_chat_pass_unchanged():
     for body, path in [({"model": "v", "prompt": "short", "max_tokens": 2}, "/v1/completions"),
                        ({"model": "plain", "prompt": "x" * 50, "max_tokens": 2}, "/v1/completions"),
-                       ({"model": "v", "messages": [{"role": "user", "content": "x" * 50}]}, "/v1/chat/completions"),
-                       ({"model": "v", "prompt": "x" * 50, "max_tokens": -1}, "/v1/completions")]:  # vLLM refuses it
+                       ({"model": "v", "messages": [{"role": "user", "content": "x" * 50}]}, "/v1/chat/completions")]:
         status, _, got = _call(body, served=VANILLA, tokenizer=_Chars(), path=path)
         assert status == 200 and json.loads(got["body"]) == body
+
+
+@pytest.mark.parametrize("fields", [{"max_tokens": -1}, {"max_tokens": "2"}, {"max_tokens": 2.0}, {"max_tokens": True},
+                                    {"prompt": [1.0, 2.0]}, {"prompt": []}, {"add_special_tokens": "false"}])
+def test_a_request_the_rewrite_cannot_read_is_refused_not_passed_on(fields):
+    """vLLM's own parsing accepts max_tokens "2", 2.0 or true, token ids 2.0 and add_special_tokens "false": such a
+    request passed the middleware unread and reached the engine without the method's rewrite (a long prompt
+    untruncated, focusllm's without its candidates).  Now a 400 saying what the rewrite needs."""
+    body = {"model": "v", "prompt": "x" * 50, "max_tokens": 2, **fields}
+    status, answer, got = _call(body, served=VANILLA, tokenizer=_Chars())
+    assert status == 400 and got is None
+    assert "vanilla rewrites each prompt before vLLM reads it" in answer["error"]["message"]
 
 
 def test_vanilla_applies_to_every_served_name_when_named_and_to_its_adapter_when_trained_with(tmp_path):
@@ -332,3 +343,18 @@ def test_a_state_file_left_after_its_exchange_is_deleted_after_a_grace(tmp_path,
 
     asyncio.run(run())
     assert not later[0].exists()
+
+
+def test_bodies_that_crashed_the_middleware_are_answered_4xx_or_passed_to_vllm():
+    """A non-string model (a TypeError on every vanilla completion), an integer option of nan or 1e400 (int() of
+    them raised), JSON nested past Python's recursion limit: each was a 500 from the middleware."""
+    status, answer, got = _call({"model": ["v"], "prompt": "x", "max_tokens": 2}, served=VANILLA, tokenizer=_Chars())
+    assert status == 400 and got is None and "'model' must be the name of a served model" in answer["error"]["message"]
+    assert answer["error"]["param"] == "model"
+    for value in (b"NaN", b"1e400"):
+        raw = b'{"model": "m", "prompt": "x", "lcx": {"fot": {"local": ' + value + b"}}}"
+        status, answer, got = _call(raw)
+        assert status == 400 and got is None and "must be a finite number" in answer["error"]["message"], value
+    deep = b'{"model": "m", "lcx": ' + b"[" * 100000 + b"]" * 100000 + b"}"
+    status, _, got = _call(deep)
+    assert status == 200 and got["body"] == deep  # not JSON Python can read: vLLM answers it
