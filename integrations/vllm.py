@@ -103,37 +103,36 @@ def servable_methods(methods: list[str], options: dict[str, Any], adapters: dict
     from lcx.adapters.peft_bridge import read_sidecar
     from lcx.composition import resolve_methods
     from lcx.registry import registry
+    from lcx.session import check_adapter_methods, trained_methods
 
     reg = registry()
     twice = next((m for i, m in enumerate(methods) if m in methods[:i]), None)
     if twice is not None:  # attach refuses it too; a config method would be applied twice (rope: factor squared)
         raise LcxError(f"method {twice!r} is named twice; name each method once")
     names, source = list(methods), {m: "--method" for m in methods}
+    per_adapter = {name: trained_methods(read_sidecar(path)) for name, path in adapters.items()}
     trained: dict[str, dict[str, Any]] = {}
     trained_by: dict[str, str] = {}  # method -> the adapter whose options are in `trained`
-    for name, path in adapters.items():
-        for m in read_sidecar(path).get("methods", []):
-            opts, cls = dict(m.get("options") or {}), reg.get(m["name"])
-            if m["name"] in trained and cls.serving == "config" and \
-                    cls.from_options(**opts).to_options() != cls.from_options(**trained[m["name"]]).to_options():
-                raise LcxError(f"adapters {trained_by[m['name']]!r} and {name!r} were trained with different "
-                               f"{m['name']} options; serve them from two servers")
-            trained.setdefault(m["name"], opts)
-            trained_by.setdefault(m["name"], name)
-            if m["name"] not in source:
-                names.append(m["name"])
-                source[m["name"]] = name
+    for name, methods_of in per_adapter.items():
+        for method, opts in methods_of.items():
+            cls = reg.get(method)
+            if method in trained and cls.serving == "config" and \
+                    cls.from_options(**opts).to_options() != cls.from_options(**trained[method]).to_options():
+                raise LcxError(f"adapters {trained_by[method]!r} and {name!r} were trained with different "
+                               f"{method} options; serve them from two servers")
+            trained.setdefault(method, opts)
+            trained_by.setdefault(method, name)
+            if method not in source:
+                names.append(method)
+                source[method] = name
     merged: dict[str, Any] = {n: dict(o) for n, o in trained.items()}
     for key, value in options.items():  # the user's options win over the adapters'
         if isinstance(value, dict):
             merged.setdefault(key, {}).update(value)
         else:
             merged[key] = value
-    from lcx.session import check_adapter_methods
-
     for name, path in adapters.items():  # what lcx generate refuses for an adapter, lcx serve refuses too
-        check_adapter_methods({m["name"]: dict(m.get("options") or {}) for m in read_sidecar(path).get("methods", [])},
-                              merged, names, path)
+        check_adapter_methods(per_adapter[name], merged, names, path)
     for n in names:
         if not reg.get(n).serving:
             raise LcxError(
@@ -242,7 +241,7 @@ def check_adapter_for_vllm(path: Path, model_dir: Path) -> dict[str, Any]:
         have = embedding_fingerprint(model_dir)
         if have is not None and not same_embeddings(want, have):
             raise LcxError(f"adapter {str(path)!r} was trained for another base model (input embeddings differ; "
-                           f"adapter base {(sidecar.get('base_model') or {}).get('name_or_path')!r}); "
+                           f"adapter base {want.get('name_or_path')!r}); "
                            f"serve it with that model")
     return cfg
 

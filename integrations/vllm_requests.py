@@ -348,8 +348,9 @@ class LcxRequestOptions:
                 data = None  # not JSON (or nested past Python's recursion limit): vLLM answers that itself
             changed = False
             if isinstance(data, dict):
+                bad_model = not isinstance(data.get("model"), (str, type(None)))
                 try:
-                    if not isinstance(data.get("model"), (str, type(None))):
+                    if bad_model:
                         raise LcxError(f"'model' must be the name of a served model (a string), got "
                                        f"{json.dumps(data['model'])[:80]}")
                     xargs = data.get("vllm_xargs")
@@ -363,9 +364,7 @@ class LcxRequestOptions:
                     if rewrite:  # tokenizing a long prompt takes a while: off the event loop
                         changed |= await asyncio.to_thread(self._rewrite, data)
                 except LcxError as e:
-                    param = "model" if not isinstance(data.get("model"), (str, type(None))) else \
-                        FIELD if FIELD in data else "prompt"
-                    return await _send_error(send, str(e), param)
+                    return await _send_error(send, str(e), "model" if bad_model else FIELD if FIELD in data else "prompt")
             if changed:
                 body = json.dumps(data).encode()
                 scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]

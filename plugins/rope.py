@@ -40,9 +40,9 @@ class Rope(Method):
         method's type (factors multiply, the original length stays) and refused otherwise: replacing them
         would move every position the model was trained on, and can shrink what it reads."""
         have = params.get("rope_type") or params.get("type") or "default"
+        new = {k: v for k, v in params.items() if k != "type"}  # vLLM refuses a legacy `type` beside `rope_type`
         if have != "default":
             if have == self.type and self.type in ("linear", "dynamic", "yarn"):
-                new = {k: v for k, v in params.items() if k != "type"}  # vLLM refuses a legacy `type` beside `rope_type`
                 new["rope_type"] = have
                 new["factor"] = float(params.get("factor") or 1.0) * self.factor
                 return new
@@ -50,7 +50,6 @@ class Rope(Method):
                    else "lcx's rope cannot stretch that kind further; use the model without rope")
             raise LcxError(f"rope: the model's rotary embedding is already scaled ({have}, factor {params.get('factor')}); "
                            f"rope type={self.type} would replace that scaling, not extend it ({how})")
-        new = {k: v for k, v in params.items() if k != "type"}
         if self.type == "ntk":  # NTK-aware: raise the base so the lowest frequency stretches by `factor`
             new["rope_theta"] = params["rope_theta"] * self.factor ** (head_dim / max(head_dim - 2, 1))
             new["rope_type"] = "default"

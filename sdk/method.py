@@ -206,9 +206,7 @@ def _convert_number(method: str, key: str, value: Any, target: Any) -> Any:
     if target is float and number:
         return _finite(method, key, float(value))
     if target is int and number:
-        if isinstance(value, float):
-            _finite(method, key, value)  # nan/inf: int() of them fails in the message below
-        if isinstance(value, float) and not value.is_integer():
+        if isinstance(value, float) and not _finite(method, key, value).is_integer():  # nan/inf: int() fails below
             raise LcxError(f"option {key}={value!r} of method {method!r} must be a whole number, e.g. {key}={int(value)}")
         return int(value)
     if target in (int, float) and isinstance(value, bool):

@@ -69,7 +69,7 @@ def apply_adapter(model: Any, adapter: str | Path, methods: list[str],
     from lcx.adapters.peft_bridge import load_adapter
 
     peft_model, sidecar = load_adapter(model, adapter)
-    trained = {m["name"]: dict(m.get("options", {})) for m in sidecar.get("methods", [])}
+    trained = trained_methods(sidecar)
     if not methods:  # default to the methods (and options) the adapter was trained with
         methods = list(trained)
         options = merge_options(trained, options, methods)
@@ -77,6 +77,11 @@ def apply_adapter(model: Any, adapter: str | Path, methods: list[str],
         options = merge_options({m: _fixed(m, trained) for m in methods}, options, methods)
     check_adapter_methods(trained, options, methods, adapter)
     return peft_model, sidecar, methods, options
+
+
+def trained_methods(sidecar: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """{method: its options} an adapter's sidecar says it was trained with."""
+    return {m["name"]: dict(m.get("options") or {}) for m in sidecar.get("methods", [])}
 
 
 def check_adapter_methods(trained: dict[str, dict], options: dict[str, Any], methods: list[str], adapter) -> None:
