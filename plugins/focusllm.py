@@ -60,6 +60,7 @@ from lcx.adapters import families
 from lcx.adapters.rotary import rotate
 from lcx.errors import LcxError
 from lcx.hookspecs import hookimpl
+from lcx.masking import visible_mask
 from lcx.method import Method, option
 from lcx.plan import Plan
 
@@ -268,6 +269,7 @@ class CandidateLayer(DynamicLayer):
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         super().__init__()
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = (keys, values)
+        self.candidates = keys.shape[-2]  # the first key slots of every forward through this layer
 
     def update(self, key_states, value_states, *args, **kwargs):
         if self.pending is not None:
@@ -277,6 +279,25 @@ class CandidateLayer(DynamicLayer):
             self.pending = None
             key_states, value_states = keys.to(key_states.dtype), values.to(value_states.dtype)
         return super().update(key_states, value_states, *args, **kwargs)
+
+
+def candidate_topk_mask(query: torch.Tensor, key: torch.Tensor, n: int, k: int, attention_mask: torch.Tensor | None,
+                        base_impl: str) -> torch.Tensor:
+    """The base attention's mask (causal over the ``S`` keys, the queries the last ``T``) with each query
+    head's candidate columns (key slots ``0..n-1``) cut to its ``k`` highest ``q.k`` scores.  (B, Hq, T, S),
+    bool for sdpa, additive for eager, as the base mask."""
+    B, Hq, T, D = query.shape
+    Hkv, S = key.shape[1], key.shape[2]
+    scores = query.reshape(B, Hkv, Hq // Hkv, T, D) @ key[:, :, None, :n].transpose(-1, -2)  # (B, Hkv, g, T, n)
+    keep = torch.zeros(B, Hq, T, n, dtype=torch.bool, device=query.device)
+    keep.scatter_(-1, scores.topk(k, dim=-1).indices.reshape(B, Hq, T, k), True)
+    base = visible_mask(attention_mask, torch.arange(S, device=query.device), S, T, base_impl, query.dtype)
+    mask = base.expand(B, Hq, T, S).clone()
+    if mask.dtype == torch.bool:
+        mask[..., :n] &= keep
+    else:
+        mask[..., :n] = mask[..., :n].masked_fill(~keep, torch.finfo(mask.dtype).min)
+    return mask
 
 
 # ---------------------------------------------------------------------- the method
@@ -312,14 +333,17 @@ class FocusLLM(Method):
     recall_local: float = option(0.0, "training (recall): the share of draws whose cue and value (random tokens) sit "
                                       "among the local tokens, before the question, instead of the memory: the answer "
                                       "is then local, as a passkey near the end (0 = always in the memory)")
+    topk: int = option(0, "candidates each local query reads, per head: the ones with the highest q.k among the "
+                          "candidates, the others hidden (lcx's addition: with many chunks, the right candidate's "
+                          "share of attention is diluted by the others). 0 = all of them (the paper)")
     train_chunks: str = option("64,128,256,512,1024,2048", "training: chunk sizes, one drawn per step and loss term "
                                "(among those that fit the window and the training window)")
 
     def __post_init__(self) -> None:
-        if min(self.chunk, self.local, self.fragment) <= 0 or min(self.parallel, self.refresh, self.fresh) < 0:
-            raise ValueError(f"chunk, local and fragment must be > 0, parallel, refresh and fresh >= 0 (got "
+        if min(self.chunk, self.local, self.fragment) <= 0 or min(self.parallel, self.refresh, self.fresh, self.topk) < 0:
+            raise ValueError(f"chunk, local and fragment must be > 0, parallel, refresh, fresh and topk >= 0 (got "
                              f"chunk={self.chunk}, local={self.local}, fragment={self.fragment}, "
-                             f"parallel={self.parallel}, refresh={self.refresh}, fresh={self.fresh})")
+                             f"parallel={self.parallel}, refresh={self.refresh}, fresh={self.fresh}, topk={self.topk})")
         if self.fragment > self.chunk:
             raise ValueError(f"fragment ({self.fragment}) must not be longer than the chunk ({self.chunk})")
         if not 0 <= self.overlap < self.chunk:
@@ -477,6 +501,9 @@ class FocusLLM(Method):
             raise LcxError(f"served focusllm keeps the prompt's candidates (vLLM runs no chunk forwards while it "
                            f"generates): serve it with -o focusllm.refresh=0, and compare it with `lcx generate "
                            f"--method focusllm -o focusllm.refresh=0` (got refresh={self.refresh})")
+        if self.topk:
+            raise LcxError(f"served focusllm reads every candidate; -o focusllm.topk={self.topk} runs on lcx's own path "
+                           f"only (`lcx generate`, `lcx eval`): serve it with topk=0")
 
     @torch.no_grad()
     def serve_request(self, run, ids, max_new_tokens):
@@ -510,6 +537,22 @@ class FocusLLM(Method):
                                                 "prompt": int(plan.input_ids.shape[1]) if plan is not None else 0}
         return cache
 
+
+    # ------------------------------------------------------------------ attention stage
+    @hookimpl
+    def lcx_attention(self, run, module, query, key, value, attention_mask, kwargs):
+        """``topk``: the decoder's queries read their ``topk`` best-scoring candidates only (per head)."""
+        if not self.topk:
+            return None
+        cache = run.state.get("memory")
+        layers = cache.layers if isinstance(cache, Cache) else []
+        layer = layers[module.layer_idx] if module.layer_idx < len(layers) else None
+        # the decoder's forward only (the chunk forwards that refresh candidates read their own caches)
+        if (not isinstance(layer, CandidateLayer) or layer.candidates <= self.topk
+                or key.data_ptr() != layer.keys.data_ptr()):
+            return None
+        mask = candidate_topk_mask(query, key, layer.candidates, self.topk, attention_mask, run.base_impl)
+        return run.base_attention(module, query, key, value, mask, **kwargs)
 
     # ------------------------------------------------------------------ training: sampling stage
     @hookimpl

@@ -111,6 +111,55 @@ def test_local_tokens_read_the_candidates_at_contiguous_positions():
     torch.testing.assert_close(got, want[-16:], atol=1e-5, rtol=0)
 
 
+def _topk_reference_attention(n: int, k: int):
+    """An attention function for transformers' registry, written out per head and query: each query reads its k
+    best-scoring keys among the first n (the candidates) and every key after them up to its own position."""
+    def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        B, Hq, T, D = query.shape
+        g, S = Hq // key.shape[1], key.shape[2]
+        out = torch.zeros(B, T, Hq, D)
+        for b in range(B):
+            for h in range(Hq):
+                for t in range(T):
+                    q, keys, vals = query[b, h, t], key[b, h // g], value[b, h // g]
+                    raw = keys @ q
+                    best = sorted(range(n), key=lambda j: -float(raw[j]))[:k]
+                    seen = best + list(range(n, S - T + t + 1))
+                    w = torch.softmax(raw[seen] * scaling, dim=0)
+                    out[b, t, h] = w @ vals[seen]
+        return out, None
+    return attend
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_topk_local_queries_read_their_best_candidates_only(k, impl):
+    """-o focusllm.topk=k: the local tokens' logits equal an explicit computation where each query head reads
+    its k highest-scoring candidates (of 5) and all local tokens before it; they differ from reading all."""
+    from transformers import AttentionInterface
+
+    model = tiny_model("llama", attn_implementation=impl)
+    ids = _ids()
+    ref = _reference_candidates(model, ids, scored=16)
+    AttentionInterface.register("lcx_test_topk", _topk_reference_attention(5, k))
+    explicit = tiny_model("llama", attn_implementation="lcx_test_topk")
+    cache = DynamicCache(config=explicit.config)
+    for layer, (kk, v) in enumerate(ref):
+        cache.update(kk, v, layer)
+    with torch.no_grad():
+        want = explicit(input_ids=ids[:, -24:], position_ids=torch.arange(5, 29)[None], past_key_values=cache).logits[0, :-1]
+    with lcx.attach(model, ["focusllm"], focusllm={**OPTS, "topk": k}) as run:
+        got = tail_logits(run, ids, 16)
+        ahead = generate(run, ids, max_new_tokens=3)
+    with lcx.attach(model, ["focusllm"], focusllm=OPTS) as run:
+        every = tail_logits(run, ids, 16)
+    torch.testing.assert_close(got, want[-16:], atol=1e-5, rtol=0)
+    assert not torch.allclose(got, every, atol=1e-3)
+    assert ahead.shape == (1, 3)  # generation runs through the same attention
+    with lcx.attach(model, ["focusllm"], focusllm={**OPTS, "topk": 5}) as run:  # as many as there are: all
+        torch.testing.assert_close(tail_logits(run, ids, 16), every, atol=1e-6, rtol=0)
+
+
 def test_scored_logits_never_read_the_tokens_they_predict():
     """Perplexity is causal: changing the last token changes no logit that predicts an earlier one.  The
     fragment (the prompt's last local tokens, read by every candidate) held the scored tokens, so each logit
@@ -461,7 +510,7 @@ def test_bad_training_options_and_base_weights_are_refused():
         lcx.attach(tiny_model("llama"), ["focusllm"], focusllm={**OPTS, "recall_local": 1.5})
     with pytest.raises(LcxError, match="recall loss predicts the tokens after its cue.*set -o focusllm.fresh=N"):
         lcx.attach(tiny_model("llama"), ["focusllm"], focusllm={**OPTS, "losses": "recall"})
-    with pytest.raises(LcxError, match=r"parallel, refresh and fresh >= 0 \(got .*fresh=-2\)"):
+    with pytest.raises(LcxError, match=r"parallel, refresh, fresh and topk >= 0 \(got .*fresh=-2, topk=0\)"):
         lcx.attach(tiny_model("llama"), ["focusllm"], focusllm={**OPTS, "fresh": -2})
     with pytest.raises(LcxError, match="train_chunks must be positive integers"):
         lcx.attach(tiny_model("llama"), ["focusllm"], focusllm={**OPTS, "train_chunks": "64,big"})

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from lcx.cli.evaluation import _passkey_generator
-from lcx.evals.passkey import prompt_and_needle
+from lcx.evals.passkey import passkey_found, prompt_and_needle
 from lcx.io import token_counts
 from lcx.session import open_session, parse_options
 
@@ -75,7 +75,7 @@ def main() -> None:
                 new = gen(ids[None], 8, shared)
                 text = s.tokenizer.decode(new[0], skip_special_tokens=True)
                 row = {"length": n, "depth": d, "index": i, "key": key, "output": text,
-                       "found": str(key) in "".join(text.split()), "seconds": round(time.perf_counter() - t0, 1),
+                       "found": passkey_found(key, text), "seconds": round(time.perf_counter() - t0, 1),
                        "baseline_found": base.get((d, key), {})}
                 rows.append(row)
                 with journal.open("a") as f:
