@@ -122,5 +122,20 @@ compare16() {  # focusllm, training-free and with the trained adapter (focusllm@
 }
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(passkey_free ppl_free train passkey_trained ppl_trained train_fresh passkey_fresh diagnose_fresh train_recall passkey_recall train_recall_local passkey_recall_local passkey_recall_local_32k passkey_recall_local_long passkey_recall_local_overlap bigchunk_probe)
+topk_probe() {  # -o focusllm.topk=K: each local query head reads its K best candidates; prompts of the committed
+                # grids (bigchunk/probe.py), ~100 s a prompt at 32K, ~5 min at 64K on 2 cores
+    P="results/focusllm/bigchunk/probe.py"
+    .venv/bin/python $P --length 32K --index 0,1 --baseline results/focusllm/passkey-recall-local-overlap-32k \
+        -o focusllm.overlap=64 -o focusllm.topk=1 --out results/focusllm/topk/k1-32k  # stopped after 7 prompts
+    .venv/bin/python $P --length 32K --index 0,1 --depths 0.1,0.3,0.5 \
+        --baseline results/focusllm/passkey-recall-local-overlap-32k -o focusllm.overlap=64 -o focusllm.topk=4 \
+        --out results/focusllm/topk/k4-32k
+    .venv/bin/python $P --length 64K --index 0 --baseline results/focusllm/passkey-recall-local-overlap-64k \
+        --baseline results/focusllm/passkey-recall-local-64k -o focusllm.overlap=64 -o focusllm.topk=4 \
+        --out results/focusllm/topk/k4-64k
+    .venv/bin/python $P --length 64K --index 1 --baseline results/focusllm/passkey-recall-local-overlap-64k \
+        --baseline results/focusllm/passkey-recall-local-64k -o focusllm.overlap=64 -o focusllm.topk=4 \
+        --out results/focusllm/topk/k4-64k-i1
+}
+[ ${#steps[@]} -eq 0 ] && steps=(passkey_free ppl_free train passkey_trained ppl_trained train_fresh passkey_fresh diagnose_fresh train_recall passkey_recall train_recall_local passkey_recall_local passkey_recall_local_32k passkey_recall_local_long passkey_recall_local_overlap bigchunk_probe topk_probe)
 for s in "${steps[@]}"; do echo "== $s"; "$s"; done
