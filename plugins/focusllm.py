@@ -539,11 +539,12 @@ class FocusLLM(Method):
 
 
     # ------------------------------------------------------------------ attention stage
+    def idle_stages(self):
+        return frozenset() if self.topk else frozenset({"lcx_attention"})  # without topk: the paper's attention
+
     @hookimpl
     def lcx_attention(self, run, module, query, key, value, attention_mask, kwargs):
         """``topk``: the decoder's queries read their ``topk`` best-scoring candidates only (per head)."""
-        if not self.topk:
-            return None
         cache = run.state.get("memory")
         layers = cache.layers if isinstance(cache, Cache) else []
         layer = layers[module.layer_idx] if module.layer_idx < len(layers) else None

@@ -42,6 +42,15 @@ _CAPABILITY_TEXT = {
 }
 
 
+class _Manager(pluggy.PluginManager):
+    """A plugin manager that leaves out the stage hooks a method instance says it does not need."""
+
+    def parse_hookimpl_opts(self, plugin: object, name: str) -> Any:
+        if isinstance(plugin, Method) and name in plugin.idle_stages():
+            return None
+        return super().parse_hookimpl_opts(plugin, name)
+
+
 class Run:
     """One attachment of methods to a model: the per-run plugin manager and its state."""
 
@@ -49,7 +58,7 @@ class Run:
         self.model = model
         self.methods = methods
         self.family = family
-        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm = _Manager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         for m in methods:
             if self.pm.has_plugin(m.name):

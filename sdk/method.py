@@ -132,6 +132,11 @@ class Method:
         except (TypeError, ValueError) as e:
             raise LcxError(f"bad options for method {cls.name!r}: {e}") from e
 
+    def idle_stages(self) -> frozenset[str]:
+        """Stage hooks this instance implements but does not need with its options (e.g. ``lcx_attention`` of
+        an option left off): not registered for its run, so they claim no stage and route no attention."""
+        return frozenset()
+
     def to_options(self) -> dict[str, Any]:
         """Hyperparameters as plain JSON-able values (for sidecars and result files)."""
         return {f.name: getattr(self, f.name) for f in self.options()}

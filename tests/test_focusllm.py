@@ -153,6 +153,9 @@ def test_topk_local_queries_read_their_best_candidates_only(k, impl):
         ahead = generate(run, ids, max_new_tokens=3)
     with lcx.attach(model, ["focusllm"], focusllm=OPTS) as run:
         every = tail_logits(run, ids, 16)
+        assert run.implements("lcx_attention") == []  # the paper's attention: no stage claimed
+    with lcx.attach(model, ["focusllm"], focusllm={**OPTS, "topk": k}) as run:
+        assert run.implements("lcx_attention") == ["focusllm"]
     torch.testing.assert_close(got, want[-16:], atol=1e-5, rtol=0)
     assert not torch.allclose(got, every, atol=1e-3)
     assert ahead.shape == (1, 3)  # generation runs through the same attention
