@@ -83,8 +83,6 @@ def test_a_method_without_a_serving_kind_is_refused_by_name(model_dir, tmp_path,
     monkeypatch.setattr(FocusLLM, "not_served_because", "no reason")
     with pytest.raises(LcxError, match=r"method 'focusllm' \(--method\) cannot be served through vLLM yet \(no reason\)"):
         export_for_vllm(str(model_dir), ["focusllm"], out=tmp_path / "x")
-    with pytest.raises(LcxError, match=r"topk=4 runs on lcx's own path only .* serve it with topk=0"):
-        export_for_vllm(str(model_dir), ["focusllm"], {"focusllm": {"refresh": "0", "topk": "4"}}, out=tmp_path / "x")
     assert not (tmp_path / "x").exists()
     a = _adapter(model_dir, tmp_path / "a", methods=({"name": "focusllm", "options": {}},))
     with pytest.raises(LcxError, match=r"method 'focusllm' \(a\) cannot be served"):
@@ -99,6 +97,8 @@ def test_focusllm_is_served_with_its_prompts_candidates_and_its_adapters_in_the_
 
     with pytest.raises(LcxError, match=r"serve it with -o focusllm.refresh=0"):
         export_for_vllm(str(model_dir), ["focusllm"], out=tmp_path / "x")
+    with pytest.raises(LcxError, match=r"topk=4 runs on lcx's own path only .* serve it with topk=0"):
+        export_for_vllm(str(model_dir), ["focusllm"], {"focusllm": {"refresh": "0", "topk": "4"}}, out=tmp_path / "x")
     assert not (tmp_path / "x").exists()
     a = _adapter(model_dir, tmp_path / "a", methods=({"name": "focusllm", "options": {}},))
     opts = {"focusllm": {"refresh": "0", "chunk": "64", "local": "32", "fragment": "16"}}
