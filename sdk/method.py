@@ -134,7 +134,7 @@ class Method:
 
     def idle_stages(self) -> frozenset[str]:
         """Stage hooks this instance implements but does not need with its options (e.g. ``lcx_attention`` of
-        an option left off): not registered for its run, so they claim no stage and route no attention."""
+        an option left off): not registered for its run, so they claim no stage and are never called."""
         return frozenset()
 
     def to_options(self) -> dict[str, Any]:
