@@ -128,10 +128,12 @@ def candidate_positions(spans: list[tuple[int, int]], fragment: int) -> torch.Te
     return torch.tensor([e - s + fragment - 1 for s, e in spans], dtype=torch.long)
 
 
-def _chunk_groups(spans: list[tuple[int, int]], parallel: int) -> list[ChunkGroup]:
-    """Chunks of equal length, ``parallel`` at a time (0 = all), as the groups decoded in one batch."""
+def _chunk_groups(spans: list[tuple[int, int]], parallel: int, only: list[int] | None = None) -> list[ChunkGroup]:
+    """Chunks of equal length, ``parallel`` at a time (0 = all), as the groups decoded in one batch (of the
+    chunks ``only`` names, when given)."""
     by_length: dict[int, list[int]] = {}
-    for i, (s, e) in enumerate(spans):
+    for i in range(len(spans)) if only is None else only:
+        s, e = spans[i]
         by_length.setdefault(e - s, []).append(i)
     step = parallel or len(spans)
     return [ChunkGroup(members[g:g + step], 0) for members in by_length.values() for g in range(0, len(members), step)]
@@ -142,23 +144,72 @@ def _group_rows(memory_ids: torch.Tensor, spans: list[tuple[int, int]], group: C
     return torch.cat([torch.cat([memory_ids[:, spans[i][0]:spans[i][1]], tail], dim=1) for i in group.idx])
 
 
+@dataclass
+class _MemoChunk:
+    last: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, the candidate's (keys, values) (1, H_kv, 1, D)
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None  # per layer, the chunk's kept cache (1, H_kv, L, D)
+    length: int
+
+
+class ChunkMemo:
+    """The chunks of the last prompt, by their [chunk ; fragment] tokens: a later prompt's chunk with the same
+    tokens takes its candidate (and kept cache) instead of a forward.  In a passkey grid every prompt of a
+    length has the same filler chunks and fragment (the needle's chunks differ), so a 128K prompt after the
+    first runs two chunk forwards instead of 63.  Exact but for float rounding: a chunk decoded in another
+    batch (as ``parallel`` already gives).  One prompt's chunks are kept, as views of the tensors they were
+    decoded into: DynamicCache appends by concatenation, so refreshing a chunk's cache while generating
+    replaces those tensors and never writes into them (tested over three prompts)."""
+
+    def __init__(self) -> None:
+        self.chunks: dict[bytes, _MemoChunk] = {}
+        self.hits = 0  # chunk forwards saved, over all prompts
+
+    @staticmethod
+    def key(ids: torch.Tensor) -> bytes:
+        return ids.cpu().numpy().tobytes()
+
+
 def candidate_kv(model, memory_ids: torch.Tensor, fragment_ids: torch.Tensor, spans: list[tuple[int, int]],
                  parallel: int, gate=None, groups: list[ChunkGroup] | None = None,
-                 grad: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                 grad: bool = False, memo: ChunkMemo | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, the candidates' (keys, values) of shape (B, H_kv, n_chunks, D), keys rotated at the
     position each candidate had in its own [chunk ; fragment] forward (its last position).
 
     ``memory_ids`` (B, M), ``fragment_ids`` (B, F), ``spans`` the chunks (``chunk_spans``).  Chunks of equal length are batched ``parallel`` at
     a time (0 = all); ``gate`` (a ``TokenGate``) opens the candidate adapter at the last position only.
     Pass a list as ``groups`` to keep every chunk's cache in it (for ``refresh_candidates``); with
-    ``grad`` (training) the candidates carry autograd through the adapter.
+    ``grad`` (training) the candidates carry autograd through the adapter.  With a ``memo`` (one prompt, no
+    ``grad``) chunks the previous prompt had are taken from it, each a group of its own (:class:`ChunkMemo`).
     """
     B = fragment_ids.shape[0]
-    made = _chunk_groups(spans, parallel)
+    keep = groups is not None
     per_chunk: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = [None] * len(spans)
-    for group in made:
+    made: list[ChunkGroup] = []
+    todo, keys, kept = None, [], {}
+    if memo is not None and B == 1 and not grad:
+        keys = [ChunkMemo.key(_group_rows(memory_ids, spans, ChunkGroup([i], 0), fragment_ids)) for i in range(len(spans))]
+        todo = []
+        for i, key in enumerate(keys):
+            hit = memo.chunks.get(key)
+            if hit is None or (keep and hit.kv is None):
+                todo.append(i)
+                continue
+            per_chunk[i] = hit.last
+            kept[key] = hit
+            if keep:  # the cache's first update copies these rows; refreshing appends to that copy
+                made.append(ChunkGroup([i], hit.length, _kv_cache(model.config, hit.kv)))
+        memo.hits += len(spans) - len(todo)
+    for group in _chunk_groups(spans, parallel, todo):
         ids = _group_rows(memory_ids, spans, group, fragment_ids)
-        _scatter(per_chunk, group, _forward_group(model, group, ids, None, gate, keep=groups is not None, grad=grad), B)
+        _scatter(per_chunk, group, _forward_group(model, group, ids, None, gate, keep=keep, grad=grad), B)
+        made.append(group)
+        if keys:
+            layers = group.cache.layers if keep else None
+            for j, i in enumerate(group.idx):
+                kept[keys[i]] = _MemoChunk(per_chunk[i], [(l.keys[j:j + 1], l.values[j:j + 1]) for l in layers]
+                                           if keep else None, group.length)
+    if keys:
+        memo.chunks = kept  # this prompt's chunks (the previous prompt's others are let go)
     if groups is not None:
         groups.extend(made)
     return _stack(per_chunk)
@@ -427,12 +478,14 @@ class FocusLLM(Method):
     # ------------------------------------------------------------------ chunking stage
     @hookimpl
     def lcx_plan(self, run, input_ids, attention_mask, max_new_tokens):
-        from lcx.generation import SCORED
+        from lcx.generation import REUSE, SCORED
 
         # an earlier plan's candidates that never reached lcx_memory (its caller failed in between) must not
         # reach this prompt's cache
         run.state.pop("focusllm_candidates", None)
         run.state.pop("focusllm_groups", None)
+        # nor the last prompt's chunk caches (as large as the memo's at 128K) live on while this one's are made
+        run.state.pop("focusllm_generation", None)
         self.check_window(run)
         B, T = input_ids.shape
         if T <= self.local:
@@ -468,7 +521,10 @@ class FocusLLM(Method):
             raise LcxError(f"focusllm with a candidate adapter refreshes its candidates from each chunk's cache, which "
                            f"this model's sliding-window layers (sliding_window={run.model.config.sliding_window}) "
                            f"cannot take back; use -o focusllm.refresh=0 (the prompt's candidates)")
-        cand = candidate_kv(run.model, memory, fragment, spans, self.parallel, run.state.get("focusllm_gate"), groups)
+        reuse = run.state.get(REUSE)  # a caller that expects prompts sharing chunks (a passkey grid)
+        memo = reuse.memo(run, "focusllm_chunks", ChunkMemo) if reuse is not None else None
+        cand = candidate_kv(run.model, memory, fragment, spans, self.parallel, run.state.get("focusllm_gate"), groups,
+                            memo=memo)
         # each candidate was rotated at the last position of its own forward; move it to its slot i
         run.state["focusllm_candidates"] = to_slots(cand, candidate_positions(spans, fragment.shape[1]), run)
         run.state["focusllm_groups"] = groups
@@ -501,9 +557,6 @@ class FocusLLM(Method):
             raise LcxError(f"served focusllm keeps the prompt's candidates (vLLM runs no chunk forwards while it "
                            f"generates): serve it with -o focusllm.refresh=0, and compare it with `lcx generate "
                            f"--method focusllm -o focusllm.refresh=0` (got refresh={self.refresh})")
-        if self.topk:
-            raise LcxError(f"served focusllm reads every candidate; -o focusllm.topk={self.topk} runs on lcx's own path "
-                           f"only (`lcx generate`, `lcx eval`): serve it with topk=0")
 
     @torch.no_grad()
     def serve_request(self, run, ids, max_new_tokens):

@@ -28,6 +28,10 @@ def new_memory(run: Run, plan: Plan) -> Any:
     return cache
 
 
+#: ``run.state`` key set while ``generate`` plans with a :class:`PrefixReuse`: that object.
+REUSE = "prefix_reuse"
+
+
 class PrefixReuse:
     """Prompts that start alike feed their common leading windows once (a passkey grid: every key of a
     cell shares the filler before its needle).
@@ -37,7 +41,11 @@ class PrefixReuse:
     first tokens equal that snapshot's, on the same run, starts from a copy of it.  The copy is the
     whole per-prompt state of methods whose ``reusable_prefix()`` is true, so outputs are the same as
     feeding every window (tested); for other methods, or batches, it does nothing.  One snapshot is
-    kept: its memory can be as large as the prompt's."""
+    kept: its memory can be as large as the prompt's.
+
+    A method whose chunking stage computes per-prompt state before any window is fed (focusllm's
+    candidates) may keep what later prompts can take from it in :meth:`memo` (its ``lcx_plan`` finds
+    this object in ``run.state[REUSE]`` while ``generate`` plans)."""
 
     def __init__(self) -> None:
         self.run: Run | None = None
@@ -45,6 +53,17 @@ class PrefixReuse:
         self.windows: list[tuple[int, int]] = []
         self.cache: Any = None
         self.reused = 0  # windows not fed again, over all prompts (for reporting and tests)
+        self._memos: dict[str, Any] = {}
+        self._memo_run: Run | None = None
+
+    def memo(self, run: Run, name: str, factory: Callable[[], Any]) -> Any:
+        """The method's own memo ``name`` for prompts of ``run`` (a new one from ``factory`` the first time,
+        and for every name again when the run changes: another model, adapter or options)."""
+        if self._memo_run is not run:
+            self._memos, self._memo_run = {}, run
+        if name not in self._memos:
+            self._memos[name] = factory()
+        return self._memos[name]
 
     @staticmethod
     def applies(run: Run, plan: Plan) -> bool:
@@ -148,7 +167,12 @@ def generate(
     """Generate ``max_new_tokens`` after a (possibly very long) prompt; returns only the new tokens (B, N).
     ``reuse``/``shared``: feed leading windows other prompts share once (:class:`PrefixReuse`);
     ``progress``: a bar while the prompt's windows are read (methods that read it window by window)."""
-    plan = make_plan(run, input_ids, attention_mask, max_new_tokens)
+    if reuse is not None:
+        run.state[REUSE] = reuse
+    try:
+        plan = make_plan(run, input_ids, attention_mask, max_new_tokens)
+    finally:
+        run.state.pop(REUSE, None)
     cache = prefill(run, plan, reuse=reuse, shared=shared, progress=progress)
     kwargs = dict(do_sample=False, pad_token_id=_pad_id(run.model))
     kwargs.update(generate_kwargs)

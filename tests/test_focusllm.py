@@ -274,9 +274,9 @@ def _slots_after_generation(model, ids, n_new, **opts):
     with lcx.attach(model, ["focusllm"], focusllm={**OPTS, **opts}) as run:
         new = generate(run, ids, max_new_tokens=n_new)
         cache = run.state["memory"]
+        gen = run.state.get("focusllm_generation")  # before the next plan, which lets it go
         n = make_plan(run, ids, None, 0).info["candidates"]
         slots = [(l.keys[:, :, :n].clone(), l.values[:, :, :n].clone()) for l in cache.layers]
-        gen = run.state.get("focusllm_generation")
     return new, slots, gen
 
 
@@ -328,6 +328,33 @@ def test_refresh_needs_no_chunk_cache_when_only_one_token_is_generated():
     with lcx.attach(tiny_model("llama"), ["focusllm"], focusllm={**OPTS, "refresh": 1}) as run:
         generate(run, _ids(T=110), max_new_tokens=1)
         assert run.state.get("focusllm_generation") is None
+
+
+@pytest.mark.parametrize("refresh", [1, 0])
+def test_prompts_sharing_chunks_take_them_from_the_last_prompt_and_generate_the_same(refresh):
+    """A passkey grid's prompts differ in the needle's chunk: with a PrefixReuse the others come from the
+    previous prompt (its chunk caches too, refreshed while it generated: they must come back unchanged)."""
+    from lcx.generation import PrefixReuse
+
+    model, a = _trained_peft(), _ids(T=110)  # 6 chunks (86 memory tokens)
+    b, c = a.clone(), a.clone()
+    b[0, 40] = c[0, 40] = 7  # chunk 2 differs from a
+    c[0, 70] = 9  # chunk 4 differs from b
+    reuse = PrefixReuse()
+    with lcx.attach(model, ["focusllm"], focusllm={**OPTS, "refresh": refresh}) as run:
+        memo_slots = []
+        for ids in (a, b, c, c):
+            new = generate(run, ids, max_new_tokens=6, reuse=reuse)
+            memo_slots.append((new, [(l.keys[:, :, :6].clone(), l.values[:, :, :6].clone()) for l in run.state["memory"].layers]))
+        memo = reuse.memo(run, "focusllm_chunks", None)
+    assert memo.hits == 5 + 5 + 6  # b: all but chunk 2; c: all but chunk 4; c again: every chunk
+    for ids, (new, slots) in zip((a, b, c, c), memo_slots):
+        want_new, want, _ = _slots_after_generation(model, ids, 6, refresh=refresh)
+        assert torch.equal(new, want_new)
+        for (k, v), (wk, wv) in zip(slots, want):
+            torch.testing.assert_close(k, wk, atol=1e-5, rtol=0)
+            torch.testing.assert_close(v, wv, atol=1e-5, rtol=0)
+    assert not torch.allclose(memo_slots[0][1][1][0], memo_slots[2][1][1][0], atol=1e-3)  # the prompts' candidates differ
 
 
 # ---------------------------------------------------------------------- training: sampling and loss stages
