@@ -584,13 +584,15 @@ class FocusServed(ServedAttention):
     lcx's own path (``FocusLLM.serve_request``), wrote them to ``spool`` and rewrote the prompt to [one
     placeholder per candidate ; local tokens]; here each layer keeps the candidates' keys/values in the
     placeholders' stead (as ``CandidateLayer`` does) and every token attends causally to all of the request's
-    keys (at most the model's window: nothing leaves)."""
+    keys (at most the model's window: nothing leaves).  With ``topk`` each query head reads only its ``topk``
+    best-scoring candidates, as ``candidate_topk_mask`` does on lcx's path."""
 
     name = "focusllm"
 
-    def __init__(self, spool: str | os.PathLike) -> None:
+    def __init__(self, spool: str | os.PathLike, topk: int = 0) -> None:
         super().__init__(1 << 40)  # no chunk grid: a prompt piece is one update
         self.spool = Path(spool)
+        self.topk = topk
 
     def start_request(self, req, s):
         from safetensors.torch import load_file
@@ -619,19 +621,40 @@ class FocusServed(ServedAttention):
             st.data.update(keys=_Window(like), values=_Window(like))
 
     def read(self, st, module, q, k, v, pos, scale):
-        cand = st.info.get("candidates")
+        cand, n = st.info.get("candidates"), 0
         if cand is not None:
             layer = int(module.layer_idx)
             ck, cv = cand[f"{layer}.k"], cand[f"{layer}.v"]  # (Hkv, n, D) at slots 0..n-1
-            if pos < ck.shape[1]:  # placeholders: the candidates take their place
-                m = min(ck.shape[1], pos + k.shape[1]) - pos
+            n = ck.shape[1]
+            if pos < n:  # placeholders: the candidates take their place
+                m = min(n, pos + k.shape[1]) - pos
                 k = torch.cat([ck[:, pos:pos + m].to(k.dtype), k[:, m:]], dim=1)
                 v = torch.cat([cv[:, pos:pos + m].to(v.dtype), v[:, m:]], dim=1)
         d = st.data
         d["keys"].append(k)
         d["values"].append(v)
         keys, values = d["keys"].view(), d["values"].view()
-        return _sdpa(q, keys, values, _causal_tail(q.shape[1], keys.shape[1], q.device), scale)
+        allowed = _causal_tail(q.shape[1], keys.shape[1], q.device)
+        if self.topk and n > self.topk:
+            return _topk_sdpa(q, keys, values, allowed, n, self.topk, scale)
+        return _sdpa(q, keys, values, allowed, scale)
+
+
+def _topk_sdpa(q, keys, values, allowed, n, k, scale):
+    """``_sdpa`` with each query head's candidate columns (keys ``0..n-1``) cut to its ``k`` highest q.k
+    scores: the mask differs per head, so it is (Hkv, G * nq, S)."""
+    (H, nq, D), (Hkv, S) = q.shape, keys.shape[:2]
+    G = H // Hkv
+    qg = q.reshape(Hkv, G, nq, D)
+    scores = qg @ keys[:, None, :n].transpose(-1, -2)  # (Hkv, G, nq, n)
+    keep = torch.zeros(scores.shape, dtype=torch.bool, device=q.device)
+    keep.scatter_(-1, scores.topk(k, dim=-1).indices, True)
+    base = torch.ones(nq, S, dtype=torch.bool, device=q.device) if allowed is None else allowed
+    mask = base.expand(Hkv, G, nq, S).clone()
+    mask[..., :n] &= keep
+    out = F.scaled_dot_product_attention(qg.reshape(Hkv, G * nq, D)[None], keys[None], values[None],
+                                         attn_mask=mask.reshape(Hkv, G * nq, S)[None], scale=scale)[0]
+    return out.reshape(H, nq, out.shape[-1])
 
 
 # ---------------------------------------------------------------------- vLLM glue
@@ -721,7 +744,7 @@ def served_from_env() -> ServedAttention | None:
     if spec["name"] == "streaming":
         return StreamingServed(m.sinks, m.recent_for(int(info["window"])), m.chunk)
     if spec["name"] == "focusllm":
-        return FocusServed(info["spool"])
+        return FocusServed(info["spool"], m.topk)
     if spec["name"] == "fot":
         shared = None
         if info.get("memory"):

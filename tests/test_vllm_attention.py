@@ -232,21 +232,25 @@ def test_served_fot_reads_a_shared_document_memory_and_never_writes_it(tmp_path,
 FOCUS = dict(chunk=16, local=24, fragment=8, refresh=0)  # tiny llama: window 128
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_served_focusllm_equals_lcx_focusllm_over_any_prefill_split_and_interleaving(tmp_path, seed):
+@pytest.mark.parametrize("seed,topk", [(0, 0), (1, 0), (0, 2)])
+def test_served_focusllm_equals_lcx_focusllm_over_any_prefill_split_and_interleaving(tmp_path, seed, topk):
     """focusllm served as lcx's middleware and attention do it: the prompt's candidates computed on lcx's
     own path (`serve_request`), the prompt rewritten to [placeholders ; local tokens], the candidates'
     keys/values stored in the placeholders' stead in every layer: the logits of every step equal `lcx
     generate`'s with refresh=0, for prompts with several chunks, one chunk, and none (short prompts are read
-    as they are); each request's candidate file is deleted when its state is released."""
+    as they are), and with ``topk`` (each query head's best candidates only); each request's candidate file
+    is deleted when its state is released."""
     from safetensors.torch import save_file
 
     model = tiny_model("llama")
     rng = random.Random(seed)
     prompts = {11 + i: [rng.randrange(3, 120) for _ in range(n)] for i, n in enumerate([90, 70, 35, 20])}
-    want = {k: _hf(model, p, 6, "focusllm", {"focusllm": FOCUS}) for k, p in prompts.items()}
+    opts = {**FOCUS, "topk": topk}
+    want = {k: _hf(model, p, 6, "focusllm", {"focusllm": opts}) for k, p in prompts.items()}
+    if topk:  # the check can fail: with topk the first prompt's answer (4 candidates) is not all candidates'
+        assert not torch.allclose(want[11][1], _hf(model, prompts[11], 6, "focusllm", {"focusllm": FOCUS})[1], atol=1e-3)
     served_prompts, states = {}, {}
-    with lcx.attach(model, ["focusllm"], focusllm=FOCUS) as run:
+    with lcx.attach(model, ["focusllm"], focusllm=opts) as run:
         for k, p in prompts.items():
             res = run.method("focusllm").serve_request(run, p, 6)
             if res is None:  # at most `local` tokens
@@ -258,7 +262,7 @@ def test_served_focusllm_equals_lcx_focusllm_over_any_prefill_split_and_interlea
             save_file(tensors, str(tmp_path / f"{states[k]}.safetensors"))
             n = len(served_prompts[k]) - FOCUS["local"]
             assert n == -(-(len(p) - FOCUS["local"]) // FOCUS["chunk"]) and tensors["0.k"].shape[1] == n
-    served = FocusServed(tmp_path)
+    served = FocusServed(tmp_path, topk)
     engine = FakeEngine(tiny_model("llama"), served, states=states)
     got = _served(engine, served_prompts, {k: w[0] for k, w in want.items()}, rng)
     for k in prompts:

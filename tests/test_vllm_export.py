@@ -97,8 +97,6 @@ def test_focusllm_is_served_with_its_prompts_candidates_and_its_adapters_in_the_
 
     with pytest.raises(LcxError, match=r"serve it with -o focusllm.refresh=0"):
         export_for_vllm(str(model_dir), ["focusllm"], out=tmp_path / "x")
-    with pytest.raises(LcxError, match=r"topk=4 runs on lcx's own path only .* serve it with topk=0"):
-        export_for_vllm(str(model_dir), ["focusllm"], {"focusllm": {"refresh": "0", "topk": "4"}}, out=tmp_path / "x")
     assert not (tmp_path / "x").exists()
     a = _adapter(model_dir, tmp_path / "a", methods=({"name": "focusllm", "options": {}},))
     opts = {"focusllm": {"refresh": "0", "chunk": "64", "local": "32", "fragment": "16"}}
@@ -263,7 +261,7 @@ def test_the_lcx_config_format_refuses_what_it_cannot_serve(model_dir, tmp_path,
         get_config_parser("lcx").parse(d, trust_remote_code=False)
 
 
-def test_attention_methods_serve_through_the_transformers_backend_with_prompt_lengths(model_dir, tmp_path):
+def test_attention_methods_serve_through_the_transformers_backend_with_prompt_lengths(model_dir, tmp_path, monkeypatch):
     from lcx.integrations.vllm import vllm_command, vllm_env
     from lcx.integrations.vllm_attention import PROMPT_LENGTHS_FQCN
     from lcx.integrations.vllm_requests import MODEL_ENV
@@ -282,9 +280,15 @@ def test_attention_methods_serve_through_the_transformers_backend_with_prompt_le
         export_for_vllm(str(model_dir), ["fot", "streaming"], out=tmp_path / "w")
     assert not (tmp_path / "z").exists() and not (tmp_path / "w").exists()
     focus = export_for_vllm(str(model_dir), ["focusllm"], {"focusllm": {"refresh": "0", "chunk": "64", "local": "32",
-                                                                          "fragment": "16"}}, out=tmp_path / "f")
-    spool = json.loads(vllm_env(focus, 1.0)[MODEL_ENV])["spool"]  # where the middleware leaves candidates
+                                                                          "fragment": "16", "topk": "3"}}, out=tmp_path / "f")
+    env = vllm_env(focus, 1.0)
+    spool = json.loads(env[MODEL_ENV])["spool"]  # where the middleware leaves candidates
     assert spool and Path(spool).is_dir() and Path(spool).parent == focus.out
+    from lcx.integrations.vllm_attention import served_from_env
+
+    monkeypatch.setenv(MODEL_ENV, env[MODEL_ENV])
+    served = served_from_env()  # what vLLM's worker builds: the served attention reads the 3 best candidates
+    assert served.name == "focusllm" and served.topk == 3
 
 
 def test_a_served_document_memory_is_checked_before_the_server_starts(model_dir, tmp_path):
