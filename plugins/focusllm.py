@@ -485,11 +485,9 @@ class FocusLLM(Method):
         from lcx.generation import REUSE, SCORED
 
         # an earlier plan's candidates that never reached lcx_memory (its caller failed in between) must not
-        # reach this prompt's cache
-        run.state.pop("focusllm_candidates", None)
-        run.state.pop("focusllm_groups", None)
-        # nor the last prompt's chunk caches (as large as the memo's at 128K) live on while this one's are made
-        run.state.pop("focusllm_generation", None)
+        # reach this prompt's cache, nor the last prompt's chunk caches live on while this one's are made
+        # (make_plan has done this already; serve_request plans directly)
+        self.release(run)
         self.check_window(run)
         B, T = input_ids.shape
         if T <= self.local:
@@ -540,6 +538,15 @@ class FocusLLM(Method):
     def _spans(self, input_tokens: int) -> list[tuple[int, int]]:
         """The memory chunks of a prompt of ``input_tokens`` (none when it fits the local tokens)."""
         return chunk_spans(max(0, input_tokens - self.local), self.chunk, self.overlap)
+
+    def release(self, run) -> None:
+        for key in ("focusllm_candidates", "focusllm_groups", "focusllm_generation"):
+            run.state.pop(key, None)
+
+    def cache_tokens(self, run, tokens: int) -> int:
+        """The decoder's cache: [candidates ; local tokens ; new tokens], at most the window (``lcx_plan``
+        refuses more)."""
+        return min(tokens, run.window)
 
     def memory_entries(self, run, input_tokens: int) -> int:
         """The chunk caches at their peak (``lcx.limits``): [chunk (+ overlap) ; fragment] per chunk, every chunk

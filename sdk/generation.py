@@ -126,6 +126,15 @@ def prefill(run: Run, plan: Plan, include_last: bool = False,
     return cache
 
 
+def release_last_request(run: Run) -> None:
+    """A new request starts: the last one's memory and the methods' state for it go now, so that the limits
+    check sees the memory they held as free (a 128K focusllm prompt's chunk caches: 7.6 GB)."""
+    run.state.pop("memory", None)
+    run.state.pop("plan", None)
+    for m in run.methods:
+        m.release(run)
+
+
 def make_plan(run: Run, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int) -> Plan:
     if input_ids.ndim != 2:
         raise LcxError(f"input_ids must be a (batch, tokens) tensor, got shape {tuple(input_ids.shape)}; "
@@ -134,6 +143,7 @@ def make_plan(run: Run, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
         raise LcxError(f"empty input: got input_ids of shape {tuple(input_ids.shape)}; give at least one token")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
+    release_last_request(run)
     check_request(run, int(input_ids.shape[1]), max_new_tokens, batch=int(input_ids.shape[0]))
     device = model_device(run.model)  # inputs follow the model: the caller's tensors may be on the CPU
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)

@@ -61,6 +61,10 @@ class Method:
         only when everything the method keeps per prompt lives in that cache."""
         return False
 
+    def release(self, run: Any) -> None:
+        """A new request starts on ``run``: drop what this method keeps in ``run.state`` for the last one (its
+        memory, ``run.state["memory"]``, is dropped by lcx), before the limits check measures free memory."""
+
     def memory_entries(self, run: Any, input_tokens: int) -> int:
         """Entries per memory layer and KV head this method's own memory holds after a request of
         ``input_tokens`` (checked against ``lcx.limits``); 0 for methods whose memory is the model's cache."""

@@ -357,6 +357,22 @@ def test_prompts_sharing_chunks_take_them_from_the_last_prompt_and_generate_the_
     assert not torch.allclose(memo_slots[0][1][1][0], memo_slots[2][1][1][0], atol=1e-3)  # the prompts' candidates differ
 
 
+def test_a_new_request_lets_the_last_ones_state_go_before_the_limits_check(monkeypatch):
+    """The limits check measures free memory: the last prompt's decoder cache and refreshed chunk caches
+    (7.6 GB at 128K) must be gone by then, not when the new plan replaces them."""
+    import lcx.generation as g
+
+    seen, check = [], g.check_request
+    monkeypatch.setattr(g, "check_request", lambda run, *a, **kw: seen.append(
+        sorted(k for k in ("memory", "plan", "focusllm_generation") if run.state.get(k) is not None)) or check(run, *a, **kw))
+    with lcx.attach(_trained_peft(), ["focusllm"], focusllm={**OPTS, "refresh": 1}) as run:
+        generate(run, _ids(T=110), max_new_tokens=4)
+        assert all(run.state.get(k) is not None for k in ("memory", "plan", "focusllm_generation"))
+        generate(run, _ids(T=110, seed=1), max_new_tokens=4)
+        assert run.state.get("focusllm_generation") is not None
+    assert seen == [[], []]
+
+
 # ---------------------------------------------------------------------- training: sampling and loss stages
 TRAIN_OPTS = {**OPTS, "train_chunks": "16,32"}
 

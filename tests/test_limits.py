@@ -186,4 +186,4 @@ def test_focusllm_estimate_bounds_its_chunk_caches():
         generate(run, ids, max_new_tokens=new)
         held = sum(g.cache.layers[0].keys.shape[0] * g.cache.layers[0].keys.shape[2]
                    for g in run.state["focusllm_generation"]["groups"]) + run.state["memory"].layers[0].keys.shape[2]
-    assert held == 3763 and held <= estimate
+    assert held == 3763 and held <= estimate <= held + 8  # the decoder's cache: at most the window (128), not T + new
