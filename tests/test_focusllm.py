@@ -362,15 +362,16 @@ def test_a_new_request_lets_the_last_ones_state_go_before_the_limits_check(monke
     (7.6 GB at 128K) must be gone by then, not when the new plan replaces them."""
     import lcx.generation as g
 
-    seen, check = [], g.check_request
+    seen, check, trims = [], g.check_request, []
     monkeypatch.setattr(g, "check_request", lambda run, *a, **kw: seen.append(
         sorted(k for k in ("memory", "plan", "focusllm_generation") if run.state.get(k) is not None)) or check(run, *a, **kw))
+    monkeypatch.setattr(g, "trim_heap", lambda: trims.append(len(seen)))  # freed pages go back to the OS first
     with lcx.attach(_trained_peft(), ["focusllm"], focusllm={**OPTS, "refresh": 1}) as run:
         generate(run, _ids(T=110), max_new_tokens=4)
         assert all(run.state.get(k) is not None for k in ("memory", "plan", "focusllm_generation"))
         generate(run, _ids(T=110, seed=1), max_new_tokens=4)
         assert run.state.get("focusllm_generation") is not None
-    assert seen == [[], []]
+    assert seen == [[], []] and trims == [1]  # trimmed before the second check, and only when something was held
 
 
 # ---------------------------------------------------------------------- training: sampling and loss stages
