@@ -81,6 +81,22 @@ passkey_recall_local_overlap() {  # the same adapter, each chunk also reading th
             --lengths $L --device ${DEVICE:-cpu} --out results/focusllm/passkey-recall-local-overlap-${L,,} --resume
     done
 }
+passkey_topk() {  # the full grids with -o focusllm.topk=4 (each local query head reads its 4 best candidates;
+                  # see topk_probe) and overlap 64; ~4-5 min a 64K prompt on 2 CPU cores, DEVICE=cuda on a GPU
+    local L
+    for L in ${TOPK_LENGTHS:-64K 128K}; do
+        $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local -o focusllm.overlap=64 \
+            -o focusllm.topk=4 --lengths $L --device ${DEVICE:-cpu} \
+            --out results/focusllm/passkey-recall-local-topk4-${L,,} --resume
+    done
+}
+passkey_free_topk() {  # topk 4 without training (the base projections), overlap 64: what topk alone does
+    local L
+    for L in ${FREE_TOPK_LENGTHS:-64K}; do
+        $LCX eval passkey -m smollm2-135m --method focusllm -o focusllm.overlap=64 -o focusllm.topk=4 --lengths $L \
+            --device ${DEVICE:-cpu} --out results/focusllm/passkey-free-topk4-${L,,} --resume
+    done
+}
 bigchunk_probe() {  # chunks of 7,616 tokens (the largest the window holds with overlap 64 and fragment 512): 9
                     # candidates at 64K instead of 31; the first key of each depth of the committed 64K grid
                     # (~5 min a prompt on 2 cores)
@@ -112,6 +128,19 @@ ppl_trained() {
         --target 256 --out results/focusllm/ppl-trained
 }
 
+compare16_topk() {  # the topk stack (adapter-recall-local, overlap 64, topk 4) on compare16's prompts; the vanilla,
+                   # streaming and fot rows are compare16's: their journals are copied and --resume reuses them
+                   # (same prompts and options; ~20-180 s a sample each to recompute on one thread)
+    local D=results/focusllm/compare-16k-topk S
+    mkdir -p $D
+    for S in vanilla streaming fot; do
+        [ -e $D/compare-passkey.$S.samples.jsonl ] || cp results/focusllm/compare-16k/compare-passkey.$S.samples.jsonl $D/
+    done
+    $LCX eval compare passkey -m smollm2-135m --stack focusllm@results/focusllm/adapter-recall-local \
+        --stack vanilla --stack streaming --stack fot -o focusllm.overlap=64 -o focusllm.topk=4 \
+        -o fot.local=1024 -o fot.chunk=256 -o fot.memory_layers=6,7,8,14,15,17,18,19,20,21,22,23 \
+        --lengths 16K --depths 0.1,0.5,0.9 --samples 2 --out $D --resume
+}
 compare16() {  # focusllm, training-free and with the trained adapter (focusllm@DIR), against vanilla, streaming
                # and fot (fot in the configuration of results/fot/run.sh) on the same 16K prompts: 3 depths x 2
                # keys (~1-3 min per sample and stack on one thread)
@@ -137,5 +166,5 @@ topk_probe() {  # -o focusllm.topk=K: each local query head reads its K best can
         --baseline results/focusllm/passkey-recall-local-64k -o focusllm.overlap=64 -o focusllm.topk=4 \
         --out results/focusllm/topk/k4-64k-i1
 }
-[ ${#steps[@]} -eq 0 ] && steps=(passkey_free ppl_free train passkey_trained ppl_trained train_fresh passkey_fresh diagnose_fresh train_recall passkey_recall train_recall_local passkey_recall_local passkey_recall_local_32k passkey_recall_local_long passkey_recall_local_overlap bigchunk_probe topk_probe)
+[ ${#steps[@]} -eq 0 ] && steps=(passkey_free ppl_free train passkey_trained ppl_trained train_fresh passkey_fresh diagnose_fresh train_recall passkey_recall train_recall_local passkey_recall_local passkey_recall_local_32k passkey_recall_local_long passkey_recall_local_overlap bigchunk_probe topk_probe passkey_topk compare16_topk passkey_free_topk)
 for s in "${steps[@]}"; do echo "== $s"; "$s"; done
