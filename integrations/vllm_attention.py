@@ -643,12 +643,12 @@ class FocusServed(ServedAttention):
 def _topk_sdpa(q, keys, values, allowed, n, k, scale):
     """``_sdpa`` with each query head's candidate columns (keys ``0..n-1``) cut to its ``k`` highest q.k
     scores: the mask differs per head, so it is (Hkv, G * nq, S)."""
+    from lcx.plugins.focusllm import topk_keep
+
     (H, nq, D), (Hkv, S) = q.shape, keys.shape[:2]
     G = H // Hkv
     qg = q.reshape(Hkv, G, nq, D)
-    scores = qg @ keys[:, None, :n].transpose(-1, -2)  # (Hkv, G, nq, n)
-    keep = torch.zeros(scores.shape, dtype=torch.bool, device=q.device)
-    keep.scatter_(-1, scores.topk(k, dim=-1).indices, True)
+    keep = topk_keep(qg, keys[:, :n], k)  # (Hkv, G, nq, n)
     base = torch.ones(nq, S, dtype=torch.bool, device=q.device) if allowed is None else allowed
     mask = base.expand(Hkv, G, nq, S).clone()
     mask[..., :n] &= keep

@@ -336,6 +336,15 @@ class CandidateLayer(DynamicLayer):
         return super().update(key_states, value_states, *args, **kwargs)
 
 
+def topk_keep(query: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
+    """Which candidates each query reads: queries (..., Hkv, G, T, D) grouped by KV head, the candidates'
+    keys (..., Hkv, n, D); True at each query's ``k`` highest q.k, (..., Hkv, G, T, n).  lcx's attention
+    (``candidate_topk_mask``) and the served one (``vllm_attention._topk_sdpa``) both cut with it."""
+    scores = query @ candidates.unsqueeze(-3).transpose(-1, -2)
+    keep = torch.zeros(scores.shape, dtype=torch.bool, device=query.device)
+    return keep.scatter_(-1, scores.topk(k, dim=-1).indices, True)
+
+
 def candidate_topk_mask(query: torch.Tensor, key: torch.Tensor, n: int, k: int, attention_mask: torch.Tensor | None,
                         base_impl: str) -> torch.Tensor:
     """The base attention's mask (causal over the ``S`` keys, the queries the last ``T``) with each query
@@ -343,9 +352,7 @@ def candidate_topk_mask(query: torch.Tensor, key: torch.Tensor, n: int, k: int, 
     bool for sdpa, additive for eager, as the base mask."""
     B, Hq, T, D = query.shape
     Hkv, S = key.shape[1], key.shape[2]
-    scores = query.reshape(B, Hkv, Hq // Hkv, T, D) @ key[:, :, None, :n].transpose(-1, -2)  # (B, Hkv, g, T, n)
-    keep = torch.zeros(B, Hq, T, n, dtype=torch.bool, device=query.device)
-    keep.scatter_(-1, scores.topk(k, dim=-1).indices.reshape(B, Hq, T, k), True)
+    keep = topk_keep(query.reshape(B, Hkv, Hq // Hkv, T, D), key[:, :, :n], k).reshape(B, Hq, T, n)
     base = visible_mask(attention_mask, torch.arange(S, device=query.device), S, T, base_impl, query.dtype)
     mask = base.expand(B, Hq, T, S).clone()
     if mask.dtype == torch.bool:
