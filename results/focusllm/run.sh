@@ -150,6 +150,24 @@ compare16() {  # focusllm, training-free and with the trained adapter (focusllm@
         --lengths 16K --depths 0.1,0.5,0.9 --samples 2 --out results/focusllm/compare-16k --resume
 }
 
+passkey_topk_chunk4096() {  # the 128K grid with chunks of 4,096 tokens: 31 candidates, as 2,048-token chunks
+                            # make at 64K (23/25 there); ~9 min for the first prompt, ~1 min each after (2 cores)
+    $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local -o focusllm.overlap=64 \
+        -o focusllm.topk=4 -o focusllm.chunk=4096 --lengths 128K --device ${DEVICE:-cpu} \
+        --out results/focusllm/passkey-recall-local-topk4-chunk4096-128k --resume
+}
+dev_probe() {  # generation variants on development prompts at 128K (dev/probe.py: depths 0.2-0.8, keys of seed 1,
+               # never a test-grid prompt), the adapter-recall-local stack; ~9 min for a first prompt's chunks,
+               # ~70 s a variant with exact refresh after it (2 cores).  Run as three calls, each stopped once its new
+               # variants had lost prompts topk 4 finds (topk 6, 8, refresh 0; then topk 3, 2): dev-128k.jsonl
+               # holds what ran, and a rerun skips it
+    P="results/focusllm/dev/probe.py" D=results/focusllm/dev/dev-128k
+    .venv/bin/python $P --length 128K --out $D --depths 0.2,0.4 --samples 2 \
+        --variant topk4=topk:4 --variant topk8=topk:8 --variant topk6=topk:6 --variant topk4-r0=topk:4,refresh:0
+    .venv/bin/python $P --length 128K --out $D --depths 0.2 --samples 2 --variant topk4=topk:4 --variant topk3=topk:3 \
+        --variant topk2=topk:2
+    .venv/bin/python $P --length 128K --out $D --variant topk4=topk:4
+}
 steps=("$@")
 topk_probe() {  # -o focusllm.topk=K: each local query head reads its K best candidates; prompts of the committed
                 # grids (bigchunk/probe.py), ~100 s a prompt at 32K, ~5 min at 64K on 2 cores
@@ -166,5 +184,5 @@ topk_probe() {  # -o focusllm.topk=K: each local query head reads its K best can
         --baseline results/focusllm/passkey-recall-local-64k -o focusllm.overlap=64 -o focusllm.topk=4 \
         --out results/focusllm/topk/k4-64k-i1
 }
-[ ${#steps[@]} -eq 0 ] && steps=(passkey_free ppl_free train passkey_trained ppl_trained train_fresh passkey_fresh diagnose_fresh train_recall passkey_recall train_recall_local passkey_recall_local passkey_recall_local_32k passkey_recall_local_long passkey_recall_local_overlap bigchunk_probe topk_probe passkey_topk compare16_topk passkey_free_topk)
+[ ${#steps[@]} -eq 0 ] && steps=(passkey_free ppl_free train passkey_trained ppl_trained train_fresh passkey_fresh diagnose_fresh train_recall passkey_recall train_recall_local passkey_recall_local passkey_recall_local_32k passkey_recall_local_long passkey_recall_local_overlap bigchunk_probe topk_probe passkey_topk compare16_topk passkey_free_topk dev_probe passkey_topk_chunk4096)
 for s in "${steps[@]}"; do echo "== $s"; "$s"; done
