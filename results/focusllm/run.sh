@@ -159,6 +159,10 @@ passkey_topk_chunk4096() {  # the 128K grid with chunks of 4,096 tokens: 31 cand
     $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local -o focusllm.overlap=64 \
         -o focusllm.topk=4 -o focusllm.chunk=4096 --lengths 128K --seed 2 --device ${DEVICE:-cpu} \
         --out results/focusllm/passkey-recall-local-topk4-chunk4096-128k-seed2 --resume
+    # and at 64K (15 candidates; ~40 s a prompt after the first)
+    $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local -o focusllm.overlap=64 \
+        -o focusllm.topk=4 -o focusllm.chunk=4096 --lengths 64K --device ${DEVICE:-cpu} \
+        --out results/focusllm/passkey-recall-local-topk4-chunk4096-64k --resume
 }
 dev_probe() {  # generation variants on development prompts at 128K (dev/probe.py: depths 0.2-0.8, keys of seed 1,
                # never a test-grid prompt), the adapter-recall-local stack; ~9 min for a first prompt's chunks,
