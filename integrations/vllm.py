@@ -20,10 +20,11 @@ Which methods can be served is declared by each method (``Method.serving``): "ba
 training-only) serve as the plain model plus their adapter, "config" methods (``rope``) rewrite
 config.json, "prompt" methods (``vanilla``: truncation to the window) rewrite each prompt's tokens in
 lcx's request middleware (``lcx.integrations.vllm_requests``) before vLLM reads it, "attention" methods
-(``streaming``, ``fot`` with a per-request memory, ``focusllm`` with its prompt's candidates) run inside
-vLLM's attention (``lcx.integrations.vllm_attention``: the Transformers backend, prefix caching off);
-focusllm's candidates are computed by the request middleware, on lcx's own path, before vLLM reads the
-rewritten prompt, and so are focusllm's adapters (its candidate projections: each served as a name of the
+(``streaming``, ``fot`` with a per-request memory, ``focusllm`` with ``topk``) run inside vLLM's attention
+(``lcx.integrations.vllm_attention``: the Transformers backend, prefix caching off); focusllm's candidates
+are computed by the request middleware, on lcx's own path, before vLLM reads the rewritten prompt, and
+without ``topk`` vLLM's own model code reads them, loaded into its KV cache by lcx's KV connector
+(``lcx.integrations.vllm_connector``, ``Method.serves_prefix_kv``); so are focusllm's adapters (its candidate projections: each served as a name of the
 base model, never as vLLM LoRA).  A document memory built by ``lcx memory build`` is loaded once by the
 server and read by every request (``lcx serve --memory``); ``fot`` mode=multi (requests writing into one
 memory) and focusllm with ``refresh`` other than 0 (candidates refreshed while generating) are refused with
@@ -48,7 +49,7 @@ from typing import Any, Callable
 
 from lcx.errors import LcxError
 from lcx.integrations.vllm_requests import MIDDLEWARE as REQUEST_CHECK
-from lcx.integrations.vllm_requests import MODEL_ENV, SERVED_ENV
+from lcx.integrations.vllm_requests import MODEL_ENV, SERVED_ENV, prefix_kv
 
 #: Ranks vLLM 0.32 accepts for ``--max-lora-rank``.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -158,7 +159,7 @@ def served_state_budget(insts: list, config: dict[str, Any], window: int, max_mo
     from lcx.limits import Limits
 
     spec = next(({"name": m.name, "options": m.to_options()} for m in insts if m.serving == "attention"), None)
-    if spec is None:
+    if spec is None or prefix_kv(spec):  # none, or all of it in vLLM's own KV cache
         return 0
     if state_gib <= 0:
         raise LcxError(f"--state-gib must be > 0, got {state_gib}")
@@ -466,6 +467,11 @@ def _config_parser(base: type) -> type:
 
 
 # ---------------------------------------------------------------------- serve
+#: ``--kv-transfer-config`` of a method served with lcx's KV connector (``Method.serves_prefix_kv``).
+KV_CONNECTOR = {"kv_connector": "LcxCandidates", "kv_connector_module_path": "lcx.integrations.vllm_connector",
+                "kv_role": "kv_both"}
+
+
 def vllm_command(exp: Export, host: str, port: int, served_name: str, dtype: str, max_loras: int | None,
                  extra: tuple[str, ...] = ()) -> list[str]:
     """The `vllm serve` command line for an export."""
@@ -473,7 +479,11 @@ def vllm_command(exp: Export, host: str, port: int, served_name: str, dtype: str
            "--served-model-name", served_name, *exp.middleware_adapters,  # the latter: names of the base model
            "--dtype", dtype, "--max-model-len", str(exp.max_model_len),
            "--enforce-eager", "--disable-log-stats", "--middleware", REQUEST_CHECK]
-    if attention_method(exp):  # lcx answers the attention: the HF modeling code, no shared prefix blocks
+    attention = attention_method(exp)
+    if prefix_kv(attention):  # vLLM's own model and attention; lcx's KV connector loads the request's prefix
+        cmd += ["--no-enable-prefix-caching",  # every request's placeholders are the same tokens
+                "--kv-transfer-config", json.dumps(KV_CONNECTOR)]
+    elif attention:  # lcx answers the attention: the HF modeling code, no shared prefix blocks
         from lcx.integrations.vllm_attention import PROMPT_LENGTHS_FQCN
 
         cmd += ["--model-impl", "transformers", "--no-enable-prefix-caching",

@@ -17,7 +17,8 @@ lcx's own path (``lcx generate``):
   fits its ``local`` window, memory layers into the request's own kNN memory (keys un-rotated to
   position 0); a query attends to its local keys and, in memory layers, to its top-``k`` memory keys
   under one softmax, with the query re-rotated per the positions mode;
-- ``focusllm`` (``CandidateLayer``, ``refresh=0``): lcx's request middleware computed the prompt's
+- ``focusllm`` with ``topk`` (``CandidateLayer``, ``refresh=0``; without ``topk`` vLLM's own attention reads the
+  candidates, loaded by ``lcx.integrations.vllm_connector``): lcx's request middleware computed the prompt's
   candidates and rewrote the prompt to [placeholders ; local tokens] (``lcx.integrations.vllm_requests``);
   the request's tensors arrive by id (``Seq.state``, from ``vllm_xargs``) and every layer keeps the
   candidates' keys/values in the placeholders' stead; attention is plain causal over the request's keys.
@@ -42,10 +43,11 @@ the method's state lives there, and the prompt lengths come through the one per-
 worker has (a logits processor's batch updates).  The cost of the choice: the Transformers backend
 instead of vLLM's native model code, prefix caching off, and attention in torch instead of vLLM's CPU
 kernel (``bench/serve_throughput.py --method fot`` measures what that leaves of vLLM's batching).
-focusllm's candidates *are* a fixed prefix, and a KV connector could inject them; it goes through the same
-attention function so that one served path (and one logits processor for per-request data) serves all
-three methods, and its candidates reach the worker as a file named by an id in the request's
-``vllm_xargs`` (the request's ``extra_args``, which a logits processor's batch updates carry).
+focusllm's candidates *are* a fixed prefix, and a KV connector injects them (``lcx.integrations.vllm_connector``):
+vLLM then serves focusllm on its native model code, 2.6-3.4x faster than through this module on 2 cores
+(BENCHMARKS.md).  Only ``topk``, a per-head choice of candidates, still needs this attention function; its
+candidates reach the worker as a file named by an id in the request's ``vllm_xargs`` (the request's
+``extra_args``, which a logits processor's batch updates carry).
 """
 
 from __future__ import annotations
@@ -580,7 +582,8 @@ class FoTServed(ServedAttention):
 
 
 class FocusServed(ServedAttention):
-    """lcx's focusllm with the prompt's candidates (``refresh=0``).  lcx's request middleware computed them on
+    """lcx's focusllm with the prompt's candidates (``refresh=0``) and ``topk`` (without it, lcx's KV connector
+    serves focusllm on vLLM's own model code).  lcx's request middleware computed them on
     lcx's own path (``FocusLLM.serve_request``), wrote them to ``spool`` and rewrote the prompt to [one
     placeholder per candidate ; local tokens]; here each layer keeps the candidates' keys/values in the
     placeholders' stead (as ``CandidateLayer`` does) and every token attends causally to all of the request's
@@ -733,9 +736,11 @@ def served_from_env() -> ServedAttention | None:
     from lcx.integrations.vllm_requests import MODEL_ENV
     from lcx.registry import registry
 
+    from lcx.integrations.vllm_requests import prefix_kv
+
     info = json.loads(os.environ.get(MODEL_ENV) or "{}")
     spec = info.get("attention")
-    if not spec:
+    if not spec or prefix_kv(spec):  # vLLM's own attention reads it (lcx.integrations.vllm_connector)
         return None
     m = registry().get(spec["name"]).from_options(**(spec.get("options") or {}))
     if spec["name"] == "streaming":

@@ -134,6 +134,16 @@ def state_methods(served: dict[str, list[dict[str, Any]]] | None) -> dict[str, d
     return {name: m for name, methods in (served or {}).items() for m in methods if reg.get(m["name"]).serve_state}
 
 
+def prefix_kv(spec: dict[str, Any] | None) -> bool:
+    """Whether the served method ``spec`` (name and options) is served on vLLM's own model code, its
+    middleware-computed keys/values loaded by lcx's KV connector (``Method.serves_prefix_kv``)."""
+    from lcx.registry import registry
+
+    if not spec or not registry().get(spec["name"]).serve_state:
+        return False
+    return registry().get(spec["name"]).from_options(**(spec.get("options") or {})).serves_prefix_kv()
+
+
 class RequestStates:
     """Computes a ``serve_state`` method's per-request tensors on lcx's own path and spools them for vLLM's
     worker (see the module docstring)."""
@@ -205,6 +215,9 @@ def check_one_state(body: dict[str, Any], method: str) -> None:
         if value not in fine:
             raise LcxError(f"{method} serves one sequence per request over its whole prompt; {field}={json.dumps(value)} "
                            f"is not supported (leave it out, or send separate requests)")
+    if body.get("prompt_logprobs") is not None:  # vLLM would compute the placeholders (skipping the KV connector)
+        raise LcxError(f"{method}: prompt_logprobs is not supported (vLLM reads the prompt rewritten to one "
+                       f"placeholder per candidate and the local tokens, not the prompt sent); leave it out")
 
 
 def _is_ids(p: Any) -> bool:

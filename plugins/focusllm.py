@@ -579,6 +579,12 @@ class FocusLLM(Method):
                            f"generates): serve it with -o focusllm.refresh=0, and compare it with `lcx generate "
                            f"--method focusllm -o focusllm.refresh=0` (got refresh={self.refresh})")
 
+    def serves_prefix_kv(self):
+        """The candidates' keys/values are the served state, read by plain attention: vLLM's own model code serves
+        them through lcx's KV connector; with ``topk`` each query head picks its candidates, which only lcx's
+        served attention can do (``vllm_attention.FocusServed``)."""
+        return not self.topk
+
     @torch.no_grad()
     def serve_request(self, run, ids, max_new_tokens):
         """The plan's tokens ([one placeholder per candidate ; local tokens]) and, per layer, the candidates'

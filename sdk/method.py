@@ -93,6 +93,14 @@ class Method:
         a method whose cache keeps a window."""
         return tokens
 
+    def serves_prefix_kv(self) -> bool:
+        """For ``serve_state`` methods: whether the tensors :meth:`serve_request` computes are only a fixed
+        prefix of keys and values (``"{layer}.k"``/``"{layer}.v"``, (KV heads, n, head dim), rotated at
+        positions ``0..n-1``, standing in for the rewritten prompt's first ``n`` tokens).  Then vLLM serves the
+        method on its own model code: lcx's KV connector loads them into its paged cache
+        (``lcx.integrations.vllm_connector``) instead of lcx answering its attention."""
+        return False
+
     def check_serving(self) -> None:
         """Refuse (``LcxError`` naming the option and the fix) options this method's served form cannot
         run; called by ``lcx export --for vllm``, ``lcx serve`` and the vLLM plugin (which reads the export)."""

@@ -93,7 +93,7 @@ def test_focusllm_is_served_with_its_prompts_candidates_and_its_adapters_in_the_
     """Served focusllm keeps the prompt's candidates (refresh=0: refused otherwise, before anything is
     written); its adapters (candidate projections, which vLLM's LoRA would apply to every token) are applied
     by lcx's request middleware: served as names of the base model, mapped to their adapter for it."""
-    from lcx.integrations.vllm import served_methods, vllm_command
+    from lcx.integrations.vllm import KV_CONNECTOR, served_methods, vllm_command
 
     with pytest.raises(LcxError, match=r"serve it with -o focusllm.refresh=0"):
         export_for_vllm(str(model_dir), ["focusllm"], out=tmp_path / "x")
@@ -101,9 +101,13 @@ def test_focusllm_is_served_with_its_prompts_candidates_and_its_adapters_in_the_
     a = _adapter(model_dir, tmp_path / "a", methods=({"name": "focusllm", "options": {}},))
     opts = {"focusllm": {"refresh": "0", "chunk": "64", "local": "32", "fragment": "16"}}
     exp = export_for_vllm(str(model_dir), ["focusllm"], opts, adapters={"cand": a}, out=tmp_path / "x")
-    assert [m["name"] for m in exp.methods] == ["focusllm"] and exp.max_concurrent > 0
+    # its state (the candidates' keys/values) lives in vLLM's own KV cache: no lcx-held state caps concurrency
+    assert [m["name"] for m in exp.methods] == ["focusllm"] and exp.max_concurrent == 0
     assert exp.adapters == {} and list(exp.middleware_adapters) == ["cand"]
     cmd = vllm_command(exp, "127.0.0.1", 8000, "m", "float32", None)
+    # vLLM's own model code and attention, lcx's KV connector loading the candidates, no shared prefix blocks
+    assert json.loads(cmd[cmd.index("--kv-transfer-config") + 1]) == KV_CONNECTOR
+    assert "--model-impl" not in cmd and "--logits-processors" not in cmd and "--no-enable-prefix-caching" in cmd
     assert cmd[cmd.index("--served-model-name") + 1:][:2] == ["m", "cand"] and "--enable-lora" not in cmd
     table = served_methods(exp, "m")
     assert "adapter" not in table["m"][0] and table["cand"][0]["adapter"] == str(exp.middleware_adapters["cand"])
@@ -289,6 +293,12 @@ def test_attention_methods_serve_through_the_transformers_backend_with_prompt_le
     monkeypatch.setenv(MODEL_ENV, env[MODEL_ENV])
     served = served_from_env()  # what vLLM's worker builds: the served attention reads the 3 best candidates
     assert served.name == "focusllm" and served.topk == 3
+    cmd = vllm_command(focus, "127.0.0.1", 8000, "m", "float32", None)  # only lcx's attention can pick them
+    assert cmd[cmd.index("--model-impl") + 1] == "transformers" and "--kv-transfer-config" not in cmd
+    plain = export_for_vllm(str(model_dir), ["focusllm"], {"focusllm": {"refresh": "0", "chunk": "64", "local": "32",
+                                                                          "fragment": "16"}}, out=tmp_path / "g")
+    monkeypatch.setenv(MODEL_ENV, vllm_env(plain, 1.0)[MODEL_ENV])
+    assert served_from_env() is None  # without topk vLLM's own attention reads the candidates
 
 
 def test_a_served_document_memory_is_checked_before_the_server_starts(model_dir, tmp_path):

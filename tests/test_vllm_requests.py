@@ -273,6 +273,7 @@ def test_focusllm_requests_that_would_break_the_engine_or_share_a_state_get_a_40
     for extra, needle in (({"n": 2}, "n=2 is not supported"), ({"best_of": 3}, "best_of=3"),
                           ({"use_beam_search": True}, "use_beam_search=true"),
                           ({"truncate_prompt_tokens": 50}, "truncate_prompt_tokens=50"),
+                          ({"prompt_logprobs": 1}, "prompt_logprobs is not supported"),
                           ({"prompt": [5] * 60 + [10 ** 6]}, "token id 1000000 is outside the model's vocabulary"),
                           ({"prompt": [-1] + [5] * 60}, "token id -1 is outside"),
                           ({"max_tokens": 9}, "max_tokens=9 is over the limit of 8 per request; raise it with the "

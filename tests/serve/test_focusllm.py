@@ -1,6 +1,6 @@
 """`focusllm` with its prompt's candidates (refresh=0): lcx's middleware computes them on lcx's own path and
-vLLM reads [placeholders ; local tokens] with the candidates' keys/values in the placeholders' stead
-(lcx.integrations.vllm_attention.FocusServed)."""
+vLLM reads [placeholders ; local tokens] on its own model code, the candidates' keys/values loaded into its
+KV cache in the placeholders' stead by lcx's KV connector (lcx.integrations.vllm_connector)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,8 @@ def test_focusllm_server_equals_the_hf_path_and_keeps_concurrent_requests_apart(
         # finished requests are released when they leave vLLM's batch, at its next step: one more request
         assert len(s.complete(MODEL, tok("One, two, three,")["input_ids"], 2)) == 2
         left = list((tmp / "export" / "request-state").glob("*.safetensors"))
-    assert "lcx: focusllm answers vLLM's attention" in s.log_path.read_text()
+    log = s.log_path.read_text()
+    assert "through lcx's KV connector" in log and "answers vLLM's attention" not in log
     assert not left  # each request's candidate file was deleted with its state
     assert status == 400 and f"max_tokens={WINDOW:,} is over the limit" in bad["error"]["message"], bad
     assert got == want["long"]
