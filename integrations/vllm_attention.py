@@ -44,8 +44,8 @@ worker has (a logits processor's batch updates).  The cost of the choice: the Tr
 instead of vLLM's native model code, prefix caching off, and attention in torch instead of vLLM's CPU
 kernel (``bench/serve_throughput.py --method fot`` measures what that leaves of vLLM's batching).
 focusllm's candidates *are* a fixed prefix, and a KV connector injects them (``lcx.integrations.vllm_connector``):
-vLLM then serves focusllm on its native model code, 2.6-3.4x faster than through this module on 2 cores
-(BENCHMARKS.md).  Only ``topk``, a per-head choice of candidates, still needs this attention function; its
+vLLM then serves focusllm on its native model code, whose decode step for 8 requests took ~57 ms on 2 cores
+against 114-166 ms through this module (BENCHMARKS.md, focusllm).  Only ``topk``, a per-head choice of candidates, still needs this attention function; its
 candidates reach the worker as a file named by an id in the request's ``vllm_xargs`` (the request's
 ``extra_args``, which a logits processor's batch updates carry).
 """
