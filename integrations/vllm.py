@@ -570,9 +570,10 @@ def vllm_env(exp: Export, kv_cache_gib: float | None = None, served_name: str = 
         spool.mkdir(parents=True)
     env[MODEL_ENV] = json.dumps({"tokenizer": str(exp.model_dir), "window": exp.window, "attention": attention,
                                  "memory": exp.memory, "spool": str(spool) if spool else None})
-    if kv_cache_gib is not None:  # the option wins over an exported VLLM_CPU_KVCACHE_SPACE
-        env["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gib:g}"
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    if kv_cache_gib is not None:  # the option (``kv_cache_args``) wins over an exported VLLM_CPU_KVCACHE_SPACE,
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # which vLLM would read after it (and in whole GiB only)
+    else:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     env[API_KEYS_ENV] = json.dumps(api_keys(extra))  # vLLM checks them after lcx's middleware: it checks them first
     if (os.cpu_count() or 1) <= 4:
         # vLLM keeps one CPU for its API server by default; on a 2-core machine that halves the compute
@@ -652,11 +653,17 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def kv_cache_args(kv_cache_gib: float | None) -> list[str]:
+    """``--kv-cache-gib`` as vLLM's flag: its CPU platform reads VLLM_CPU_KVCACHE_SPACE as whole GiB (``int()``:
+    a value like 0.5 stops the engine at start), the flag takes bytes."""
+    return [] if kv_cache_gib is None else ["--kv-cache-memory-bytes", str(int(kv_cache_gib * 2**30))]
+
+
 def start(exp: Export, host: str = "127.0.0.1", port: int = 8000, served_name: str = "lcx", dtype: str = "float32",
           max_loras: int | None = None, kv_cache_gib: float | None = None, extra: tuple[str, ...] = (),
           stdout: Any = None, stderr: Any = None) -> subprocess.Popen:
     """Start `vllm serve` on an export in its own process group (so ``stop`` reaches its workers)."""
-    cmd = vllm_command(exp, host, port, served_name, dtype, max_loras, extra)
+    cmd = vllm_command(exp, host, port, served_name, dtype, max_loras, extra) + kv_cache_args(kv_cache_gib)
     return subprocess.Popen(cmd, env=vllm_env(exp, kv_cache_gib, served_name, extra), start_new_session=True, stdout=stdout,
                             stderr=stderr, preexec_fn=die_with_parent)
 

@@ -116,6 +116,8 @@ class LcxCandidates(KVConnectorBase_V1):
             if req_id in self._pending and req_id in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
                 state, n = self._pending.pop(req_id)
                 meta.loads.append(_Load(state, self._slots(list(cached.new_block_ids[i][0]), n)))
+                print(f"lcx: request {req_id} resumed after a preemption: its {n} candidates are loaded again",
+                      file=sys.stderr, flush=True)
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:

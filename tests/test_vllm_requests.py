@@ -312,13 +312,15 @@ def test_requests_vllm_will_refuse_for_their_api_key_pass_through_untouched(tmp_
 
 
 def test_lcx_serve_passes_its_api_keys_and_kv_cache_size_to_the_server(tmp_path, monkeypatch):
-    from lcx.integrations.vllm import api_keys
+    from lcx.integrations.vllm import api_keys, kv_cache_args
 
     assert api_keys(["--api-key", "a", "b", "--port", "1", "--api-key=c"]) == ["a", "b", "c"]
     exp = Export(out=tmp_path, model_dir=tmp_path / "model")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "7")
     assert vllm_env(exp)["VLLM_CPU_KVCACHE_SPACE"] == "7"  # no --kv-cache-gib: the exported value
-    assert vllm_env(exp, 1.5)["VLLM_CPU_KVCACHE_SPACE"] == "1.5"  # --kv-cache-gib wins
+    # --kv-cache-gib wins, as vLLM's flag in bytes: vLLM reads the variable as whole GiB (int("1.5") stops it)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in vllm_env(exp, 1.5)
+    assert kv_cache_args(1.5) == ["--kv-cache-memory-bytes", str(3 * 2**29)] and kv_cache_args(None) == []
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
     env = vllm_env(exp, None, "lcx", ("--api-key", "s3"))
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and json.loads(env[vr.API_KEYS_ENV]) == ["s3"]
