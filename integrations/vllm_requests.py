@@ -285,6 +285,9 @@ class LcxRequestOptions:
         self._stateful: dict[str, dict[str, Any]] | None = None
         self._states: RequestStates | None = None
         self._auth: Any = None  # vLLM's API-key check, False without keys (``authorized``)
+        self._open: set[int] = set()  # tickets of the state rewrites not finished yet (``_rewrite_held``)
+        self._tickets = 0
+        self._done: asyncio.Condition | None = None
 
     @property
     def rewriters(self) -> dict[str, list]:
@@ -318,6 +321,35 @@ class LcxRequestOptions:
         if not methods:
             return False
         return rewrite_prompts(data, methods, self.tokenizer(), int(self.model.get("window") or 0))
+
+    async def _rewrite_held(self, data: dict[str, Any]) -> bool:
+        """``_rewrite`` off the event loop.  A request whose state it computed is then held until every state
+        request that arrived before it finished is computed too: requests that arrive together reach vLLM
+        together, so vLLM's forwards do not share the CPU with the middleware's (one request at a time) while
+        it computes the rest.  Measured: bench/results/focusllm-connector-checks/ (BENCHMARKS.md, focusllm)."""
+        if data.get("model") not in self.stateful:
+            return await asyncio.to_thread(self._rewrite, data)
+        if self._done is None:
+            self._done = asyncio.Condition()
+        ticket, self._tickets = self._tickets, self._tickets + 1
+        self._open.add(ticket)
+        try:
+            changed = await asyncio.to_thread(self._rewrite, data)
+        finally:
+            async with self._done:
+                self._open.discard(ticket)
+                self._done.notify_all()
+        if changed and self._open:
+            last = max(self._open)  # the burst so far; later arrivals are not waited for
+            try:
+                async with self._done:
+                    await self._done.wait_for(lambda: not any(t <= last for t in self._open))
+            except asyncio.CancelledError:  # the client left: nobody else deletes its state now
+                state = (data.get("vllm_xargs") or {}).get(STATE_ARG)
+                if state and self.states().spool is not None:
+                    (self.states().spool / f"{state}.safetensors").unlink(missing_ok=True)
+                raise
+        return changed
 
     def authorized(self, scope: dict) -> bool:
         """Whether vLLM's own API-key check will let this request through (it runs after this middleware: a
@@ -375,7 +407,7 @@ class LcxRequestOptions:
                         data.pop(FIELD)
                         changed = True
                     if rewrite:  # tokenizing a long prompt takes a while: off the event loop
-                        changed |= await asyncio.to_thread(self._rewrite, data)
+                        changed |= await self._rewrite_held(data)
                 except LcxError as e:
                     return await _send_error(send, str(e), "model" if bad_model else FIELD if FIELD in data else "prompt")
             if changed:

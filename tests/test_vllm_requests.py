@@ -361,3 +361,70 @@ def test_bodies_that_crashed_the_middleware_are_answered_4xx_or_passed_to_vllm()
     deep = b'{"model": "m", "lcx": ' + b"[" * 100000 + b"]" * 100000 + b"}"
     status, _, got = _call(deep)
     assert status == 200 and got["body"] == deep  # not JSON Python can read: vLLM answers it
+
+
+def test_state_requests_that_arrive_together_reach_vllm_together(tmp_path):
+    """The middleware computes state requests one at a time; each is held until the ones that arrived before
+    it finished are computed too, so vLLM does not run forwards beside the middleware's while a burst is being
+    computed (BENCHMARKS.md, focusllm: 80.5 -> 57.7 s for 8 requests).  A request for another model is not held,
+    and one that arrives after a burst was released does not hold it back."""
+    import threading
+    import time
+    import uuid
+
+    events: list[tuple[str, str]] = []
+    lock = threading.Lock()
+
+    async def app(scope, receive, send):
+        body, more = b"", True
+        while more:
+            msg = await receive()
+            body, more = body + msg["body"], msg.get("more_body", False)
+        events.append(("vllm", json.loads(body)["prompt"]))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    mw = vr.LcxRequestOptions(app)
+    mw.served, mw.model = {"f": [], "base": []}, {"spool": str(tmp_path)}
+    mw._stateful, mw._prompt_methods = {"f": {"name": "focusllm"}}, {}
+
+    def rewrite(data):  # stands in for RequestStates.rewrite: one request at a time, 0.2 s each
+        if data["model"] != "f":
+            return False
+        with lock:
+            time.sleep(0.2)
+            events.append(("computed", data["prompt"]))
+        data["vllm_xargs"] = {vr.STATE_ARG: uuid.uuid4().hex}
+        return True
+
+    mw._rewrite = rewrite
+
+    async def one(prompt, model="f", delay=0.0):
+        await asyncio.sleep(delay)
+        raw = json.dumps({"model": model, "prompt": prompt}).encode()
+        messages = [{"type": "http.request", "body": raw, "more_body": False}]
+        sent = []
+
+        async def receive():
+            return messages.pop(0)
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]}
+        await mw(scope, receive, send)
+        assert sent[0]["status"] == 200
+
+    async def burst():
+        await asyncio.gather(one("a"), one("b"), one("c"), one("plain", model="base", delay=0.1), one("late", delay=0.7))
+
+    asyncio.run(burst())
+    order = events
+    first_three = {("computed", p) for p in "abc"}
+    burst_done = max(order.index(e) for e in first_three)
+    assert order.index(("vllm", "plain")) < burst_done  # not a state request: never held
+    for p in "abc":  # each of the burst reaches vLLM after all three are computed
+        assert order.index(("vllm", p)) > burst_done, order
+    assert order.index(("vllm", "late")) > order.index(("computed", "late"))
+    assert not mw._open
