@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -65,7 +64,7 @@ import torch
 import torch.nn.functional as F
 
 from lcx.adapters.rotary import rotate
-from lcx.integrations.vllm_requests import STATE_ARG  # the request extra_args key that carries that id
+from lcx.integrations.vllm_requests import STATE_ARG, state_file  # the extra_args key with that id, its file
 
 #: A request's state is dropped when it has not been scheduled for this many forward passes.
 STALE_STEPS = 512
@@ -606,9 +605,7 @@ class FocusServed(ServedAttention):
         req.info.clear()
         if s.state is None:  # a prompt of at most `local` tokens: read as it is
             return
-        if not STATE_ID.fullmatch(s.state):
-            raise RuntimeError(f"lcx focusllm: malformed request state id {s.state[:80]!r}")
-        path = self.spool / f"{s.state}.safetensors"
+        path = state_file(self.spool, s.state)
         if not path.exists():
             raise RuntimeError(f"lcx focusllm: the candidates of this request ({path}) are gone")
         req.info.update(candidates=load_file(str(path)), path=path, state=s.state)
@@ -672,8 +669,6 @@ ROW_KEYS: dict[int, Any] = {}
 ROW_OUTPUTS: dict[int, tuple[Any, list[int]]] = {}
 #: Persistent-batch row -> the id of the tensors lcx's request middleware computed for the request, if any.
 ROW_STATES: dict[int, str] = {}
-#: What such an id looks like (a random uuid4 hex): nothing else is turned into a file name.
-STATE_ID = re.compile(r"[0-9a-f]{32}")
 
 
 def finished(params: Any, output: list[int]) -> bool:

@@ -34,10 +34,8 @@ from typing import Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
-from lcx.integrations.vllm_requests import MODEL_ENV, STATE_ARG
+from lcx.integrations.vllm_requests import MODEL_ENV, STATE_ARG, state_file
 
-#: What a state id looks like (``vllm_attention.STATE_ID``: a uuid4 hex); nothing else becomes a file name.
-_STATE_ID = re.compile(r"[0-9a-f]{32}")
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
@@ -66,41 +64,46 @@ class LcxCandidates(KVConnectorBase_V1):
                                f"server with `lcx serve`")
         self.spool = Path(spool)
         self.block_size = int(vllm_config.cache_config.block_size)
-        self._pending: dict[str, tuple[str, int]] = {}  # request id -> (state, n): allocated, not yet loaded
+        self._known: dict[str, tuple[str, int]] = {}  # request id -> (state, n), from its first query to its end
+        self._pending: set[str] = set()  # request ids allocated, not yet loaded
         if role == KVConnectorRole.WORKER:
             print(f"lcx: focusllm's candidates reach vLLM's KV cache through lcx's KV connector, process "
                   f"{os.getpid()}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ scheduler side
-    def _state(self, request: Any) -> str | None:
-        extra = getattr(request.sampling_params, "extra_args", None) or {}
-        state = extra.get(STATE_ARG)
-        if state is not None and not (isinstance(state, str) and _STATE_ID.fullmatch(state)):
-            raise RuntimeError(f"lcx focusllm: malformed request state id {str(state)[:80]!r}")
-        return state
+    @staticmethod
+    def _state(request: Any) -> str | None:
+        return (getattr(request.sampling_params, "extra_args", None) or {}).get(STATE_ARG)
 
-    def _path(self, state: str) -> Path:
-        return self.spool / f"{state}.safetensors"
+    def _candidates(self, request: Any) -> tuple[str, int] | None:
+        """The request's state id and number of candidates (read from its file's header once: vLLM asks again
+        at every step a request waits for blocks); None for a prompt read as it is."""
+        rid, state = request.request_id, self._state(request)
+        if state is None:  # a prompt of at most `local` tokens: computed as it is
+            return None
+        path = state_file(self.spool, state)
+        if not path.exists():
+            raise RuntimeError(f"lcx focusllm: the candidates of request {rid} ({path}) are gone")
+        if rid not in self._known:
+            from safetensors import safe_open
+
+            with safe_open(str(path), "pt") as f:
+                n = int(f.get_slice("0.k").get_shape()[1])  # (Hkv, n, D)
+            if n >= len(request.prompt_token_ids or ()):
+                raise RuntimeError(f"lcx focusllm: request {rid} has {n} candidates and no local token")
+            self._known[rid] = (state, n)
+        return self._known[rid]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        state = self._state(request)
-        if state is None:  # a prompt of at most `local` tokens: computed as it is
+        found = self._candidates(request)
+        if found is None:
             return 0, False
-        from safetensors import safe_open
-
-        path = self._path(state)
-        if not path.exists():
-            raise RuntimeError(f"lcx focusllm: the candidates of request {request.request_id} ({path}) are gone")
-        with safe_open(str(path), "pt") as f:
-            n = int(f.get_slice("0.k").get_shape()[1])  # (Hkv, n, D)
-        if n >= len(request.prompt_token_ids or ()):
-            raise RuntimeError(f"lcx focusllm: request {request.request_id} has {n} candidates and no local token")
-        self._pending[request.request_id] = (state, n)
-        return max(0, n - num_computed_tokens), False
+        self._pending.add(request.request_id)
+        return max(0, found[1] - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens == 0:
-            self._pending.pop(request.request_id, None)
+            self._pending.discard(request.request_id)
 
     def _slots(self, block_ids: list[int], n: int) -> list[int]:
         return [block_ids[p // self.block_size] * self.block_size + p % self.block_size for p in range(n)]
@@ -109,25 +112,25 @@ class LcxCandidates(KVConnectorBase_V1):
         meta = CandidateLoads()
         for req in scheduler_output.scheduled_new_reqs:
             if req.req_id in self._pending:
-                state, n = self._pending.pop(req.req_id)
+                self._pending.discard(req.req_id)
+                state, n = self._known[req.req_id]
                 meta.loads.append(_Load(state, self._slots(list(req.block_ids[0]), n)))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):  # resumed after a preemption: its blocks are all new
             if req_id in self._pending and req_id in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
-                state, n = self._pending.pop(req_id)
+                self._pending.discard(req_id)
+                state, n = self._known[req_id]
                 meta.loads.append(_Load(state, self._slots(list(cached.new_block_ids[i][0]), n)))
                 print(f"lcx: request {req_id} resumed after a preemption: its {n} candidates are loaded again",
                       file=sys.stderr, flush=True)
         return meta
 
-    def update_connector_output(self, connector_output: Any) -> None:
-        pass
-
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._pending.pop(request.request_id, None)
+        self._pending.discard(request.request_id)
+        self._known.pop(request.request_id, None)
         state = self._state(request)
         if state is not None:
-            self._path(state).unlink(missing_ok=True)
+            state_file(self.spool, state).unlink(missing_ok=True)
         return False, None
 
     # ------------------------------------------------------------------ worker side
@@ -138,7 +141,7 @@ class LcxCandidates(KVConnectorBase_V1):
         from safetensors.torch import load_file
 
         for load in meta.loads:
-            path = self._path(load.state)
+            path = state_file(self.spool, load.state)
             if not path.exists():
                 raise RuntimeError(f"lcx focusllm: the candidates of this request ({path}) are gone")
             cand, loaded = load_file(str(path)), 0

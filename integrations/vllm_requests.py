@@ -56,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import threading
 import uuid
 from pathlib import Path
@@ -70,6 +71,16 @@ DEFAULT_MAX_TOKENS = 16
 FIELD = "lcx"
 #: The request ``extra_args`` key that carries a request's state id (``lcx.integrations.vllm_attention``).
 STATE_ARG = "lcx_state"
+#: What such an id looks like (a random uuid4 hex, ``RequestStates.rewrite``): nothing else is turned into a file name.
+STATE_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def state_file(spool: str | os.PathLike, state: Any) -> Path:
+    """Where the tensors of the request state ``state`` are spooled; an id lcx did not make is refused
+    (``RuntimeError``: it is read in vLLM's engine and worker processes)."""
+    if not (isinstance(state, str) and STATE_ID.fullmatch(state)):
+        raise RuntimeError(f"lcx: malformed request state id {str(state)[:80]!r}")
+    return Path(spool) / f"{state}.safetensors"
 #: JSON list of the API keys given to ``vllm serve --api-key`` (set by ``lcx serve``; else VLLM_API_KEY counts).
 API_KEYS_ENV = "LCX_SERVED_API_KEYS"
 #: The import path vLLM's ``--middleware`` takes.
@@ -192,7 +203,7 @@ class RequestStates:
         tmp = self.spool / f".{state}.tmp"
         try:
             save_file(tensors, str(tmp))
-            tmp.rename(self.spool / f"{state}.safetensors")  # the worker never sees a half-written file
+            tmp.rename(state_file(self.spool, state))  # the worker never sees a half-written file
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -347,7 +358,7 @@ class LcxRequestOptions:
             except asyncio.CancelledError:  # the client left: nobody else deletes its state now
                 state = (data.get("vllm_xargs") or {}).get(STATE_ARG)
                 if state and self.states().spool is not None:
-                    (self.states().spool / f"{state}.safetensors").unlink(missing_ok=True)
+                    state_file(self.states().spool, state).unlink(missing_ok=True)
                 raise
         return changed
 
@@ -416,7 +427,7 @@ class LcxRequestOptions:
                          + [(b"content-length", str(len(body)).encode())]}
                 state = (data.get("vllm_xargs") or {}).get(STATE_ARG)
                 if state is not None:  # vLLM refusing the request: its worker never reads (nor deletes) the state
-                    spooled = self.states().spool / f"{state}.safetensors"
+                    spooled = state_file(self.states().spool, state)
                     send = _drop_state_on_error(send, spooled)
         try:
             await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive), send)
