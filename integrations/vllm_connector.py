@@ -1,9 +1,10 @@
 """focusllm's candidates into vLLM's own KV cache: a KV connector, so that vLLM serves focusllm on its native
 model code and attention kernel.
 
-lcx's request middleware computes a request's candidates on lcx's own path (``FocusLLM.serve_request``),
-spools their per-layer keys/values (already rotated at positions ``0..n-1``) and rewrites the prompt to
-[``n`` placeholders ; local tokens] (``lcx.integrations.vllm_requests``).  The candidates are a fixed prefix
+lcx's request middleware computes a request's candidates (``FocusLLM.serve_request``; training-free, their
+chunk forwards run on vLLM's engine, see below), spools their per-layer keys/values (already rotated at
+positions ``0..n-1``) and rewrites the prompt to [``n`` placeholders ; local tokens]
+(``lcx.integrations.vllm_requests``).  The candidates are a fixed prefix
 of keys and values, which is what vLLM's KV connectors load: this one tells vLLM's scheduler that the first
 ``n`` prompt tokens of such a request are already computed, and its worker half writes the spooled keys and
 values into the blocks vLLM allocated for them, with the attention backend's own cache-update op, before
@@ -19,6 +20,14 @@ tokens with 1,024 new tokens each took 139.8 s against 246.0 s.
 Each request's state id comes from its ``extra_args`` (the middleware's ``vllm_xargs``); the scheduler half
 deletes the request's file when vLLM reports it finished (a request recomputed after a preemption loads its
 candidates again).  Prefix caching stays off: every request's placeholders are the same token ids.
+
+The candidates themselves (training-free: no candidate adapter) are computed by vLLM too: the middleware sends
+each chunk's [chunk ; fragment] tokens to the engine as a one-token request whose ``extra_args`` name it
+(``CHUNK_ARG``), and this connector saves the keys/values its last prompt position leaves in vLLM's cache,
+per layer, to a file the middleware reads (``save_kv_layer``): the candidate ``candidate_kv`` computes, at the
+engine's speed (on 2 cores vLLM's prefill is ~2.3x faster than the Hugging Face forward).  The slot is read
+through the backend's own cache-update op: ``_CacheReader`` learns, once per cache shape, where that op puts
+each key and value element (the CPU backend stores a block's keys transposed).
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ from typing import Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
-from lcx.integrations.vllm_requests import MODEL_ENV, STATE_ARG, state_file
+from lcx.integrations.vllm_requests import CHUNK_ARG, MODEL_ENV, STATE_ARG, chunk_file, state_file
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -46,10 +55,58 @@ class _Load:
 
 
 @dataclass
+class _Save:
+    chunk: str  # the chunk request's name (``CHUNK_ARG``)
+    slot: int  # the cache slot of its last prompt position
+
+
+@dataclass
 class CandidateLoads(KVConnectorMetadata):
-    """What the worker loads in a step: one entry per request whose prompt starts in it."""
+    """What the worker does in a step: loads, one per request whose prompt starts in it; saves, one per chunk
+    request whose last prompt position is computed in it."""
 
     loads: list[_Load] = field(default_factory=list)
+    saves: list[_Save] = field(default_factory=list)
+
+
+class _CacheReader:
+    """Reads one slot's keys and values back from an attention layer's paged cache, whatever the backend's
+    layout: it writes numbered probes into a one-block scratch copy with the backend's own cache-update op and
+    records where each element lands (the CPU backend's blocks come first; a layout this does not recover is
+    refused, not guessed)."""
+
+    def __init__(self, layer: Any, cache: torch.Tensor, block_size: int) -> None:
+        heads, dim = int(layer.num_kv_heads), int(layer.head_size)
+        n = block_size * heads * dim
+        if not cache.is_floating_point() or cache.element_size() < 2 or n > 255 * 256:
+            raise RuntimeError(f"lcx's KV connector reads float caches of up to {255 * 256} elements a block; this one "
+                               f"is {cache.dtype} with {n}")
+        where = {}
+        slots = torch.arange(block_size, dtype=torch.long, device=cache.device)
+        for part in ("k", "v"):
+            found = []
+            for code in (torch.arange(n) % 255 + 1, torch.arange(n) // 255 + 1):  # exact in bf16/fp16 too
+                probe = code.view(block_size, heads, dim).to(cache.device, cache.dtype)
+                zero = torch.zeros_like(probe)
+                scratch = torch.zeros_like(cache[:1])
+                layer.impl.do_kv_cache_update(layer, *((probe, zero) if part == "k" else (zero, probe)), scratch, slots)
+                found.append(scratch.flatten().long().cpu())
+            low, high = found
+            hit = low.nonzero().flatten()
+            index = (low[hit] - 1) + 255 * (high[hit] - 1)
+            if len(hit) != n or not torch.equal(index.sort().values, torch.arange(n)):
+                raise RuntimeError(f"lcx's KV connector cannot read this attention backend's cache layout "
+                                   f"({type(layer.impl).__name__}, cache {tuple(cache.shape)})")
+            at = torch.empty(n, dtype=torch.long)
+            at[index] = hit
+            where[part] = at.view(block_size, heads, dim)
+        self.where, self.block_size = where, block_size
+
+    def read(self, cache: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        block = cache[slot // self.block_size].flatten()
+        off = slot % self.block_size
+        return (block[self.where["k"][off].to(block.device)].clone(),
+                block[self.where["v"][off].to(block.device)].clone())
 
 
 class LcxCandidates(KVConnectorBase_V1):
@@ -66,6 +123,9 @@ class LcxCandidates(KVConnectorBase_V1):
         self.block_size = int(vllm_config.cache_config.block_size)
         self._known: dict[str, tuple[str, int]] = {}  # request id -> (state, n), from its first query to its end
         self._pending: set[str] = set()  # request ids allocated, not yet loaded
+        self._chunks: dict[str, tuple[str, int, list[int]]] = {}  # chunk request id -> (name, prompt length, blocks)
+        self._readers: dict[tuple, _CacheReader] = {}  # worker: per cache shape
+        self._saved: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}  # worker: chunk -> layer -> (k, v)
         if role == KVConnectorRole.WORKER:
             print(f"lcx: focusllm's candidates reach vLLM's KV cache through lcx's KV connector, process "
                   f"{os.getpid()}", file=sys.stderr, flush=True)
@@ -95,6 +155,12 @@ class LcxCandidates(KVConnectorBase_V1):
         return self._known[rid]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        chunk = (getattr(request.sampling_params, "extra_args", None) or {}).get(CHUNK_ARG)
+        if chunk is not None:  # a chunk forward: computed by vLLM, its last position saved (``build_connector_meta``)
+            chunk_file(self.spool, chunk)  # refuses a malformed name
+            if request.request_id not in self._chunks:
+                self._chunks[request.request_id] = (chunk, len(request.prompt_token_ids or ()), [])
+            return 0, False
         found = self._candidates(request)
         if found is None:
             return 0, False
@@ -123,9 +189,23 @@ class LcxCandidates(KVConnectorBase_V1):
                 meta.loads.append(_Load(state, self._slots(list(cached.new_block_ids[i][0]), n)))
                 print(f"lcx: request {req_id} resumed after a preemption: its {n} candidates are loaded again",
                       file=sys.stderr, flush=True)
+        if not self._chunks:
+            return meta
+        steps = [(r.req_id, list(r.block_ids[0]), True, r.num_computed_tokens)
+                 for r in scheduler_output.scheduled_new_reqs if r.req_id in self._chunks]
+        steps += [(req_id, list(cached.new_block_ids[i][0]) if cached.new_block_ids[i] is not None else [],
+                   req_id in cached.resumed_req_ids, cached.num_computed_tokens[i])
+                  for i, req_id in enumerate(cached.req_ids) if req_id in self._chunks]
+        for req_id, blocks, fresh, computed in steps:  # chunk forwards: save the step that computes the last position
+            name, length, known = self._chunks[req_id]
+            known = blocks if fresh else known + blocks  # a resumed request's blocks are all new
+            self._chunks[req_id] = (name, length, known)
+            if computed < length <= computed + scheduler_output.num_scheduled_tokens.get(req_id, 0):
+                meta.saves.append(_Save(name, self._slots(known, length)[-1]))
         return meta
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._chunks.pop(request.request_id, None)  # its file is the middleware's to read and delete
         self._pending.discard(request.request_id)
         self._known.pop(request.request_id, None)
         state = self._state(request)
@@ -164,8 +244,39 @@ class LcxCandidates(KVConnectorBase_V1):
         pass
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        pass
+        meta = self._get_connector_metadata()
+        found = _LAYER.search(layer_name)
+        if not isinstance(meta, CandidateLoads) or not meta.saves or found is None:
+            return
+        from vllm.forward_context import get_forward_context
+
+        layer = get_forward_context().no_compile_layers[layer_name]
+        key = (tuple(kv_layer.shape[1:]), kv_layer.dtype, type(layer.impl).__name__)
+        if key not in self._readers:
+            self._readers[key] = _CacheReader(layer, kv_layer, self.block_size)
+            print(f"lcx: focusllm's chunk forwards run on vLLM's engine; lcx's KV connector saves their candidates "
+                  f"(cache {tuple(kv_layer.shape)}, {type(layer.impl).__name__})", file=sys.stderr, flush=True)
+        for save in meta.saves:
+            self._saved.setdefault(save.chunk, {})[int(found.group(1))] = self._readers[key].read(kv_layer, save.slot)
 
     def wait_for_save(self) -> None:
-        pass
+        """Writes each chunk request's keys/values (saved layer by layer in this step's forward) to its file,
+        ``"{layer}.k"``/``"{layer}.v"`` of shape (H_kv, D), atomically: the middleware waits for the request to
+        end, then reads it."""
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, CandidateLoads) or not meta.saves:
+            return
+        from safetensors.torch import save_file
+
+        for save in meta.saves:
+            layers = self._saved.pop(save.chunk, {})
+            if not layers or sorted(layers) != list(range(len(layers))):
+                raise RuntimeError(f"lcx focusllm: chunk {save.chunk} saved from layers {sorted(layers)}, not from "
+                                   f"every attention layer")
+            path = chunk_file(self.spool, save.chunk)
+            tmp = path.with_name(f".{path.name}.tmp")
+            tensors = {f"{i}.{part}": t.float().cpu().contiguous() for i, kv in layers.items()
+                       for part, t in zip("kv", kv)}
+            save_file(tensors, str(tmp))
+            tmp.rename(path)
 

@@ -35,7 +35,8 @@ tokenizer is and the model's trained window.
 Served attention methods that need a forward pass over the whole prompt first (``Method.serve_state``:
 ``focusllm``'s candidate tokens, one per memory chunk) get it here too: the middleware keeps the model on
 lcx's own path (loaded on the first such request, one request at a time), and for each ``/v1/completions``
-prompt runs the method's ``serve_request``, writes the tensors it returns to the server's spool folder
+prompt runs the method's ``serve_request`` (a method served through lcx's KV connector without an adapter has
+its forwards run by vLLM's engine: ``engine_forward``), writes the tensors it returns to the server's spool folder
 (``LCX_SERVED_MODEL``'s ``spool``) under a random id, and hands vLLM the rewritten token ids with that id in
 ``vllm_xargs`` (``lcx_state``), which the served attention reads (``lcx.integrations.vllm_attention``) and
 deletes when the request ends (here when vLLM refuses the rewritten request).  The whole prompt is read here,
@@ -54,6 +55,7 @@ passes through it untouched (``LcxRequestOptions.authorized``), so that it costs
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import re
@@ -81,6 +83,23 @@ def state_file(spool: str | os.PathLike, state: Any) -> Path:
     if not (isinstance(state, str) and STATE_ID.fullmatch(state)):
         raise RuntimeError(f"lcx: malformed request state id {str(state)[:80]!r}")
     return Path(spool) / f"{state}.safetensors"
+
+
+#: The ``extra_args`` key of a chunk forward the middleware sends to the engine (``engine_forward``): lcx's KV
+#: connector saves that request's last position's keys/values to ``chunk_file(spool, name)``.
+CHUNK_ARG = "lcx_chunk"
+CHUNK_NAME = re.compile(r"[0-9a-f]{32}-\d{1,6}")
+#: Keys of ``vllm_xargs`` only the middleware sets: a request naming one is refused.
+RESERVED_ARGS = (STATE_ARG, CHUNK_ARG)
+
+
+def chunk_file(spool: str | os.PathLike, name: Any) -> Path:
+    """Where the keys/values of the chunk forward ``name`` ("{state id}-{chunk}") are saved."""
+    if not (isinstance(name, str) and CHUNK_NAME.fullmatch(name)):
+        raise RuntimeError(f"lcx: malformed chunk request name {str(name)[:80]!r}")
+    return Path(spool) / f"{name}.chunk.safetensors"
+
+
 #: JSON list of the API keys given to ``vllm serve --api-key`` (set by ``lcx serve``; else VLLM_API_KEY counts).
 API_KEYS_ENV = "LCX_SERVED_API_KEYS"
 #: The import path vLLM's ``--middleware`` takes.
@@ -165,7 +184,9 @@ class RequestStates:
         self._sessions: dict[str, Any] = {}
         self._lock = threading.Lock()  # one lcx run, one request at a time
 
-    def rewrite(self, body: dict[str, Any], spec: dict[str, Any], tokenizer: Any) -> bool:
+    def rewrite(self, body: dict[str, Any], spec: dict[str, Any], tokenizer: Any, engine: Any = None) -> bool:
+        """``engine`` (vLLM's engine client and the event loop it runs on): a method served on vLLM's own model
+        code without an adapter (``prefix_kv``) has its chunk forwards run there (``engine_forward``)."""
         from safetensors.torch import save_file
 
         from lcx.limits import check_request
@@ -195,11 +216,12 @@ class RequestStates:
             if bad is not None:  # lcx's forward would fail on it (a 500), before vLLM's own check
                 raise LcxError(f"prompt token id {bad} is outside the model's vocabulary (0-{vocab - 1})")
             check_request(session.run, len(ids), max_new, served=True)  # lcx's limits: the whole prompt is read here
-            out = session.run.method(spec["name"]).serve_request(session.run, ids, max_new)
+            state = uuid.uuid4().hex
+            forward = engine_forward(*engine, self.spool, state) if on_engine(spec, engine) else None
+            out = session.run.method(spec["name"]).serve_request(session.run, ids, max_new, forward=forward)
         if out is None:
             return False
         new_ids, tensors = out
-        state = uuid.uuid4().hex
         tmp = self.spool / f".{state}.tmp"
         try:
             save_file(tensors, str(tmp))
@@ -210,6 +232,54 @@ class RequestStates:
         body["prompt"] = new_ids
         body["vllm_xargs"] = {**xargs, STATE_ARG: state}
         return True
+
+
+def on_engine(spec: dict[str, Any], engine: Any) -> bool:
+    """Whether the served method ``spec``'s per-request forwards run on vLLM's engine (``engine_forward``): one
+    served through lcx's KV connector (``prefix_kv``) without an adapter, when the engine is at hand."""
+    return engine is not None and prefix_kv(spec) and not spec.get("adapter")
+
+
+def engine_forward(engine: Any, loop: asyncio.AbstractEventLoop, spool: Path, state: str) -> Any:
+    """A ``serve_request`` ``forward`` that runs each chunk's [chunk ; fragment] through vLLM's engine (called from
+    a worker thread; the engine's requests run on ``loop``): one-token requests, all submitted at once, whose
+    last prompt position lcx's KV connector saves to ``chunk_file``; returns per chunk and layer its (keys,
+    values).  The files are deleted once read, or, when a request fails, once every request has ended."""
+
+    async def one(row: list[int], name: str) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, extra_args={CHUNK_ARG: name})
+        async for _ in engine.generate(TokensPrompt(prompt_token_ids=row), params, request_id=f"lcx-chunk-{name}"):
+            pass
+
+    def forward(rows: list[list[int]]) -> list[list[tuple[Any, Any]]]:
+        from safetensors.torch import load_file
+
+        names = [f"{state}-{j}" for j in range(len(rows))]
+        futures = [asyncio.run_coroutine_threadsafe(one(row, name), loop) for row, name in zip(rows, names)]
+        try:
+            for f in futures:
+                try:
+                    f.result()
+                except Exception as e:  # noqa: BLE001 -- vLLM refusing a row (its length limit): the request's 400
+                    raise LcxError(f"vLLM's engine failed focusllm's chunk forward: {type(e).__name__}: {e}") from None
+            out = []
+            for name in names:
+                path = chunk_file(spool, name)
+                if not path.exists():
+                    raise LcxError(f"the engine ran chunk {name} but lcx's KV connector saved nothing: is the server "
+                                   f"started with lcx's KV connector (`lcx serve`)?")
+                kv = load_file(str(path))
+                out.append([(kv[f"{i}.k"], kv[f"{i}.v"]) for i in range(len(kv) // 2)])
+            return out
+        finally:
+            concurrent.futures.wait(futures)  # a failed one's siblings may still save: delete after them
+            for name in names:
+                chunk_file(spool, name).unlink(missing_ok=True)
+
+    return forward
 
 
 #: Request fields that would let vLLM run a prompt whose state the middleware computed otherwise than once,
@@ -324,28 +394,30 @@ class LcxRequestOptions:
             self._tokenizer = AutoTokenizer.from_pretrained(self.model["tokenizer"])
         return self._tokenizer
 
-    def _rewrite(self, data: dict[str, Any]) -> bool:
+    def _rewrite(self, data: dict[str, Any], engine: Any = None) -> bool:
         spec = self.stateful.get(data.get("model"))  # type: ignore[arg-type]
         if spec is not None:
-            return self.states().rewrite(data, spec, self.tokenizer())
+            return self.states().rewrite(data, spec, self.tokenizer(), engine)
         methods = self.rewriters.get(data.get("model"))  # type: ignore[arg-type]
         if not methods:
             return False
         return rewrite_prompts(data, methods, self.tokenizer(), int(self.model.get("window") or 0))
 
-    async def _rewrite_held(self, data: dict[str, Any]) -> bool:
+    async def _rewrite_held(self, data: dict[str, Any], engine: Any = None) -> bool:
         """``_rewrite`` off the event loop.  A request whose state it computed is then held until every state
         request that arrived before it finished is computed too: requests that arrive together reach vLLM
         together, so vLLM's forwards do not share the CPU with the middleware's (one request at a time) while
-        it computes the rest.  Measured: bench/results/focusllm-connector-checks/ (BENCHMARKS.md, focusllm)."""
-        if data.get("model") not in self.stateful:
-            return await asyncio.to_thread(self._rewrite, data)
+        it computes the rest.  Measured: bench/results/focusllm-connector-checks/ (BENCHMARKS.md, focusllm).
+        Not when the forwards run on vLLM's engine (``on_engine``): it shares nothing with itself."""
+        spec = self.stateful.get(data.get("model"))  # type: ignore[arg-type]
+        if spec is None or on_engine(spec, engine):
+            return await asyncio.to_thread(self._rewrite, data, engine)
         if self._done is None:
             self._done = asyncio.Condition()
         ticket, self._tickets = self._tickets, self._tickets + 1
         self._open.add(ticket)
         try:
-            changed = await asyncio.to_thread(self._rewrite, data)
+            changed = await asyncio.to_thread(self._rewrite, data, engine)
         finally:
             async with self._done:
                 self._open.discard(ticket)
@@ -397,7 +469,7 @@ class LcxRequestOptions:
         rewrite = scope.get("path", "").endswith("/v1/completions") and bool(self.rewriters or self.stateful)
         # a server whose worker reads middleware-computed state checks every JSON body's vllm_xargs, on every
         # path: a forged state id (however its JSON spells the key) would fail inside the engine's forward
-        if rewrite or self.stateful or f'"{FIELD}"'.encode() in body or STATE_ARG.encode() in body:
+        if rewrite or self.stateful or f'"{FIELD}"'.encode() in body or any(a.encode() in body for a in RESERVED_ARGS):
             try:
                 data = json.loads(body)
             except (ValueError, RecursionError):
@@ -410,15 +482,16 @@ class LcxRequestOptions:
                         raise LcxError(f"'model' must be the name of a served model (a string), got "
                                        f"{json.dumps(data['model'])[:80]}")
                     xargs = data.get("vllm_xargs")
-                    if isinstance(xargs, dict) and STATE_ARG in xargs:
-                        raise LcxError(f"vllm_xargs.{STATE_ARG} is set by lcx's middleware, not by requests; "
+                    reserved = [a for a in RESERVED_ARGS if isinstance(xargs, dict) and a in xargs]
+                    if reserved:
+                        raise LcxError(f"vllm_xargs.{reserved[0]} is set by lcx's middleware, not by requests; "
                                        f"leave it out")
                     if FIELD in data:
                         check_options(data, self.served)
                         data.pop(FIELD)
                         changed = True
                     if rewrite:  # tokenizing a long prompt takes a while: off the event loop
-                        changed |= await self._rewrite_held(data)
+                        changed |= await self._rewrite_held(data, _engine(scope))
                 except LcxError as e:
                     return await _send_error(send, str(e), "model" if bad_model else FIELD if FIELD in data else "prompt")
             if changed:
@@ -439,6 +512,12 @@ class LcxRequestOptions:
 #: Seconds after its HTTP exchange ends that a request's state file, if still there, is deleted: the worker has
 #: read it by then or never will (an aborted request is not scheduled again); the delay covers a step in flight.
 STATE_GRACE_S = 600.0
+
+
+def _engine(scope: dict) -> tuple[Any, asyncio.AbstractEventLoop] | None:
+    """vLLM's engine client (its API server keeps it on the app's state) and the running loop; None elsewhere."""
+    client = getattr(getattr(scope.get("app"), "state", None), "engine_client", None)
+    return None if client is None else (client, asyncio.get_running_loop())
 
 
 def _unlink_later(path: Path) -> None:

@@ -492,6 +492,10 @@ class FocusLLM(Method):
     # ------------------------------------------------------------------ chunking stage
     @hookimpl
     def lcx_plan(self, run, input_ids, attention_mask, max_new_tokens):
+        return self._plan(run, input_ids, attention_mask, max_new_tokens)
+
+    def _plan(self, run, input_ids, attention_mask, max_new_tokens, forward=None):
+        """``lcx_plan``; with ``forward`` (``serve_request``'s), the chunks' candidates are computed by it."""
         from lcx.generation import REUSE, SCORED
 
         # an earlier plan's candidates that never reached lcx_memory (its caller failed in between) must not
@@ -533,10 +537,13 @@ class FocusLLM(Method):
             raise LcxError(f"focusllm with a candidate adapter refreshes its candidates from each chunk's cache, which "
                            f"this model's sliding-window layers (sliding_window={run.model.config.sliding_window}) "
                            f"cannot take back; use -o focusllm.refresh=0 (the prompt's candidates)")
-        reuse = run.state.get(REUSE)  # a caller that expects prompts sharing chunks (a passkey grid)
-        memo = reuse.memo(run, "focusllm_chunks", ChunkMemo) if reuse is not None else None
-        cand = candidate_kv(run.model, memory, fragment, spans, self.parallel, run.state.get("focusllm_gate"), groups,
-                            memo=memo)
+        if forward is not None:
+            cand = self._forwarded(run, forward, memory, fragment, spans)
+        else:
+            reuse = run.state.get(REUSE)  # a caller that expects prompts sharing chunks (a passkey grid)
+            memo = reuse.memo(run, "focusllm_chunks", ChunkMemo) if reuse is not None else None
+            cand = candidate_kv(run.model, memory, fragment, spans, self.parallel, run.state.get("focusllm_gate"),
+                                groups, memo=memo)
         # each candidate was rotated at the last position of its own forward; move it to its slot i
         run.state["focusllm_candidates"] = to_slots(cand, candidate_positions(spans, fragment.shape[1]), run)
         run.state["focusllm_groups"] = groups
@@ -544,6 +551,22 @@ class FocusLLM(Method):
         ids = torch.cat([placeholder, local], dim=1)
         return Plan(ids, torch.ones_like(ids), [(0, n), (n, n + self.local)], dropped=0,
                     info={"candidates": n, "memory_tokens": int(memory.shape[1])})
+
+    @staticmethod
+    def _forwarded(run, forward, memory, fragment, spans) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``candidate_kv``'s result (B = 1) from ``forward`` (``serve_request``)."""
+        if run.state.get("focusllm_gate") is not None:
+            raise LcxError("focusllm's candidate adapter is open at the candidate position only, which only lcx's "
+                           "own chunk forwards can do; compute these candidates without an outside forward")
+        rows = [_group_rows(memory, spans, ChunkGroup([i], 0), fragment)[0].tolist() for i in range(len(spans))]
+        per_chunk = forward(rows)
+        layers = run.model.config.num_hidden_layers
+        if len(per_chunk) != len(rows) or any(len(c) != layers for c in per_chunk):
+            raise LcxError(f"focusllm: the outside chunk forward returned {len(per_chunk)} candidates for {len(rows)} "
+                           f"chunks (of {[len(c) for c in per_chunk][:4]} layers; the model has {layers})")
+        dtype = run.model.dtype
+        return [(torch.stack([c[l][0] for c in per_chunk], dim=1)[None].to(dtype),
+                 torch.stack([c[l][1] for c in per_chunk], dim=1)[None].to(dtype)) for l in range(len(per_chunk[0]))]
 
     def _spans(self, input_tokens: int) -> list[tuple[int, int]]:
         """The memory chunks of a prompt of ``input_tokens`` (none when it fits the local tokens)."""
@@ -586,14 +609,19 @@ class FocusLLM(Method):
         return not self.topk
 
     @torch.no_grad()
-    def serve_request(self, run, ids, max_new_tokens):
+    def serve_request(self, run, ids, max_new_tokens, forward=None):
         """The plan's tokens ([one placeholder per candidate ; local tokens]) and, per layer, the candidates'
         keys ``"{layer}.k"`` and values ``"{layer}.v"`` (H_kv, n, D), already at their slots 0..n-1; None for
         a prompt of at most ``local`` tokens (read as it is).  Served candidates are the prompt's
-        (``refresh=0``): vLLM runs no chunk forwards while it generates."""
+        (``refresh=0``): vLLM runs no chunk forwards while it generates.
+
+        ``forward`` runs the chunk forwards elsewhere (the server's engine, ``lcx.integrations.vllm_connector``):
+        given each chunk's [chunk ; fragment] token ids, it returns per chunk and layer the last position's
+        (keys, values), each (H_kv, D), keys rotated at that position -- what ``candidate_kv`` computes
+        training-free.  A candidate adapter needs lcx's forwards (its LoRA is open at one position only)."""
         self.check_serving()
         input_ids = torch.tensor([ids])
-        plan = self.lcx_plan(run, input_ids, torch.ones_like(input_ids), max_new_tokens)
+        plan = self._plan(run, input_ids, torch.ones_like(input_ids), max_new_tokens, forward)
         if plan is None:
             return None
         cand = run.state.pop("focusllm_candidates")

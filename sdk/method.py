@@ -115,11 +115,13 @@ class Method:
         plan feeds the model on lcx's own path."""
         raise NotImplementedError(f"method {self.name!r} does not rewrite prompts (serving={self.serving!r})")
 
-    def serve_request(self, run: Any, ids: list[int], max_new_tokens: int) -> tuple[list[int], dict[str, Any]] | None:
+    def serve_request(self, run: Any, ids: list[int], max_new_tokens: int,
+                      forward: Any = None) -> tuple[list[int], dict[str, Any]] | None:
         """For ``serve_state`` methods: the token ids vLLM should read for one prompt of ``ids`` and the
         tensors (name -> tensor) its served attention reads with them, computed on lcx's own path (``run``,
         the method attached to the model) by lcx's request middleware; None when vLLM reads the prompt as
-        it is."""
+        it is.  ``serves_prefix_kv`` methods may be given ``forward``, which runs token rows through the
+        server's engine and returns per row and layer the last position's keys/values (see focusllm)."""
         raise NotImplementedError(f"method {self.name!r} computes no per-request state for serving")
 
     # ------------------------------------------------------------------ options

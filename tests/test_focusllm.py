@@ -615,3 +615,35 @@ def test_a_focusllm_adapter_is_read_only_under_focusllm_and_another_adapter_not_
     for methods in (["focusllm"], []):
         assert apply_adapter(tiny_model("llama"), focus, methods, {})[2] == ["focusllm"]
     assert apply_adapter(tiny_model("llama"), smt, ["vanilla"], {})[2] == ["vanilla"]
+
+
+def test_an_outside_chunk_forward_gives_lcxs_candidates_and_is_refused_with_a_candidate_adapter():
+    """`serve_request(forward=...)` (the server's engine runs the chunk forwards): given each chunk's last
+    position keys/values it spools what lcx's own forwards give; with a candidate adapter (open at that
+    position only) or a forward that answers for other chunks or layers it refuses."""
+    model = tiny_model("llama").eval()
+    ids = _ids()[0].tolist()
+    rows = []
+
+    def forward(chunks):
+        rows.extend(chunks)
+        out = []
+        for row in chunks:
+            with torch.no_grad():
+                cache = model(input_ids=torch.tensor([row]), use_cache=True).past_key_values
+            out.append([(l.keys[0, :, -1], l.values[0, :, -1]) for l in cache.layers])
+        return out
+
+    opts = {**OPTS, "refresh": 0}
+    with lcx.attach(model, ["focusllm"], focusllm=opts) as run:
+        want_ids, want = run.method("focusllm").serve_request(run, ids, 4)
+        got_ids, got = run.method("focusllm").serve_request(run, ids, 4, forward=forward)
+        with pytest.raises(LcxError, match=r"returned 4 candidates for 5 chunks"):
+            run.method("focusllm").serve_request(run, ids, 4, forward=lambda c: forward(c)[:4])
+    assert len(rows) == 5 + 5 and rows[1] == ids[16:32] + ids[-8:]  # [chunk ; fragment]
+    assert got_ids == want_ids and got.keys() == want.keys()
+    assert all(torch.allclose(got[k], want[k], atol=1e-5) for k in want)
+    peft = add_adapter(tiny_model("llama"), roles=("q", "k", "v", "o"), rank=4).eval()
+    with lcx.attach(peft, ["focusllm"], focusllm=opts) as run:
+        with pytest.raises(LcxError, match="candidate adapter is open at the candidate position only"):
+            run.method("focusllm").serve_request(run, ids, 4, forward=forward)

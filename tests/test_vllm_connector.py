@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from lcx.integrations.vllm_requests import MODEL_ENV, STATE_ARG
+from lcx.integrations.vllm_requests import CHUNK_ARG, MODEL_ENV, STATE_ARG
 
 HKV, D, N, LAYERS, BLOCK = 3, 4, 5, 2, 4
 
@@ -23,10 +23,10 @@ def spool(tmp_path, monkeypatch):
     return tmp_path
 
 
-def _connector(role: str):
+def _connector(role: str, block: int = BLOCK):
     from lcx.integrations.vllm_connector import KVConnectorRole, LcxCandidates
 
-    config = SimpleNamespace(kv_transfer_config=SimpleNamespace(), cache_config=SimpleNamespace(block_size=BLOCK))
+    config = SimpleNamespace(kv_transfer_config=SimpleNamespace(), cache_config=SimpleNamespace(block_size=block))
     return LcxCandidates(config, getattr(KVConnectorRole, role))
 
 
@@ -124,3 +124,109 @@ def test_focusllm_is_served_by_the_connector_unless_topk_picks_candidates_per_he
     assert prefix_kv({"name": "focusllm", "options": {"refresh": 0}})
     assert not prefix_kv({"name": "focusllm", "options": {"refresh": 0, "topk": 4}})
     assert not prefix_kv({"name": "fot", "options": {}}) and not prefix_kv(None)
+
+
+# ---------------------------------------------------------------------- chunk forwards run by the engine
+CPU_BLOCK, CPU_D = 32, 64  # the CPU backend's kernels take head dims of 32, 64, ... and blocks of 32k slots
+
+
+def _cpu_layer(dtype=torch.float32, blocks: int = 8):
+    """An attention layer with vLLM's CPU backend's own cache-update op and its cache shape (blocks, KV heads,
+    block size, 2 x head dim): keys and values as that backend stores them (keys transposed per block)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, _get_attn_isa
+
+    impl = SimpleNamespace(attn_type="decoder", kv_cache_dtype="auto")
+    impl.do_kv_cache_update = lambda *a: CPUAttentionBackendImpl.do_kv_cache_update(impl, *a)
+    layer = SimpleNamespace(num_kv_heads=HKV, head_size=CPU_D, isa=_get_attn_isa(dtype, CPU_BLOCK, CPU_D),
+                            _k_scale_float=1.0, _v_scale_float=1.0, impl=impl)
+    layer.kv_cache = torch.zeros(blocks, HKV, CPU_BLOCK, 2 * CPU_D, dtype=dtype)
+    return layer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cache_reader_reads_back_what_the_backends_own_op_wrote(dtype):
+    from lcx.integrations.vllm_connector import _CacheReader
+
+    layer = _cpu_layer(dtype)
+    slots = [5, 33, 70, 255]
+    k, v = torch.randn(len(slots), HKV, CPU_D).to(dtype), torch.randn(len(slots), HKV, CPU_D).to(dtype)
+    layer.impl.do_kv_cache_update(layer, k, v, layer.kv_cache, torch.tensor(slots))
+    raw = layer.kv_cache.view(8, HKV, 2 * CPU_BLOCK, CPU_D)[1, :, 1]  # slot 33 read as if stored plainly
+    assert not torch.equal(raw, k[1])  # the backend does not store keys plainly: the reader must learn where
+    reader = _CacheReader(layer, layer.kv_cache, CPU_BLOCK)
+    for i, slot in enumerate(slots):
+        rk, rv = reader.read(layer.kv_cache, slot)
+        assert torch.equal(rk, k[i]) and torch.equal(rv, v[i])
+
+
+def test_a_layout_the_reader_cannot_recover_is_refused():
+    from lcx.integrations.vllm_connector import _CacheReader
+
+    layer = _cpu_layer()
+    layer.impl = SimpleNamespace(do_kv_cache_update=lambda layer, k, v, cache, slots: None)  # writes nothing
+    with pytest.raises(RuntimeError, match="cannot read this attention backend's cache layout"):
+        _CacheReader(layer, layer.kv_cache, CPU_BLOCK)
+
+
+def _chunk_request(rid: str, name: str, prompt: int):
+    return SimpleNamespace(request_id=rid, prompt_token_ids=list(range(prompt)),
+                           sampling_params=SimpleNamespace(extra_args={CHUNK_ARG: name}))
+
+
+def _step(new=(), cached=(), scheduled=None):
+    """A scheduler output: new requests (id, blocks, computed) and cached ones (id, new blocks, computed, resumed)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=c) for r, b, c in new],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, *_ in cached], new_block_ids=[(b,) for _, b, _, _ in cached],
+                                              num_computed_tokens=[c for _, _, c, _ in cached],
+                                              resumed_req_ids={r for r, _, _, resumed in cached if resumed}),
+        num_scheduled_tokens=scheduled or {})
+
+
+def test_a_chunk_forward_has_its_last_prompt_position_saved_to_its_file(spool, monkeypatch):
+    """vLLM computes a chunk request's 70 prompt tokens over two steps (chunked prefill); its last position
+    (69: block 2 of its blocks [3, 1, 6], offset 5, slot 197) is saved in the second, per layer, as the CPU
+    backend's op wrote it; a layer missing from the step is refused."""
+    import vllm.forward_context
+
+    from lcx.integrations.vllm_requests import chunk_file
+
+    name = uuid.uuid4().hex + "-0"
+    sched, worker = _connector("SCHEDULER", CPU_BLOCK), _connector("WORKER", CPU_BLOCK)
+    assert sched.get_num_new_matched_tokens(_chunk_request("c", name, 70), 0) == (0, False)
+    first = sched.build_connector_meta(_step(new=[("c", [3, 1], 0)], scheduled={"c": 40}))
+    assert not first.saves and not first.loads
+    meta = sched.build_connector_meta(_step(cached=[("c", [6], 40, False)], scheduled={"c": 30}))
+    assert [(x.chunk, x.slot) for x in meta.saves] == [(name, 6 * CPU_BLOCK + 5)]
+    # a preemption before the last position: the request's blocks are all new when it resumes
+    assert sched.build_connector_meta(_step(cached=[("c", [2, 0, 4], 0, True)], scheduled={"c": 70})).saves[0].slot == 4 * CPU_BLOCK + 5
+
+    layers = {f"model.layers.{i}.self_attn.attn": _cpu_layer() for i in range(LAYERS)}
+    want = {}
+    for i, layer in enumerate(layers.values()):
+        k, v = torch.randn(3, HKV, CPU_D), torch.randn(3, HKV, CPU_D)
+        layer.impl.do_kv_cache_update(layer, k, v, layer.kv_cache, torch.tensor([6 * CPU_BLOCK + 4, 6 * CPU_BLOCK + 5, 0]))
+        want[i] = (k[1], v[1])
+    monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: SimpleNamespace(no_compile_layers=layers))
+    worker.bind_connector_metadata(meta)
+    for layer_name, layer in layers.items():
+        worker.save_kv_layer(layer_name, layer.kv_cache, None)
+    worker.wait_for_save()
+    from safetensors.torch import load_file
+
+    got = load_file(str(chunk_file(spool, name)))
+    assert sorted(got) == [f"{i}.{p}" for i in range(LAYERS) for p in "kv"]
+    for i in range(LAYERS):
+        assert torch.equal(got[f"{i}.k"], want[i][0]) and torch.equal(got[f"{i}.v"], want[i][1])
+    assert not list(spool.glob(".*.tmp"))
+    sched.request_finished(_chunk_request("c", name, 70), [6])
+    assert not sched._chunks and chunk_file(spool, name).exists()  # the middleware reads and deletes it
+
+    chunk_file(spool, name).unlink()
+    worker.bind_connector_metadata(meta)
+    worker.save_kv_layer("model.layers.1.self_attn.attn", layers["model.layers.1.self_attn.attn"].kv_cache, None)
+    with pytest.raises(RuntimeError, match=r"saved from layers \[1\], not from every attention layer"):
+        worker.wait_for_save()
+    assert not chunk_file(spool, name).exists()
+    with pytest.raises(RuntimeError, match="malformed chunk request name"):
+        sched.get_num_new_matched_tokens(_chunk_request("d", "../x", 70), 0)

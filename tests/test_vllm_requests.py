@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -20,7 +21,7 @@ SERVED = {"base": [{"name": "rope", "options": {"type": "yarn", "factor": 4.0}}]
 
 
 def _call(body, method="POST", served=SERVED, monkeypatch=None, tokenizer=None, window=0, path="/v1/completions",
-          model=None, app_status=200, headers=()):
+          model=None, app_status=200, headers=(), engine=None):
     """Run one request through the middleware; returns (status, JSON answer, what the app received or None).
     The app (vLLM's stand-in) answers ``app_status``."""
     got = {}
@@ -50,6 +51,8 @@ def _call(body, method="POST", served=SERVED, monkeypatch=None, tokenizer=None, 
     mw.served, mw._tokenizer, mw.model = served, tokenizer, model or {"window": window}
     scope = {"type": "http", "method": method, "path": path,
              "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode()), *headers]}
+    if engine is not None:  # vLLM's API server keeps its engine client on the app's state
+        scope["app"] = SimpleNamespace(state=SimpleNamespace(engine_client=engine))
     asyncio.run(mw(scope, receive, send))
     status = sent[0]["status"]
     answer = json.loads(sent[1]["body"] or b"{}")
@@ -227,6 +230,7 @@ def test_focusllm_prompts_reach_vllm_as_placeholders_and_local_tokens_with_spool
     status, _, got = call({"model": "f", "prompt": "short", "max_tokens": 4})
     assert status == 200 and json.loads(got["body"]) == {"model": "f", "prompt": "short", "max_tokens": 4}
     for body, needle in (({"model": "f", "prompt": "hi", "vllm_xargs": {vr.STATE_ARG: "0" * 32}}, "set by lcx's middleware"),
+                         ({"model": "f", "prompt": "hi", "vllm_xargs": {vr.CHUNK_ARG: "0" * 32 + "-0"}}, "lcx_chunk is set by"),
                          ({"model": "f", "prompt": [text, text]}, "serves one prompt per request"),
                          ({"model": "f", "prompt": text, "max_tokens": 120}, "exceed the model's window")):
         status, answer, got = call(body)
@@ -256,6 +260,78 @@ def test_focusllm_prompts_reach_vllm_as_placeholders_and_local_tokens_with_spool
     spooled = load_file(str(spool / f"{state}.safetensors"))
     assert all(torch.equal(spooled[k], adapted[k]) for k in adapted)
     assert not all(torch.equal(adapted[k], tensors[k]) for k in tensors)
+
+
+class _ChunkEngine:
+    """vLLM's engine client as lcx's KV connector leaves it for a chunk request: its last prompt position's
+    keys/values per layer in the request's chunk file, here computed by a Hugging Face forward of the row."""
+
+    def __init__(self, model, spool, save=True, fail=None):
+        self.model, self.spool, self.save, self.fail, self.rows = model, spool, save, fail, []
+
+    async def generate(self, prompt, params, request_id):
+        import time
+
+        import torch
+        from safetensors.torch import save_file
+
+        assert params.max_tokens == 1 and request_id.startswith("lcx-chunk-")
+        self.rows.append(prompt["prompt_token_ids"])
+        k = len(self.rows)
+        if k == self.fail:
+            raise ValueError("this row is longer than the maximum model length")
+
+        def run():  # in another thread, as the engine runs in another process
+            if self.fail:  # later rows end after the failed one: their files must not be left behind
+                time.sleep(0.1 * k)
+            if self.save:
+                with torch.no_grad():
+                    cache = self.model(input_ids=torch.tensor([prompt["prompt_token_ids"]]), use_cache=True).past_key_values
+                save_file({f"{i}.{p}": t[0, :, -1].contiguous() for i, l in enumerate(cache.layers)
+                           for p, t in (("k", l.keys), ("v", l.values))},
+                          str(vr.chunk_file(self.spool, params.extra_args[vr.CHUNK_ARG])))
+
+        await asyncio.to_thread(run)
+        yield SimpleNamespace(finished=True)
+
+
+def test_focusllm_chunk_forwards_run_on_the_engine_unless_an_adapter_needs_lcxs(tmp_path):
+    """On vLLM's server the middleware hands each chunk's [chunk ; fragment] to the engine (lcx's KV connector
+    saves its last position): the spooled candidates equal lcx's own, the chunk files are gone; a name served
+    with a focusllm adapter computes them on lcx's path (the adapter is open at one position only); an engine
+    that saved nothing gets a message that names the KV connector."""
+    import torch
+    from safetensors.torch import load_file
+
+    import lcx
+
+    call, spool, text, served, where = _focus_server(tmp_path)
+    engine = _ChunkEngine(tiny_model("llama").eval(), spool)
+    status, _, got = call({"model": "f", "prompt": text, "max_tokens": 4}, engine=engine)
+    sent = json.loads(got["body"])
+    with lcx.attach(tiny_model("llama"), ["focusllm"], focusllm=FOCUS) as run:
+        ids, tensors = run.method("focusllm").serve_request(run, _Chars().encode(text), 4)
+    memory = _Chars().encode(text)[:-FOCUS["local"]]
+    assert status == 200 and sent["prompt"] == ids and len(engine.rows) == 5
+    assert engine.rows[0] == memory[:16] + _Chars().encode(text)[-FOCUS["fragment"]:]  # [chunk ; fragment]
+    state = sent["vllm_xargs"][vr.STATE_ARG]
+    assert [p.name for p in spool.iterdir()] == [f"{state}.safetensors"]  # the chunk files were read and deleted
+    spooled = load_file(str(spool / f"{state}.safetensors"))
+    assert spooled.keys() == tensors.keys()
+    assert all(torch.allclose(spooled[k], tensors[k], atol=1e-5) for k in tensors)
+
+    lora = random_adapter(tiny_model("llama"), tmp_path / "cand", seed=3, methods=[{"name": "focusllm", "options": {}}],
+                          scale=0.5)
+    served["cand"] = [{"name": "focusllm", "options": FOCUS, "adapter": str(lora)}]
+    assert call({"model": "cand", "prompt": text, "max_tokens": 4}, engine=engine)[0] == 200
+    assert len(engine.rows) == 5  # not the engine's: lcx's own forwards
+
+    status, answer, _ = call({"model": "f", "prompt": text, "max_tokens": 4}, engine=_ChunkEngine(None, spool, save=False))
+    assert status == 400 and "lcx's KV connector saved nothing" in answer["error"]["message"]
+    status, answer, _ = call({"model": "f", "prompt": text, "max_tokens": 4},
+                             engine=_ChunkEngine(tiny_model("llama").eval(), spool, fail=2))
+    assert status == 400 and "engine failed focusllm's chunk forward: ValueError: this row" in answer["error"]["message"]
+    assert len(list(spool.iterdir())) == 2 and not list(spool.glob("*.chunk.*"))  # the two spooled states only
 
 
 def test_focusllm_requests_that_would_break_the_engine_or_share_a_state_get_a_400(tmp_path):
@@ -363,11 +439,13 @@ def test_bodies_that_crashed_the_middleware_are_answered_4xx_or_passed_to_vllm()
     assert status == 200 and got["body"] == deep  # not JSON Python can read: vLLM answers it
 
 
-def test_state_requests_that_arrive_together_reach_vllm_together(tmp_path):
+@pytest.mark.parametrize("engine", [False, True])
+def test_state_requests_that_arrive_together_reach_vllm_together(tmp_path, engine):
     """The middleware computes state requests one at a time; each is held until the ones that arrived before
     it finished are computed too, so vLLM does not run forwards beside the middleware's while a burst is being
     computed (BENCHMARKS.md, focusllm: 80.5 -> 57.7 s for 8 requests).  A request for another model is not held,
-    and one that arrives after a burst was released does not hold it back."""
+    and one that arrives after a burst was released does not hold it back.  When vLLM's engine runs the
+    forwards (``on_engine``) nothing is held: the engine shares the CPU with no one."""
     import threading
     import time
     import uuid
@@ -386,9 +464,9 @@ def test_state_requests_that_arrive_together_reach_vllm_together(tmp_path):
 
     mw = vr.LcxRequestOptions(app)
     mw.served, mw.model = {"f": [], "base": []}, {"spool": str(tmp_path)}
-    mw._stateful, mw._prompt_methods = {"f": {"name": "focusllm"}}, {}
+    mw._stateful, mw._prompt_methods = {"f": {"name": "focusllm", "options": {"refresh": 0}}}, {}
 
-    def rewrite(data):  # stands in for RequestStates.rewrite: one request at a time, 0.2 s each
+    def rewrite(data, engine=None):  # stands in for RequestStates.rewrite: one request at a time, 0.2 s each
         if data["model"] != "f":
             return False
         with lock:
@@ -413,6 +491,8 @@ def test_state_requests_that_arrive_together_reach_vllm_together(tmp_path):
 
         scope = {"type": "http", "method": "POST", "path": "/v1/completions",
                  "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]}
+        if engine:
+            scope["app"] = SimpleNamespace(state=SimpleNamespace(engine_client=object()))
         await mw(scope, receive, send)
         assert sent[0]["status"] == 200
 
@@ -424,7 +504,10 @@ def test_state_requests_that_arrive_together_reach_vllm_together(tmp_path):
     first_three = {("computed", p) for p in "abc"}
     burst_done = max(order.index(e) for e in first_three)
     assert order.index(("vllm", "plain")) < burst_done  # not a state request: never held
-    for p in "abc":  # each of the burst reaches vLLM after all three are computed
+    if engine:  # the first reaches vLLM before the last is computed
+        first = next(p for kind, p in order if kind == "computed")
+        assert order.index(("vllm", first)) < burst_done, order
+    for p in "abc" if not engine else "":  # each of the burst reaches vLLM after all three are computed
         assert order.index(("vllm", p)) > burst_done, order
     assert order.index(("vllm", "late")) > order.index(("computed", "late"))
     assert not mw._open

@@ -1,6 +1,7 @@
-"""`focusllm` with its prompt's candidates (refresh=0): lcx's middleware computes them on lcx's own path and
-vLLM reads [placeholders ; local tokens] on its own model code, the candidates' keys/values loaded into its
-KV cache in the placeholders' stead by lcx's KV connector (lcx.integrations.vllm_connector)."""
+"""`focusllm` with its prompt's candidates (refresh=0): lcx's middleware has vLLM's engine run the chunk forwards
+(lcx's path when a candidate adapter is applied) and vLLM reads [placeholders ; local tokens] on its own model
+code, the candidates' keys/values loaded into its KV cache in the placeholders' stead by lcx's KV connector
+(lcx.integrations.vllm_connector)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ def test_focusllm_server_equals_the_hf_path_and_keeps_concurrent_requests_apart(
         left = list((tmp / "export" / "request-state").glob("*.safetensors"))
     log = s.log_path.read_text()
     assert "through lcx's KV connector" in log and "answers vLLM's attention" not in log
+    assert "chunk forwards run on vLLM's engine" in log  # the base model's candidates; the adapter's are lcx's
     assert not left  # each request's candidate file was deleted with its state
     assert status == 400 and f"max_tokens={WINDOW:,} is over the limit" in bad["error"]["message"], bad
     assert got == want["long"]

@@ -2,7 +2,9 @@
 bench's shape (8 prompts of 4,096 tokens, chunk/local 2,048), the 8 requests sent at once vs one after
 another (1 new token each; fresh prompts each time).  If "at once" takes longer, the middleware's candidate
 forwards and vLLM's prefills slow each other down when they overlap on the 2 cores.
-    .venv/bin/python bench/results/focusllm-connector-checks/ttft.py  (~4 min) -> ttft.json"""
+    .venv/bin/python bench/results/focusllm-connector-checks/ttft.py [OUT]  (~4 min) -> ttft.json or OUT
+ttft.json: the middleware computed the candidates on lcx's path (87414db); ttft-engine.json: vLLM's engine runs
+the chunk forwards (this file's second run, 2026-11-28)."""
 import json
 import sys
 import tempfile
@@ -34,4 +36,4 @@ with tempfile.TemporaryDirectory() as tmp, ServerProcess(MODEL, ["--method", "fo
                 s.complete(MODEL, p, 1)
         out[name] = round(time.perf_counter() - t0, 1)
         print(name, out[name], flush=True)
-(Path(__file__).parent / "ttft.json").write_text(json.dumps(out, indent=2))
+(Path(__file__).parent / (sys.argv[1] if len(sys.argv) > 1 else "ttft.json")).write_text(json.dumps(out, indent=2))
