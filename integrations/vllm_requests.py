@@ -59,6 +59,7 @@ import concurrent.futures
 import json
 import os
 import re
+import sys
 import threading
 import uuid
 from pathlib import Path
@@ -183,6 +184,13 @@ class RequestStates:
         self.spool = Path(model["spool"]) if model.get("spool") else None
         self._sessions: dict[str, Any] = {}
         self._lock = threading.Lock()  # one lcx run, one request at a time
+        self.engine_saves = True  # False once lcx's KV connector failed to save a chunk forward (``uses_engine``)
+
+    def uses_engine(self, spec: dict[str, Any], engine: Any) -> bool:
+        """Whether ``spec``'s per-request forwards run on vLLM's engine (``engine_forward``): a method served
+        through lcx's KV connector (``prefix_kv``) without an adapter, when the engine is at hand and its
+        connector has not failed to save one."""
+        return self.engine_saves and engine is not None and prefix_kv(spec) and not spec.get("adapter")
 
     def rewrite(self, body: dict[str, Any], spec: dict[str, Any], tokenizer: Any, engine: Any = None) -> bool:
         """``engine`` (vLLM's engine client and the event loop it runs on): a method served on vLLM's own model
@@ -217,8 +225,16 @@ class RequestStates:
                 raise LcxError(f"prompt token id {bad} is outside the model's vocabulary (0-{vocab - 1})")
             check_request(session.run, len(ids), max_new, served=True)  # lcx's limits: the whole prompt is read here
             state = uuid.uuid4().hex
-            forward = engine_forward(*engine, self.spool, state) if on_engine(spec, engine) else None
-            out = session.run.method(spec["name"]).serve_request(session.run, ids, max_new, forward=forward)
+            method = session.run.method(spec["name"])
+            try:
+                forward = engine_forward(*engine, self.spool, state) if self.uses_engine(spec, engine) else None
+                out = method.serve_request(session.run, ids, max_new, forward=forward)
+            except EngineDeclined as e:
+                if isinstance(e, EngineSavedNothing):
+                    self.engine_saves = False
+                    print(f"lcx: {e}; {spec['name']}'s forwards run on lcx's own path from now on", file=sys.stderr,
+                          flush=True)
+                out = method.serve_request(session.run, ids, max_new)
         if out is None:
             return False
         new_ids, tensors = out
@@ -234,10 +250,13 @@ class RequestStates:
         return True
 
 
-def on_engine(spec: dict[str, Any], engine: Any) -> bool:
-    """Whether the served method ``spec``'s per-request forwards run on vLLM's engine (``engine_forward``): one
-    served through lcx's KV connector (``prefix_kv``) without an adapter, when the engine is at hand."""
-    return engine is not None and prefix_kv(spec) and not spec.get("adapter")
+class EngineDeclined(LcxError):
+    """A row longer than the engine's ``--max-model-len``: this request's forwards run on lcx's own path."""
+
+
+class EngineSavedNothing(EngineDeclined):
+    """vLLM's engine ran a chunk forward, and lcx's KV connector wrote no file for it: every later request's
+    forwards run on lcx's own path too."""
 
 
 def engine_forward(engine: Any, loop: asyncio.AbstractEventLoop, spool: Path, state: str) -> Any:
@@ -257,6 +276,10 @@ def engine_forward(engine: Any, loop: asyncio.AbstractEventLoop, spool: Path, st
     def forward(rows: list[list[int]]) -> list[list[tuple[Any, Any]]]:
         from safetensors.torch import load_file
 
+        limit = getattr(getattr(engine, "model_config", None), "max_model_len", None)
+        if isinstance(limit, int) and max(map(len, rows)) > limit:  # vLLM would refuse the row: lcx's forwards
+            raise EngineDeclined(f"a chunk forward of {max(map(len, rows))} tokens is over the engine's "
+                                  f"--max-model-len ({limit})")
         names = [f"{state}-{j}" for j in range(len(rows))]
         futures = [asyncio.run_coroutine_threadsafe(one(row, name), loop) for row, name in zip(rows, names)]
         try:
@@ -269,8 +292,8 @@ def engine_forward(engine: Any, loop: asyncio.AbstractEventLoop, spool: Path, st
             for name in names:
                 path = chunk_file(spool, name)
                 if not path.exists():
-                    raise LcxError(f"the engine ran chunk {name} but lcx's KV connector saved nothing: is the server "
-                                   f"started with lcx's KV connector (`lcx serve`)?")
+                    raise EngineSavedNothing(f"vLLM's engine ran chunk forward {name} and lcx's KV connector saved "
+                                             f"nothing (see its lines in the server log; is it installed?)")
                 kv = load_file(str(path))
                 out.append([(kv[f"{i}.k"], kv[f"{i}.v"]) for i in range(len(kv) // 2)])
             return out
@@ -408,9 +431,9 @@ class LcxRequestOptions:
         request that arrived before it finished is computed too: requests that arrive together reach vLLM
         together, so vLLM's forwards do not share the CPU with the middleware's (one request at a time) while
         it computes the rest.  Measured: bench/results/focusllm-connector-checks/ (BENCHMARKS.md, focusllm).
-        Not when the forwards run on vLLM's engine (``on_engine``): it shares nothing with itself."""
+        Not when the forwards run on vLLM's engine (``RequestStates.uses_engine``): it shares nothing with itself."""
         spec = self.stateful.get(data.get("model"))  # type: ignore[arg-type]
-        if spec is None or on_engine(spec, engine):
+        if spec is None or self.states().uses_engine(spec, engine):
             return await asyncio.to_thread(self._rewrite, data, engine)
         if self._done is None:
             self._done = asyncio.Condition()

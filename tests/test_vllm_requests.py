@@ -21,7 +21,7 @@ SERVED = {"base": [{"name": "rope", "options": {"type": "yarn", "factor": 4.0}}]
 
 
 def _call(body, method="POST", served=SERVED, monkeypatch=None, tokenizer=None, window=0, path="/v1/completions",
-          model=None, app_status=200, headers=(), engine=None):
+          model=None, app_status=200, headers=(), engine=None, middleware=None):
     """Run one request through the middleware; returns (status, JSON answer, what the app received or None).
     The app (vLLM's stand-in) answers ``app_status``."""
     got = {}
@@ -47,8 +47,10 @@ def _call(body, method="POST", served=SERVED, monkeypatch=None, tokenizer=None, 
     async def send(message):
         sent.append(message)
 
-    mw = vr.LcxRequestOptions(app)
-    mw.served, mw._tokenizer, mw.model = served, tokenizer, model or {"window": window}
+    mw = middleware or vr.LcxRequestOptions(app)
+    mw.app = app
+    if middleware is None:
+        mw.served, mw._tokenizer, mw.model = served, tokenizer, model or {"window": window}
     scope = {"type": "http", "method": method, "path": path,
              "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode()), *headers]}
     if engine is not None:  # vLLM's API server keeps its engine client on the app's state
@@ -266,8 +268,9 @@ class _ChunkEngine:
     """vLLM's engine client as lcx's KV connector leaves it for a chunk request: its last prompt position's
     keys/values per layer in the request's chunk file, here computed by a Hugging Face forward of the row."""
 
-    def __init__(self, model, spool, save=True, fail=None):
+    def __init__(self, model, spool, save=True, fail=None, max_model_len=128):
         self.model, self.spool, self.save, self.fail, self.rows = model, spool, save, fail, []
+        self.model_config = SimpleNamespace(max_model_len=max_model_len)
 
     async def generate(self, prompt, params, request_id):
         import time
@@ -298,8 +301,10 @@ class _ChunkEngine:
 def test_focusllm_chunk_forwards_run_on_the_engine_unless_an_adapter_needs_lcxs(tmp_path):
     """On vLLM's server the middleware hands each chunk's [chunk ; fragment] to the engine (lcx's KV connector
     saves its last position): the spooled candidates equal lcx's own, the chunk files are gone; a name served
-    with a focusllm adapter computes them on lcx's path (the adapter is open at one position only); an engine
-    that saved nothing gets a message that names the KV connector."""
+    with a focusllm adapter computes them on lcx's path (the adapter is open at one position only); a row the
+    engine refuses is a 400 that leaves no chunk file behind; rows over the engine's --max-model-len are computed on
+    lcx's path; when the connector saved nothing (a cache it cannot read) the request is answered from lcx's own
+    forwards, and so are the later ones."""
     import torch
     from safetensors.torch import load_file
 
@@ -326,12 +331,25 @@ def test_focusllm_chunk_forwards_run_on_the_engine_unless_an_adapter_needs_lcxs(
     assert call({"model": "cand", "prompt": text, "max_tokens": 4}, engine=engine)[0] == 200
     assert len(engine.rows) == 5  # not the engine's: lcx's own forwards
 
-    status, answer, _ = call({"model": "f", "prompt": text, "max_tokens": 4}, engine=_ChunkEngine(None, spool, save=False))
-    assert status == 400 and "lcx's KV connector saved nothing" in answer["error"]["message"]
     status, answer, _ = call({"model": "f", "prompt": text, "max_tokens": 4},
                              engine=_ChunkEngine(tiny_model("llama").eval(), spool, fail=2))
     assert status == 400 and "engine failed focusllm's chunk forward: ValueError: this row" in answer["error"]["message"]
     assert len(list(spool.iterdir())) == 2 and not list(spool.glob("*.chunk.*"))  # the two spooled states only
+
+    short = _ChunkEngine(None, spool, max_model_len=20)  # vLLM would refuse the 24-token rows: lcx computes them
+    status, _, got = call({"model": "f", "prompt": text, "max_tokens": 4}, engine=short)
+    spooled = load_file(str(spool / f"{json.loads(got['body'])['vllm_xargs'][vr.STATE_ARG]}.safetensors"))
+    assert status == 200 and not short.rows and all(torch.equal(spooled[k], tensors[k]) for k in tensors)
+
+    mw = vr.LcxRequestOptions(None)  # one middleware for two requests: the fallback is remembered
+    mw.served, mw._tokenizer, mw.model = served, _Chars(), where
+    silent = _ChunkEngine(None, spool, save=False)
+    for _ in range(2):
+        status, _, got = call({"model": "f", "prompt": text, "max_tokens": 4}, engine=silent, middleware=mw)
+        state = json.loads(got["body"])["vllm_xargs"][vr.STATE_ARG]
+        spooled = load_file(str(spool / f"{state}.safetensors"))
+        assert status == 200 and all(torch.allclose(spooled[k], tensors[k], atol=1e-5) for k in tensors)
+    assert len(silent.rows) == 5 and not mw.states().engine_saves  # the second request did not ask the engine
 
 
 def test_focusllm_requests_that_would_break_the_engine_or_share_a_state_get_a_400(tmp_path):
@@ -445,7 +463,7 @@ def test_state_requests_that_arrive_together_reach_vllm_together(tmp_path, engin
     it finished are computed too, so vLLM does not run forwards beside the middleware's while a burst is being
     computed (BENCHMARKS.md, focusllm: 80.5 -> 57.7 s for 8 requests).  A request for another model is not held,
     and one that arrives after a burst was released does not hold it back.  When vLLM's engine runs the
-    forwards (``on_engine``) nothing is held: the engine shares the CPU with no one."""
+    forwards (``RequestStates.uses_engine``) nothing is held: the engine shares the CPU with no one."""
     import threading
     import time
     import uuid

@@ -6,7 +6,9 @@
 2. Time to first token: the 8 requests sent at once vs one after another (1 new token each), to see what
    the middleware's candidates and vLLM's prefill cost when they share the 2 cores.
 
-    .venv/bin/python bench/results/focusllm-connector-checks/checks.py   (~6 min on 2 cores) -> output.txt"""
+    .venv/bin/python bench/results/focusllm-connector-checks/checks.py [OUT [MAX_MODEL_LEN]]  (~6 min) -> output.json or OUT
+output.json: the middleware computed the candidates on lcx's path (665a5f5); output-engine.json: vLLM's engine
+runs the chunk forwards, whose own preemptions are counted too (2026-11-28)."""
 import json
 import random
 import sys
@@ -32,13 +34,18 @@ want = [generate(session.run, torch.tensor([j]), max_new_tokens=NEW, min_new_tok
         for j in jobs]
 session.close()
 out = {}
-args = ["--method", "focusllm", "-o", "focusllm.refresh=0", "-o", "focusllm.local=512", "--max-model-len", "1024",
-        "--kv-cache-gib", "0.1"]
+# 2,048: the chunk forwards (~1,400 tokens) fit the engine's limit, so vLLM runs them (at 1,024, output.json's
+# run, the middleware ran them on lcx's path)
+args = ["--method", "focusllm", "-o", "focusllm.refresh=0", "-o", "focusllm.local=512",
+        "--max-model-len", sys.argv[2] if len(sys.argv) > 2 else "2048", "--kv-cache-gib", "0.1"]
 with tempfile.TemporaryDirectory() as tmp, ServerProcess(MODEL, args + ["--export-dir", f"{tmp}/export"],
                                                          f"{tmp}/serve.log") as s:
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(lambda j: s.complete(MODEL, j, NEW, min_tokens=NEW, ignore_eos=True), jobs))
-    out["preemptions"] = s.log_path.read_text().count("resumed after a preemption")
+    log = s.log_path.read_text()
+    out["preemptions"] = log.count("candidates are loaded again")
+    out["chunk_forward_preemptions"] = log.count("computed again")
+    out["chunk_forwards_on_the_engine"] = "chunk forwards run on vLLM's engine" in log
     out["equal_to_lcx_generate"] = sum(g == w for g, w in zip(got, want))
     print("preemptions:", out["preemptions"], "answers equal to lcx generate:", out["equal_to_lcx_generate"], "/ 8",
           flush=True)
@@ -54,5 +61,5 @@ with tempfile.TemporaryDirectory() as tmp, ServerProcess(MODEL, args + ["--expor
     out["at_once_s"] = round(time.perf_counter() - t0, 1)
     print("8 requests, 1 token each: one after another", out["one_after_another_s"], "s, at once", out["at_once_s"], "s",
           flush=True)
-(Path(__file__).parent / "output.json").write_text(json.dumps(out, indent=2))
+(Path(__file__).parent / (sys.argv[1] if len(sys.argv) > 1 else "output.json")).write_text(json.dumps(out, indent=2))
 sys.exit(0 if out["equal_to_lcx_generate"] == 8 else 1)
