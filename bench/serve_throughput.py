@@ -30,11 +30,21 @@ import torch
 OUT = Path(__file__).parent / "results"
 
 
-def prompts(tok, n: int, length: int, seed: int) -> list[tuple[list[int], int]]:
+def prompts(tok, n: int, length: int, seed: int, unshared: bool = False) -> list[tuple[list[int], int]]:
+    """``n`` passkey prompts, each its own key and depth.  They share the instruction and the filler before
+    each needle (vLLM's prefix cache computes that once); ``unshared``: each starts with its own line, so no
+    two share a KV block."""
     from lcx.evals.passkey import build_prompt_ids
 
     rng = random.Random(seed)
-    return [(build_prompt_ids(tok, length, rng.random(), k).tolist(), k) for k in rng.sample(range(10000, 99999), n)]
+    out = []
+    for k in rng.sample(range(10000, 99999), n):
+        ids = build_prompt_ids(tok, length, rng.random(), k).tolist()
+        if unshared:
+            at = int(tok.bos_token_id is not None and ids[:1] == [tok.bos_token_id])
+            ids[at:at] = tok(f"Document {k}.\n", add_special_tokens=False)["input_ids"]
+        out.append((ids, k))
+    return out
 
 
 def run_vllm(server, name: str, batch: list[tuple[list[int], int]], new: int) -> tuple[float, list[list[int]]]:
@@ -64,6 +74,9 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=2048, help="prompt tokens per request")
     ap.add_argument("--new", default="64,256", help="generated tokens per request; several: one result each")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--unshared", action="store_true",
+                    help="each prompt starts with its own line: no request shares a KV block with another "
+                         "(by default the 8 prompts share the instruction and the filler before each needle)")
     ap.add_argument("--out", type=Path, default=None,
                     help="default: bench/results/serve_throughput[-METHODS].json")
     args = ap.parse_args()
@@ -90,7 +103,7 @@ def main() -> None:
             rounds = []
             for r in range(args.rounds):
                 # fresh prompts every round: vLLM's prefix cache must not remember a whole earlier prompt
-                batch = prompts(tok, args.requests, args.length, seed=1000 * i + r)
+                batch = prompts(tok, args.requests, args.length, seed=1000 * i + r, unshared=args.unshared)
                 order = ["vllm", "hf"] if r % 2 == 0 else ["hf", "vllm"]
                 row: dict = {"round": r}
                 for side in order:
@@ -108,7 +121,7 @@ def main() -> None:
     session.close()
     result = {
         "model": args.model, "adapter": args.adapter, "methods": args.method, "options": args.option,
-        "requests": args.requests,
+        "requests": args.requests, "unshared": args.unshared,
         "prompt_tokens": args.length, "results": results, "goal": "vllm/hf >= 3",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "hf_threads": torch.get_num_threads()},
         "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")},

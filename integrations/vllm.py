@@ -481,8 +481,8 @@ def vllm_command(exp: Export, host: str, port: int, served_name: str, dtype: str
            "--enforce-eager", "--disable-log-stats", "--middleware", REQUEST_CHECK]
     attention = attention_method(exp)
     if prefix_kv(attention):  # vLLM's own model and attention; lcx's KV connector loads the request's prefix
-        cmd += ["--no-enable-prefix-caching",  # every request's placeholders are the same tokens
-                "--kv-transfer-config", json.dumps(KV_CONNECTOR)]
+        cmd += ["--enable-prefix-caching",  # chunk forwards share a document's blocks; the middleware salts
+                "--kv-transfer-config", json.dumps(KV_CONNECTOR)]  # each placeholder request (``cache_salt``)
     elif attention:  # lcx answers the attention: the HF modeling code, no shared prefix blocks
         from lcx.integrations.vllm_attention import PROMPT_LENGTHS_FQCN
 

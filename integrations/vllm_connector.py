@@ -19,7 +19,10 @@ tokens with 1,024 new tokens each took 139.8 s against 246.0 s.
 
 Each request's state id comes from its ``extra_args`` (the middleware's ``vllm_xargs``); the scheduler half
 deletes the request's file when vLLM reports it finished (a request recomputed after a preemption loads its
-candidates again).  Prefix caching stays off: every request's placeholders are the same token ids.
+candidates again).  vLLM's prefix cache is on (the chunk forwards below share a document's blocks), and the
+middleware gives each placeholder request a ``cache_salt`` of its own: every request's placeholders are the
+same token ids, and their blocks hold that request's candidates only (a request resumed after a preemption
+may find its own blocks again; it loads its candidates anew over them).
 
 The candidates themselves (training-free: no candidate adapter) are computed by vLLM too: the middleware sends
 each chunk's [chunk ; fragment] tokens to the engine as a one-token request whose ``extra_args`` name it

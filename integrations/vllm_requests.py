@@ -183,14 +183,22 @@ class RequestStates:
         self.model = model
         self.spool = Path(model["spool"]) if model.get("spool") else None
         self._sessions: dict[str, Any] = {}
+        self._prefix_kv: dict[str, bool] = {}  # ``prefix_kv`` per spec, computed once
         self._lock = threading.Lock()  # one lcx run, one request at a time
         self.engine_saves = True  # False once lcx's KV connector failed to save a chunk forward (``uses_engine``)
+
+    def prefix_kv(self, spec: dict[str, Any]) -> bool:
+        """``prefix_kv(spec)``, remembered per spec (it builds the method from its options)."""
+        key = json.dumps(spec, sort_keys=True)
+        if key not in self._prefix_kv:
+            self._prefix_kv[key] = prefix_kv(spec)
+        return self._prefix_kv[key]
 
     def uses_engine(self, spec: dict[str, Any], engine: Any) -> bool:
         """Whether ``spec``'s per-request forwards run on vLLM's engine (``engine_forward``): a method served
         through lcx's KV connector (``prefix_kv``) without an adapter, when the engine is at hand and its
         connector has not failed to save one."""
-        return self.engine_saves and engine is not None and prefix_kv(spec) and not spec.get("adapter")
+        return self.engine_saves and engine is not None and not spec.get("adapter") and self.prefix_kv(spec)
 
     def rewrite(self, body: dict[str, Any], spec: dict[str, Any], tokenizer: Any, engine: Any = None) -> bool:
         """``engine`` (vLLM's engine client and the event loop it runs on): a method served on vLLM's own model
@@ -227,7 +235,8 @@ class RequestStates:
             state = uuid.uuid4().hex
             method = session.run.method(spec["name"])
             try:
-                forward = engine_forward(*engine, self.spool, state) if self.uses_engine(spec, engine) else None
+                forward = (engine_forward(*engine, self.spool, state, salt=body.get("cache_salt"))
+                           if self.uses_engine(spec, engine) else None)
                 out = method.serve_request(session.run, ids, max_new, forward=forward)
             except EngineDeclined as e:
                 if isinstance(e, EngineSavedNothing):
@@ -247,6 +256,8 @@ class RequestStates:
             raise
         body["prompt"] = new_ids
         body["vllm_xargs"] = {**xargs, STATE_ARG: state}
+        if self.prefix_kv(spec):  # vLLM's prefix cache must not share its placeholders' blocks (the same token
+            body["cache_salt"] = f"lcx-{state}"  # ids, another request's candidates): a salt no other request has
         return True
 
 
@@ -259,18 +270,24 @@ class EngineSavedNothing(EngineDeclined):
     forwards run on lcx's own path too."""
 
 
-def engine_forward(engine: Any, loop: asyncio.AbstractEventLoop, spool: Path, state: str) -> Any:
+def engine_forward(engine: Any, loop: asyncio.AbstractEventLoop, spool: Path, state: str,
+                   salt: str | None = None) -> Any:
     """A ``serve_request`` ``forward`` that runs each chunk's [chunk ; fragment] through vLLM's engine (called from
     a worker thread; the engine's requests run on ``loop``): one-token requests, all submitted at once, whose
     last prompt position lcx's KV connector saves to ``chunk_file``; returns per chunk and layer its (keys,
-    values).  The files are deleted once read, or, when a request fails, once every request has ended."""
+    values).  The files are deleted once read, or, when a request fails, once every request has ended.
+
+    The rows are plain prompts of the base model: vLLM's prefix cache shares their blocks with other requests'
+    rows (a document's chunks, asked about again, are not computed again), within the client's ``salt``
+    (its request's ``cache_salt``) if it sent one."""
 
     async def one(row: list[int], name: str) -> None:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=1, temperature=0.0, extra_args={CHUNK_ARG: name})
-        async for _ in engine.generate(TokensPrompt(prompt_token_ids=row), params, request_id=f"lcx-chunk-{name}"):
+        prompt = TokensPrompt(prompt_token_ids=row, **({"cache_salt": salt} if salt else {}))
+        async for _ in engine.generate(prompt, params, request_id=f"lcx-chunk-{name}"):
             pass
 
     def forward(rows: list[list[int]]) -> list[list[tuple[Any, Any]]]:

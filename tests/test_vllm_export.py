@@ -105,9 +105,10 @@ def test_focusllm_is_served_with_its_prompts_candidates_and_its_adapters_in_the_
     assert [m["name"] for m in exp.methods] == ["focusllm"] and exp.max_concurrent == 0
     assert exp.adapters == {} and list(exp.middleware_adapters) == ["cand"]
     cmd = vllm_command(exp, "127.0.0.1", 8000, "m", "float32", None)
-    # vLLM's own model code and attention, lcx's KV connector loading the candidates, no shared prefix blocks
+    # vLLM's own model code and attention, lcx's KV connector loading the candidates, prefix caching on (the
+    # middleware salts each placeholder request: tests/test_vllm_requests.py)
     assert json.loads(cmd[cmd.index("--kv-transfer-config") + 1]) == KV_CONNECTOR
-    assert "--model-impl" not in cmd and "--logits-processors" not in cmd and "--no-enable-prefix-caching" in cmd
+    assert "--model-impl" not in cmd and "--logits-processors" not in cmd and "--enable-prefix-caching" in cmd
     assert cmd[cmd.index("--served-model-name") + 1:][:2] == ["m", "cand"] and "--enable-lora" not in cmd
     table = served_methods(exp, "m")
     assert "adapter" not in table["m"][0] and table["cand"][0]["adapter"] == str(exp.middleware_adapters["cand"])

@@ -269,7 +269,7 @@ class _ChunkEngine:
     keys/values per layer in the request's chunk file, here computed by a Hugging Face forward of the row."""
 
     def __init__(self, model, spool, save=True, fail=None, max_model_len=128):
-        self.model, self.spool, self.save, self.fail, self.rows = model, spool, save, fail, []
+        self.model, self.spool, self.save, self.fail, self.rows, self.salts = model, spool, save, fail, [], []
         self.model_config = SimpleNamespace(max_model_len=max_model_len)
 
     async def generate(self, prompt, params, request_id):
@@ -280,6 +280,7 @@ class _ChunkEngine:
 
         assert params.max_tokens == 1 and request_id.startswith("lcx-chunk-")
         self.rows.append(prompt["prompt_token_ids"])
+        self.salts.append(prompt.get("cache_salt"))
         k = len(self.rows)
         if k == self.fail:
             raise ValueError("this row is longer than the maximum model length")
@@ -321,6 +322,15 @@ def test_focusllm_chunk_forwards_run_on_the_engine_unless_an_adapter_needs_lcxs(
     assert engine.rows[0] == memory[:16] + _Chars().encode(text)[-FOCUS["fragment"]:]  # [chunk ; fragment]
     state = sent["vllm_xargs"][vr.STATE_ARG]
     assert [p.name for p in spool.iterdir()] == [f"{state}.safetensors"]  # the chunk files were read and deleted
+    # vLLM's prefix cache: the chunk rows (plain prompts) may share blocks, the placeholders (the same ids in
+    # every request, each request's own candidates) never do; a client's salt keeps its chunk rows its own
+    assert sent["cache_salt"] == f"lcx-{state}" and engine.salts == [None] * 5
+    status, _, got = call({"model": "f", "prompt": text, "max_tokens": 4, "cache_salt": "tenant-a"}, engine=engine)
+    again = json.loads(got["body"])
+    assert status == 200 and engine.salts[5:] == ["tenant-a"] * 5
+    assert again["cache_salt"] == f"lcx-{again['vllm_xargs'][vr.STATE_ARG]}" != sent["cache_salt"]
+    vr.state_file(spool, again["vllm_xargs"][vr.STATE_ARG]).unlink()
+    del engine.rows[5:]
     spooled = load_file(str(spool / f"{state}.safetensors"))
     assert spooled.keys() == tensors.keys()
     assert all(torch.allclose(spooled[k], tensors[k], atol=1e-5) for k in tensors)
