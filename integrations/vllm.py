@@ -478,8 +478,13 @@ def vllm_command(exp: Export, host: str, port: int, served_name: str, dtype: str
     cmd = [sys.executable, "-m", "lcx.integrations.vllm", "serve", str(exp.model_dir), "--host", host, "--port", str(port),
            "--served-model-name", served_name, *exp.middleware_adapters,  # the latter: names of the base model
            "--dtype", dtype, "--max-model-len", str(exp.max_model_len),
-           "--enforce-eager", "--disable-log-stats", "--middleware", REQUEST_CHECK]
+           "--enforce-eager",  # see below; on the native model code it saves torch.compile's ~50 s at start
+           "--disable-log-stats", "--middleware", REQUEST_CHECK]
     attention = attention_method(exp)
+    if attention and not prefix_kv(attention) and "--no-enforce-eager" in extra:
+        raise LcxError(f"--no-enforce-eager: {attention['name']} answers vLLM's attention from lcx's own state, and "
+                       f"torch.compile's graphs do not call it (measured: a compiled streaming server with a 1,024-token "
+                       f"window read a passkey lcx's streaming had evicted); leave the flag out")
     if prefix_kv(attention):  # vLLM's own model and attention; lcx's KV connector loads the request's prefix
         cmd += ["--enable-prefix-caching",  # chunk forwards share a document's blocks; the middleware salts
                 "--kv-transfer-config", json.dumps(KV_CONNECTOR)]  # each placeholder request (``cache_salt``)

@@ -276,8 +276,14 @@ def test_attention_methods_serve_through_the_transformers_backend_with_prompt_le
     assert cmd[cmd.index("--model-impl") + 1] == "transformers" and "--no-enable-prefix-caching" in cmd
     assert cmd[cmd.index("--logits-processors") + 1] == PROMPT_LENGTHS_FQCN
     assert json.loads(vllm_env(exp, 1.0)[MODEL_ENV])["attention"]["options"]["k"] == 8
+    # torch.compile's graphs would not call lcx's attention function: eager only, a compile request refused
+    assert "--enforce-eager" in cmd
+    with pytest.raises(LcxError, match="--no-enforce-eager: fot answers vLLM's attention .* leave the flag out"):
+        vllm_command(exp, "127.0.0.1", 8000, "m", "float32", None, extra=("--no-enforce-eager",))
     plain = export_for_vllm(str(model_dir), ["rope"], out=tmp_path / "y", overwrite=True)
     assert "--model-impl" not in vllm_command(plain, "127.0.0.1", 8000, "m", "float32", None)
+    assert vllm_command(plain, "127.0.0.1", 8000, "m", "float32", None, extra=("--no-enforce-eager",))[-1] == \
+        "--no-enforce-eager"  # vLLM's own model code compiles as it is: the user's choice
     # refused when exporting, before anything is written
     with pytest.raises(LcxError, match="fot mode=multi is not how a server shares a memory .* with --memory PATH"):
         export_for_vllm(str(model_dir), ["fot"], {"fot": {"mode": "multi"}}, out=tmp_path / "z")
