@@ -488,10 +488,11 @@ def vllm_command(exp: Export, host: str, port: int, served_name: str, dtype: str
     if prefix_kv(attention):  # vLLM's own model and attention; lcx's KV connector loads the request's prefix
         cmd += ["--enable-prefix-caching",  # chunk forwards share a document's blocks; the middleware salts
                 "--kv-transfer-config", json.dumps(KV_CONNECTOR)]  # each placeholder request (``cache_salt``)
-    elif attention:  # lcx answers the attention: the HF modeling code, no shared prefix blocks
-        from lcx.integrations.vllm_attention import PROMPT_LENGTHS_FQCN
+    elif attention:  # lcx answers the attention: the HF modeling code; shared prefix blocks where it rebuilds
+        from lcx.integrations.vllm_attention import PROMPT_LENGTHS_FQCN, prefix_cached
 
-        cmd += ["--model-impl", "transformers", "--no-enable-prefix-caching",
+        cmd += ["--model-impl", "transformers",
+                "--enable-prefix-caching" if prefix_cached(attention) else "--no-enable-prefix-caching",
                 "--max-num-batched-tokens", str(max(exp.max_model_len, 2048)),
                 "--logits-processors", PROMPT_LENGTHS_FQCN]  # tells the attention where prompts end
     if exp.max_concurrent and "--max-num-seqs" not in extra:

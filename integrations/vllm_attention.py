@@ -25,8 +25,17 @@ lcx's own path (``lcx generate``):
 
 Where a prompt ends comes from a vLLM logits processor (``PromptLengths``, which vLLM hands every
 request's prompt as it joins the batch; its row order is the attention metadata's).  Per-request state
-is keyed by the request's first KV block (unique among running requests with prefix caching off, which
-``lcx serve`` ensures); a request's first step (position 0) starts afresh.  A request's state is freed
+is keyed by the request's sampling params as that processor sees them (one object per request, held with
+the state so its id is not reused); a request's first step (position 0) starts afresh.
+
+vLLM's prefix cache is on for streaming and fot: lcx's attention also writes every step's keys and values
+into vLLM's paged cache (the backend's own op), and a request vLLM schedules from a later position (its
+first blocks computed by an earlier request with the same tokens) has its state rebuilt from them: their
+keys/values (``_CachedPrefix``) go through the method's updates as if scheduled (``ServedAttention.replay``;
+a token's keys depend on the tokens before it only, so they are the ones this request would compute).  The
+passkey bench's 8 prompts share their instruction and the filler before each needle, as documents asked
+about again share theirs (BENCHMARKS.md).  focusllm's ``topk`` keeps it off (every request's placeholders
+are the same token ids).  A request's state is freed
 when it leaves vLLM's batch finished: the same logits processor sees it removed with its output at
 ``max_tokens`` or ending in a stop token (vLLM also removes running requests it did not schedule this
 step, which must keep their state).  A request that ends otherwise (aborted, a stop string) is freed when
@@ -41,8 +50,8 @@ its sinks at every update and fot searches a memory that grows as the window sli
 layer.  Only the attention function sees each layer's queries, keys and values as they are computed, so
 the method's state lives there, and the prompt lengths come through the one per-request channel the
 worker has (a logits processor's batch updates).  The cost of the choice: the Transformers backend
-instead of vLLM's native model code, prefix caching off, and attention in torch instead of vLLM's CPU
-kernel (``bench/serve_throughput.py --method fot`` measures what that leaves of vLLM's batching).
+instead of vLLM's native model code, a replay of the cached prefix instead of sharing it as it is, and
+attention in torch instead of vLLM's CPU kernel (``bench/serve_throughput.py --method fot`` measures what that leaves of vLLM's batching).
 focusllm's candidates *are* a fixed prefix, and a KV connector injects them (``lcx.integrations.vllm_connector``):
 vLLM then serves focusllm on its native model code, whose decode step for 8 requests took ~57 ms on 2 cores
 against 114-166 ms through this module (BENCHMARKS.md, focusllm).  Only ``topk``, a per-head choice of candidates, still needs this attention function; its
@@ -81,6 +90,8 @@ class Seq:
     length: int
     prompt: int | None = None
     state: str | None = None
+    owner: Any = None  # the object that makes ``key`` unique while the request lives (its sampling params)
+    cached: Any = None  # ``cached(module)``: keys, values (Hkv, start, D) of positions [0, start) in vLLM's cache
 
 
 @dataclass
@@ -89,6 +100,7 @@ class _Layer:
 
     start: int = 0  # absolute position of the current update's first token
     end: int = 0  # where it ends (exclusive)
+    next: int = 0  # the position of the next token this layer expects
     data: dict[str, Any] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)  # the request's own (``_Request.info``), shared by its layers
 
@@ -98,17 +110,22 @@ class _Request:
     layers: dict[int, _Layer] = field(default_factory=dict)
     last_step: int = 0
     info: dict[str, Any] = field(default_factory=dict)  # per request, not per layer (``start_request``)
+    owner: Any = None  # ``Seq.owner`` (held: its id, the key, is not reused while the state lives)
 
 
 class ServedAttention:
     """Per-request, per-layer updates over vLLM's flattened token batches (see the module docstring)."""
 
     name = ""
+    #: Whether a request may start at a position > 0, its earlier tokens' keys/values read from vLLM's cache
+    #: (``Seq.cached``) and replayed through the method's updates: vLLM's prefix cache then shares blocks.
+    prefix_cache = False
 
     def __init__(self, chunk: int) -> None:
         self.chunk = chunk
         self.requests: dict[Any, _Request] = {}
         self.step = 0
+        self.replayed = False  # whether ``replay`` ran (logged the first time)
         self._inv: dict[int, torch.Tensor] = {}
 
     def begin_step(self) -> None:
@@ -149,19 +166,26 @@ class ServedAttention:
         at, batch = 0, []
         for s in seqs:
             req = self.requests.get(s.key)
+            if req is not None and req.owner is not s.owner:  # another request under a reused key
+                self.release(s.key)
+                req = None
             if req is None:
-                if s.start:
+                req = self.requests[s.key] = _Request(owner=s.owner)
+            st = req.layers.get(layer_idx)
+            if s.start == 0 or st is None or st.next != s.start:
+                # a new request (its first tokens, or its first uncached ones), or one recomputed after a
+                # preemption: start afresh, from the tokens vLLM's cache holds before ``s.start`` if any
+                if s.start and (s.cached is None or not self.prefix_cache):
                     raise RuntimeError(f"lcx {self.name}: no state for a request continuing at position {s.start} "
                                        f"(its earlier tokens were never seen; prefix caching must be off)")
-                req = self.requests[s.key] = _Request()
-            if s.start == 0:  # a new request (first block reused, or recomputed after preemption): start afresh
                 req.layers.pop(layer_idx, None)
                 if req.last_step != self.step:  # the first layer of this pass to see it
                     self.start_request(req, s)
-            req.last_step = self.step
-            st = req.layers.get(layer_idx)
-            if st is None:
                 st = req.layers[layer_idx] = _Layer(info=req.info)
+                if s.start:
+                    self.replay(st, module, s, scale)
+            req.last_step = self.step
+            st.next = s.start + s.length
             sl = slice(at, at + s.length)
             if s.length == 1 and (s.prompt is None or s.start >= s.prompt) and self.batches(st):
                 self.complete(st, module)  # a generated token: an update of its own, read with the others below
@@ -174,6 +198,18 @@ class ServedAttention:
         if batch:
             self.read_batch(module, query[0], key[0], value[0], batch, scale, out)
         return out.reshape(out.shape[0], -1)
+
+    def replay(self, st: _Layer, module, s: Seq, scale: float) -> None:
+        """Bring a fresh layer state to position ``s.start``: its tokens' keys/values, computed by an earlier
+        request with the same prefix (vLLM's prefix cache), go through the method's updates as if they had
+        been scheduled here (the queries do not matter: the outputs are dropped)."""
+        k, v = s.cached(module)
+        if not self.replayed:
+            self.replayed = True
+            print(f"lcx: {self.name}: a request starts at position {s.start}, its state rebuilt from the blocks "
+                  f"vLLM's prefix cache found (logged once)", file=sys.stderr, flush=True)
+        q = k.new_zeros(int(module.config.num_attention_heads), k.shape[1], k.shape[2])
+        self._sequence(st, module, q, k, v, Seq(s.key, 0, s.start, s.prompt, s.state), scale)
 
     def batches(self, st: _Layer) -> bool:
         """Whether this request's generated token in this layer is read by ``read_batch`` with the other
@@ -332,6 +368,7 @@ class StreamingServed(ServedAttention):
     re-rotated sinks: a read copies the sinks and the new keys, never the window."""
 
     name = "streaming"
+    prefix_cache = True
 
     def __init__(self, sinks: int, window: int, chunk: int) -> None:
         super().__init__(chunk)
@@ -436,6 +473,7 @@ class FoTServed(ServedAttention):
     head, as on lcx's own path."""
 
     name = "fot"
+    prefix_cache = True
 
     def __init__(self, method: Any, shared: dict[tuple[int, int], Any] | None = None) -> None:
         super().__init__(method.chunk or method.local)
@@ -727,6 +765,12 @@ def trim_heap(min_interval: float = 1.0) -> None:
     trim()
 
 
+def prefix_cached(spec: dict[str, Any]) -> bool:
+    """Whether the served attention of ``spec`` (name and options) runs with vLLM's prefix cache on
+    (``ServedAttention.prefix_cache``)."""
+    return {"streaming": StreamingServed, "fot": FoTServed}.get(spec["name"], ServedAttention).prefix_cache
+
+
 def served_from_env() -> ServedAttention | None:
     from lcx.integrations.vllm_requests import MODEL_ENV
     from lcx.registry import registry
@@ -813,6 +857,67 @@ def _prompt_lengths_class() -> type:
     return PromptLengths
 
 
+def _write_cache(attn: Any, key: torch.Tensor, value: torch.Tensor, md: Any) -> None:
+    """Writes this step's keys/values (1, Hkv, N, D) into vLLM's paged cache, through the backend's own op, as
+    vLLM's attention would (lcx's answers the queries; vLLM's prefix cache hands these blocks to later
+    requests with the same prefix, whose state ``_CachedPrefix`` rebuilds from them)."""
+    n = int(md.num_actual_tokens)
+    attn.impl.do_kv_cache_update(attn, key[0, :, :n].transpose(0, 1).contiguous(),
+                                 value[0, :, :n].transpose(0, 1).contiguous(), attn.kv_cache, md.slot_mapping[:n])
+
+
+#: (cache shape, dtype, backend) -> ``vllm_connector._CacheReader``, learned once per process
+_READERS: dict[tuple, Any] = {}
+
+
+class _CachedPrefix:
+    """``Seq.cached`` of row ``row``: the keys/values of its positions [0, start) in a layer's paged cache
+    (blocks vLLM's prefix cache found for it)."""
+
+    def __init__(self, md: Any, row: int, start: int) -> None:
+        self.md, self.row, self.start = md, row, start
+
+    def __call__(self, module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        from lcx.integrations.vllm_connector import _CacheReader
+
+        attn, md = module.attn, self.md
+        cache = attn.kv_cache
+        bs = block_size(md)
+        key = (tuple(cache.shape[1:]), cache.dtype, type(attn.impl).__name__)
+        if key not in _READERS:
+            _READERS[key] = _CacheReader(attn, cache, bs)
+        pos = torch.arange(self.start, device=md.block_table.device)
+        slots = md.block_table[self.row, pos // bs].long() * bs + pos % bs
+        k, v = _READERS[key].read_many(cache, slots)  # (n, Hkv, D)
+        return k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
+
+
+def block_size(md: Any) -> int:
+    """vLLM's KV block size, from a step's attention metadata: the one size for which every scheduled token's
+    cache slot is its block-table entry's (the metadata does not carry it; the worker's config is not at
+    hand in the attention function)."""
+    lens = md.seq_lens.tolist()
+    starts = md.query_start_loc[:len(lens) + 1].tolist()
+    table, slots = md.block_table.long(), md.slot_mapping.long()
+    found = []
+    for bs in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096):
+        ok = True
+        for i, total in enumerate(lens):
+            n = starts[i + 1] - starts[i]
+            if not n:
+                continue
+            pos = torch.arange(total - n, total, device=table.device)
+            if int(pos[-1]) // bs >= table.shape[1] or not torch.equal(
+                    table[i, pos // bs] * bs + pos % bs, slots[starts[i]:starts[i + 1]]):
+                ok = False
+                break
+        if ok:
+            found.append(bs)
+    if len(found) != 1:
+        raise RuntimeError(f"lcx: cannot tell vLLM's KV block size from this step's slots (fits: {found})")
+    return found[0]
+
+
 #: vLLM's ``--logits-processors`` value that ``lcx serve`` passes with an attention method.
 PROMPT_LENGTHS_FQCN = f"{__name__}:PromptLengths"
 
@@ -843,12 +948,17 @@ def install() -> None:
             SERVED.begin_step()
         lens = md.seq_lens.tolist()
         starts = md.query_start_loc[:len(lens) + 1].tolist()
+        if SERVED.prefix_cache:  # what vLLM's own attention would have written: a later request may reuse it
+            _write_cache(module.attn, key, value, md)
         seqs = []
         for i, total in enumerate(lens):
             n = starts[i + 1] - starts[i]
             if n:
-                seqs.append(Seq(key=int(md.block_table[i, 0]), start=int(total) - n, length=n,
-                                prompt=PROMPT_LENGTHS.get(i), state=ROW_STATES.get(i)))
+                owner = (ROW_OUTPUTS.get(i) or (None,))[0]  # the request's sampling params: one object per request
+                seqs.append(Seq(key=id(owner) if owner is not None else int(md.block_table[i, 0]),
+                                start=int(total) - n, length=n, prompt=PROMPT_LENGTHS.get(i),
+                                state=ROW_STATES.get(i), owner=owner,
+                                cached=_CachedPrefix(md, i, int(total) - n) if SERVED.prefix_cache else None))
                 if first_layer:  # rows are the same in every layer of a step
                     ROW_KEYS[i] = seqs[-1].key
         return SERVED.attend(module, query, key, value, seqs), None

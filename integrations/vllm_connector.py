@@ -111,6 +111,14 @@ class _CacheReader:
         return (block[self.where["k"][off].to(block.device)].clone(),
                 block[self.where["v"][off].to(block.device)].clone())
 
+    def read_many(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``read`` of every slot in ``slots`` (n,): keys, values (n, H_kv, D)."""
+        blocks = cache.flatten(1)[slots // self.block_size]  # (n, block elements)
+        off = (slots % self.block_size).cpu()
+        rows = torch.arange(len(slots), device=blocks.device)[:, None]
+        return tuple(blocks[rows, self.where[part][off].flatten(1).to(blocks.device)].view(len(slots), *self.where[part].shape[1:])
+                     for part in ("k", "v"))
+
 
 class LcxCandidates(KVConnectorBase_V1):
     """``--kv-transfer-config '{"kv_connector": "LcxCandidates", "kv_connector_module_path":

@@ -37,11 +37,13 @@ class FakeEngine:
             self.served.begin_step()
         return self.served.attend(module, query, key, value, self.seqs), None
 
+    def seq(self, key: int, toks: list[int], pos: int, plen: int) -> Seq:
+        return Seq(key, pos, len(toks), plen if self.prompt_lengths else None, self.states.get(key))
+
     def step(self, work: list[tuple[int, list[int], int, int]]) -> torch.Tensor:
         """work: (request key, tokens, position of the first, prompt length); returns each request's last
         logits row."""
-        self.seqs = [Seq(key, pos, len(toks), plen if self.prompt_lengths else None, self.states.get(key))
-                     for key, toks, pos, plen in work]
+        self.seqs = [self.seq(key, toks, pos, plen) for key, toks, pos, plen in work]
         ids = torch.tensor([[t for _, toks, _, _ in work for t in toks]])
         pos = torch.tensor([[p0 + i for _, toks, p0, _ in work for i in range(len(toks))]])
         with torch.no_grad():
@@ -66,12 +68,42 @@ def _hf(model, prompt: list[int], new: int, method: str = "streaming", opts=None
     return out.sequences[0, plan.input_ids.shape[1]:].tolist(), torch.stack([x[0] for x in out.logits])
 
 
+class CachingEngine(FakeEngine):
+    """A FakeEngine with vLLM's prefix cache: it keeps every token's keys/values per request and layer (what
+    lcx's attention writes into vLLM's paged cache) and a request in ``donors`` starts at a later position,
+    its earlier tokens' keys/values those of the donor request that computed them (``Seq.cached``)."""
+
+    def __init__(self, model, served, donors: dict[int, int]) -> None:
+        super().__init__(model, served)
+        self.donors, self.kv = donors, {}  # key -> layer -> position -> (k, v) (Hkv, D)
+
+    def _attention(self, module, query, key, value, attention_mask, **kwargs):
+        at = 0
+        for s in self.seqs:
+            held = self.kv.setdefault(s.key, {}).setdefault(int(module.layer_idx), {})
+            for i in range(s.length):
+                held[s.start + i] = (key[0, :, at + i].clone(), value[0, :, at + i].clone())
+            at += s.length
+        return super()._attention(module, query, key, value, attention_mask, **kwargs)
+
+    def seq(self, key, toks, pos, plen):
+        def cached(module):
+            held = self.kv[self.donors.get(key, key)][int(module.layer_idx)]
+            return tuple(torch.stack([held[p][j] for p in range(pos)], 1) for j in (0, 1))
+
+        s = super().seq(key, toks, pos, plen)
+        s.cached = cached
+        return s
+
+
 def _served(engine: FakeEngine, prompts: dict[int, list[int]], forced: dict[int, list[int]],
-            rng: random.Random, avoid_single: bool = False, decode_share: float = 0.7) -> dict[int, torch.Tensor]:
+            rng: random.Random, avoid_single: bool = False, decode_share: float = 0.7,
+            starts: dict[int, int] | None = None) -> dict[int, torch.Tensor]:
     """Prefill every prompt in random pieces (several requests per step, in random order), then decode them,
     a random subset of the requests per step (vLLM's requests finish and join at different times), feeding
-    the ``forced`` tokens (the HF path's answer); returns each request's logits per step."""
-    done = {k: 0 for k in prompts}
+    the ``forced`` tokens (the HF path's answer); returns each request's logits per step.  ``starts``: where
+    a request's prefill starts (the tokens before it found in vLLM's prefix cache: a ``CachingEngine``)."""
+    done = {k: (starts or {}).get(k, 0) for k in prompts}
     out: dict[int, list[torch.Tensor]] = {k: [] for k in prompts}
     while any(done[k] < len(p) for k, p in prompts.items()):
         work = []
@@ -197,6 +229,51 @@ def test_served_fot_requests_that_finish_hand_their_window_slot_to_the_next():
             torch.testing.assert_close(got[k], want[k][1], atol=1e-4, rtol=1e-4)
             served.release(k)
     assert served.taken == 7 and sorted(served.free) == list(range(7))
+
+
+@pytest.mark.parametrize("method", ["streaming", "fot"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_request_whose_prefix_vllm_cached_starts_from_the_cached_keys(method, seed):
+    """vLLM's prefix cache (on for streaming and fot): a request whose first blocks another request computed
+    is scheduled from a later position; the served attention rebuilds its state from those blocks' keys and
+    values (``Seq.cached``, replayed through the method's updates) and its logits equal the HF path's on its
+    own whole prompt.  The donor is still running, or finished, or the same request again (resumed after a
+    preemption, its own blocks found again); a method that cannot rebuild (focusllm's topk) refuses."""
+    from lcx.registry import registry
+
+    rng = random.Random(seed)
+    opts = OPTS if method == "streaming" else FOT
+    shared = [rng.randrange(3, 120) for _ in range(96)]
+    prompts = {1: shared + [rng.randrange(3, 120) for _ in range(54)],  # the donor
+               2: shared + [rng.randrange(3, 120) for _ in range(30)],  # 96 cached tokens (6 blocks of 16)
+               3: shared[:48] + [rng.randrange(3, 120) for _ in range(20)]}  # 3 blocks, mid-update
+    want = {k: _hf(tiny_model("llama"), p, 6, method, opts) for k, p in prompts.items()}
+
+    def new_served():
+        return (StreamingServed(**OPTS) if method == "streaming"
+                else FoTServed(registry().get("fot").from_options(**FOT)))
+
+    engine = CachingEngine(tiny_model("llama"), new_served(), donors={2: 1, 3: 1})
+    first = _served(engine, {1: prompts[1]}, {1: want[1][0]}, rng)
+    torch.testing.assert_close(first[1], want[1][1], atol=1e-4, rtol=1e-4)
+    got = _served(engine, {2: prompts[2], 3: prompts[3]}, {k: want[k][0] for k in (2, 3)}, rng,
+                  starts={2: 96, 3: 48})
+    for k in (2, 3):
+        torch.testing.assert_close(got[k], want[k][1], atol=1e-4, rtol=1e-4)
+    # request 2 preempted and recomputed: vLLM finds its own first 64 tokens' blocks again (its state is ahead)
+    again = _served(engine, {2: prompts[2]}, {2: want[2][0]}, rng, starts={2: 64})
+    torch.testing.assert_close(again[2], want[2][1], atol=1e-4, rtol=1e-4)
+    # not blind: the cached keys must be the donor's (a wrong donor's give other logits)
+    wrong = CachingEngine(tiny_model("llama"), new_served(), donors={2: 3})
+    _served(wrong, {3: prompts[3]}, {3: want[3][0]}, rng)
+    bad = _served(wrong, {2: prompts[2]}, {2: want[2][0]}, rng, starts={2: 64})
+    assert (bad[2] - want[2][1]).abs().max() > 1e-3
+
+
+def test_a_served_attention_that_cannot_rebuild_from_the_cache_refuses_a_later_start():
+    engine = FakeEngine(tiny_model("llama"), FocusServed("/nonexistent", 2))
+    with pytest.raises(RuntimeError, match="continuing at position 16 .* prefix caching must be off"):
+        engine.step([(1, [5] * 4, 16, 20)])
 
 
 @pytest.mark.parametrize("dense", [False, True])

@@ -157,6 +157,32 @@ def test_the_cache_reader_reads_back_what_the_backends_own_op_wrote(dtype):
     for i, slot in enumerate(slots):
         rk, rv = reader.read(layer.kv_cache, slot)
         assert torch.equal(rk, k[i]) and torch.equal(rv, v[i])
+    rk, rv = reader.read_many(layer.kv_cache, torch.tensor(slots[::-1]))  # several at once, in any order
+    assert torch.equal(rk, k.flip(0)) and torch.equal(rv, v.flip(0))
+
+
+def test_served_attention_writes_its_keys_where_a_later_request_with_that_prefix_reads_them():
+    """streaming and fot are served with vLLM's prefix cache on: lcx's attention writes each step's keys and
+    values into vLLM's paged cache (the backend's own op), and a request that vLLM schedules from a later
+    position, its first blocks found in the cache, reads them back (``_CachedPrefix``); the block size, which
+    the attention metadata does not carry, is the one that maps every scheduled token to its slot."""
+    from lcx.integrations.vllm_attention import _CachedPrefix, _write_cache, block_size
+
+    layer = _cpu_layer()
+    keys, values = torch.randn(1, HKV, 40, CPU_D), torch.randn(1, HKV, 40, CPU_D)
+    pos = torch.arange(40)
+    first = SimpleNamespace(num_actual_tokens=40, seq_lens=torch.tensor([40]), query_start_loc=torch.tensor([0, 40]),
+                            block_table=torch.tensor([[3, 5]]), slot_mapping=torch.where(pos < 32, 96 + pos, 160 + pos - 32))
+    assert block_size(first) == CPU_BLOCK
+    _write_cache(layer, keys, values, first)
+    # a request whose first block is the one above: 18 new tokens at positions 32..49, in its own block 6
+    later = SimpleNamespace(seq_lens=torch.tensor([50]), query_start_loc=torch.tensor([0, 18]),
+                            block_table=torch.tensor([[3, 6]]), slot_mapping=192 + torch.arange(18))
+    k, v = _CachedPrefix(later, 0, 32)(SimpleNamespace(attn=layer))
+    assert torch.equal(k, keys[0, :, :32]) and torch.equal(v, values[0, :, :32])
+    with pytest.raises(RuntimeError, match="cannot tell vLLM's KV block size"):
+        block_size(SimpleNamespace(seq_lens=torch.tensor([50]), query_start_loc=torch.tensor([0, 18]),
+                                   block_table=torch.tensor([[3, 6]]), slot_mapping=torch.arange(18)))
 
 
 def test_a_layout_the_reader_cannot_recover_is_refused():

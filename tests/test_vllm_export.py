@@ -273,7 +273,8 @@ def test_attention_methods_serve_through_the_transformers_backend_with_prompt_le
 
     exp = export_for_vllm(str(model_dir), ["fot"], {"fot": {"k": 8}}, out=tmp_path / "x", max_model_len=512)
     cmd = vllm_command(exp, "127.0.0.1", 8000, "m", "float32", None)
-    assert cmd[cmd.index("--model-impl") + 1] == "transformers" and "--no-enable-prefix-caching" in cmd
+    # prefix caching on: the served attention rebuilds a cached prefix's state (tests/test_vllm_attention.py)
+    assert cmd[cmd.index("--model-impl") + 1] == "transformers" and "--enable-prefix-caching" in cmd
     assert cmd[cmd.index("--logits-processors") + 1] == PROMPT_LENGTHS_FQCN
     assert json.loads(vllm_env(exp, 1.0)[MODEL_ENV])["attention"]["options"]["k"] == 8
     # torch.compile's graphs would not call lcx's attention function: eager only, a compile request refused
@@ -302,6 +303,7 @@ def test_attention_methods_serve_through_the_transformers_backend_with_prompt_le
     assert served.name == "focusllm" and served.topk == 3
     cmd = vllm_command(focus, "127.0.0.1", 8000, "m", "float32", None)  # only lcx's attention can pick them
     assert cmd[cmd.index("--model-impl") + 1] == "transformers" and "--kv-transfer-config" not in cmd
+    assert "--no-enable-prefix-caching" in cmd  # every request's placeholders are the same ids
     plain = export_for_vllm(str(model_dir), ["focusllm"], {"focusllm": {"refresh": "0", "chunk": "64", "local": "32",
                                                                           "fragment": "16"}}, out=tmp_path / "g")
     monkeypatch.setenv(MODEL_ENV, vllm_env(plain, 1.0)[MODEL_ENV])

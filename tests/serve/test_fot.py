@@ -62,7 +62,11 @@ def test_fot_server_with_a_document_memory_equals_the_hf_path_for_concurrent_req
         short = {name: s.complete(name, counting, 16) for name in (MODEL, "lora")}
         with ThreadPoolExecutor(len(jobs)) as pool:
             answers = list(pool.map(lambda j: s.complete(MODEL, j, NEW), jobs))
-    assert "lcx: fot answers vLLM's attention" in s.log_path.read_text()
+    log = s.log_path.read_text()
+    assert "lcx: fot answers vLLM's attention" in log
+    # the jobs share the long prompt's instruction and filler up to their needles: vLLM's prefix cache found
+    # those blocks, and the served attention rebuilt their state from them (their answers are checked below)
+    assert "lcx: fot: a request starts at position" in log
     assert got == want["long"]
     assert short == want["short"]
     assert short["lora"] != short[MODEL]  # the adapter is applied
