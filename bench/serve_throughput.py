@@ -98,7 +98,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, \
             ServerProcess(args.model, serve_args + ["--export-dir", f"{tmp}/export"], f"{tmp}/serve.log") as server:
         print(f"server ready in {server.ready['start_seconds']} s", flush=True)
-        run_vllm(server, name, prompts(tok, 2, 64, seed=999), 4)  # warm-up (first LoRA load, allocator)
+        # warm-up at the measured shape (first LoRA load, the allocator, oneDNN's kernels for long prefill
+        # chunks, the served attention's buffers), on both sides; prompts that share no block with the measured
+        # ones (--unshared's own first line), so vLLM's prefix cache holds nothing of them afterwards
+        warm = prompts(tok, args.requests, args.length, seed=999, unshared=True)
+        run_vllm(server, name, warm, 4)
+        run_hf(session, warm[:1], 4)
         for i, new in enumerate(news):
             rounds = []
             for r in range(args.rounds):

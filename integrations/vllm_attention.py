@@ -202,13 +202,13 @@ class ServedAttention:
     def replay(self, st: _Layer, module, s: Seq, scale: float) -> None:
         """Bring a fresh layer state to position ``s.start``: its tokens' keys/values, computed by an earlier
         request with the same prefix (vLLM's prefix cache), go through the method's updates as if they had
-        been scheduled here (the queries do not matter: the outputs are dropped)."""
+        been scheduled here, without queries (``read`` with none attends to nothing)."""
         k, v = s.cached(module)
         if not self.replayed:
             self.replayed = True
             print(f"lcx: {self.name}: a request starts at position {s.start}, its state rebuilt from the blocks "
                   f"vLLM's prefix cache found (logged once)", file=sys.stderr, flush=True)
-        q = k.new_zeros(int(module.config.num_attention_heads), k.shape[1], k.shape[2])
+        q = k.new_zeros(int(module.config.num_attention_heads), 0, k.shape[2])  # no query: state updates only
         self._sequence(st, module, q, k, v, Seq(s.key, 0, s.start, s.prompt, s.state), scale)
 
     def batches(self, st: _Layer) -> bool:
@@ -539,9 +539,11 @@ class FoTServed(ServedAttention):
         from lcx.plugins.fot.attention import memory_attention, row_entries
 
         d = st.data
-        rings, slot, n = d["rings"], d["slot"], q.shape[1]
+        rings, slot, n = d["rings"], d["slot"], k.shape[1]
         rings.write(slot, pos, k, v)
         d["count"] += n
+        if not q.shape[1]:  # ``replay``: the state only
+            return q.new_zeros(q.shape[0], 0, v.shape[-1])
         # a window that has not wrapped yet holds positions 0..pos+n-1 in rows 0..pos+n-1 and nothing after them:
         # read only those rows (a prompt's first windows: up to half of its local attention's work)
         used = pos + n if pos + n <= rings.width else rings.width
@@ -876,13 +878,14 @@ class _CachedPrefix:
 
     def __init__(self, md: Any, row: int, start: int) -> None:
         self.md, self.row, self.start = md, row, start
+        self.block_size: int | None = None  # found on the first layer that reads, the same for all
 
     def __call__(self, module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         from lcx.integrations.vllm_connector import _CacheReader
 
         attn, md = module.attn, self.md
         cache = attn.kv_cache
-        bs = block_size(md)
+        bs = self.block_size = self.block_size or block_size(md)
         key = (tuple(cache.shape[1:]), cache.dtype, type(attn.impl).__name__)
         if key not in _READERS:
             _READERS[key] = _CacheReader(attn, cache, bs)

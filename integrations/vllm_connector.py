@@ -113,11 +113,11 @@ class _CacheReader:
 
     def read_many(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``read`` of every slot in ``slots`` (n,): keys, values (n, H_kv, D)."""
-        blocks = cache.flatten(1)[slots // self.block_size]  # (n, block elements)
-        off = (slots % self.block_size).cpu()
-        rows = torch.arange(len(slots), device=blocks.device)[:, None]
-        return tuple(blocks[rows, self.where[part][off].flatten(1).to(blocks.device)].view(len(slots), *self.where[part].shape[1:])
-                     for part in ("k", "v"))
+        flat, per_block = cache.view(-1), cache[0].numel()
+        slots = slots.to(cache.device)
+        first = (slots // self.block_size * per_block)[:, None, None]  # each slot's block, as a flat offset
+        off = slots % self.block_size
+        return tuple(flat[first + self.where[part].to(cache.device)[off]] for part in ("k", "v"))
 
 
 class LcxCandidates(KVConnectorBase_V1):
