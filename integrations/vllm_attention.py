@@ -885,7 +885,8 @@ class _CachedPrefix:
 
         attn, md = module.attn, self.md
         cache = attn.kv_cache
-        bs = self.block_size = self.block_size or block_size(md)
+        hint = cache[0].numel() // (2 * int(attn.num_kv_heads) * int(attn.head_size))  # a block holding K and V
+        bs = self.block_size = self.block_size or block_size(md, hint)
         key = (tuple(cache.shape[1:]), cache.dtype, type(attn.impl).__name__)
         if key not in _READERS:
             _READERS[key] = _CacheReader(attn, cache, bs)
@@ -895,10 +896,11 @@ class _CachedPrefix:
         return k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
 
 
-def block_size(md: Any) -> int:
+def block_size(md: Any, hint: int | None = None) -> int:
     """vLLM's KV block size, from a step's attention metadata: the one size for which every scheduled token's
     cache slot is its block-table entry's (the metadata does not carry it; the worker's config is not at
-    hand in the attention function)."""
+    hand in the attention function).  Where block ids happen to fit two sizes, ``hint`` (the size the cache's
+    shape suggests: the CPU backend's blocks hold both keys and values) decides."""
     lens = md.seq_lens.tolist()
     starts = md.query_start_loc[:len(lens) + 1].tolist()
     table, slots = md.block_table.long(), md.slot_mapping.long()
@@ -916,6 +918,8 @@ def block_size(md: Any) -> int:
                 break
         if ok:
             found.append(bs)
+    if len(found) > 1 and hint in found:
+        return hint
     if len(found) != 1:
         raise RuntimeError(f"lcx: cannot tell vLLM's KV block size from this step's slots (fits: {found})")
     return found[0]

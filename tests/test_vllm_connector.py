@@ -180,6 +180,13 @@ def test_served_attention_writes_its_keys_where_a_later_request_with_that_prefix
                             block_table=torch.tensor([[3, 6]]), slot_mapping=192 + torch.arange(18))
     k, v = _CachedPrefix(later, 0, 32)(SimpleNamespace(attn=layer))
     assert torch.equal(k, keys[0, :, :32]) and torch.equal(v, values[0, :, :32])
+    # block ids that fit two sizes (positions 32..39 in slots 96..103: the start of block 3 of size 32, or the
+    # middle of block 1 of size 64): the size the cache's shape suggests decides
+    twice = SimpleNamespace(seq_lens=torch.tensor([40]), query_start_loc=torch.tensor([0, 8]),
+                            block_table=torch.tensor([[1, 3]]), slot_mapping=96 + torch.arange(8))
+    assert block_size(twice, 32) == 32 and block_size(twice, 64) == 64
+    with pytest.raises(RuntimeError, match=r"cannot tell vLLM's KV block size .*fits: \[32, 64\]"):
+        block_size(twice)
     with pytest.raises(RuntimeError, match="cannot tell vLLM's KV block size"):
         block_size(SimpleNamespace(seq_lens=torch.tensor([50]), query_start_loc=torch.tensor([0, 18]),
                                    block_table=torch.tensor([[3, 6]]), slot_mapping=torch.arange(18)))
