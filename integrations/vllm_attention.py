@@ -870,6 +870,8 @@ def _write_cache(attn: Any, key: torch.Tensor, value: torch.Tensor, md: Any) -> 
 
 #: (cache shape, dtype, backend) -> ``vllm_connector._CacheReader``, learned once per process
 _READERS: dict[tuple, Any] = {}
+#: vLLM's KV block size (``block_size``), once found
+_BLOCK_SIZE: list[int] = []
 
 
 class _CachedPrefix:
@@ -878,7 +880,6 @@ class _CachedPrefix:
 
     def __init__(self, md: Any, row: int, start: int) -> None:
         self.md, self.row, self.start = md, row, start
-        self.block_size: int | None = None  # found on the first layer that reads, the same for all
 
     def __call__(self, module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         from lcx.integrations.vllm_connector import _CacheReader
@@ -886,7 +887,9 @@ class _CachedPrefix:
         attn, md = module.attn, self.md
         cache = attn.kv_cache
         hint = cache[0].numel() // (2 * int(attn.num_kv_heads) * int(attn.head_size))  # a block holding K and V
-        bs = self.block_size = self.block_size or block_size(md, hint)
+        if not _BLOCK_SIZE:  # the server's block size: found once per process
+            _BLOCK_SIZE.append(block_size(md, hint))
+        bs = _BLOCK_SIZE[0]
         key = (tuple(cache.shape[1:]), cache.dtype, type(attn.impl).__name__)
         if key not in _READERS:
             _READERS[key] = _CacheReader(attn, cache, bs)
