@@ -559,13 +559,17 @@ def api_keys(args: tuple[str, ...] | list[str]) -> list[str]:
 
 
 def vllm_env(exp: Export, kv_cache_gib: float | None = None, served_name: str = "lcx",
-             extra: tuple[str, ...] = ()) -> dict[str, str]:
+             extra: tuple[str, ...] = (), dtype: str | None = None) -> dict[str, str]:
     """The server's environment.  ``kv_cache_gib``: vLLM's CPU KV cache (None: VLLM_CPU_KVCACHE_SPACE if set,
-    else 2 GiB); ``extra``: the arguments passed on to vLLM (their --api-key reaches lcx's middleware)."""
+    else 2 GiB); ``extra``: the arguments passed on to vLLM (their --api-key reaches lcx's middleware);
+    ``dtype``: the engine's, which the middleware's own forwards (focusllm's candidates) then use too."""
     from lcx.integrations.vllm_requests import API_KEYS_ENV
+    from lcx.models import DTYPE_ENV
     from lcx.registry import registry
 
     env = dict(os.environ)
+    if dtype and dtype != "auto":
+        env[DTYPE_ENV] = dtype
     env[SERVED_ENV] = json.dumps(served_methods(exp, served_name))
     attention = attention_method(exp)
     spool = None
@@ -670,7 +674,7 @@ def start(exp: Export, host: str = "127.0.0.1", port: int = 8000, served_name: s
           stdout: Any = None, stderr: Any = None) -> subprocess.Popen:
     """Start `vllm serve` on an export in its own process group (so ``stop`` reaches its workers)."""
     cmd = vllm_command(exp, host, port, served_name, dtype, max_loras, extra) + kv_cache_args(kv_cache_gib)
-    return subprocess.Popen(cmd, env=vllm_env(exp, kv_cache_gib, served_name, extra), start_new_session=True, stdout=stdout,
+    return subprocess.Popen(cmd, env=vllm_env(exp, kv_cache_gib, served_name, extra, dtype), start_new_session=True, stdout=stdout,
                             stderr=stderr, preexec_fn=die_with_parent)
 
 

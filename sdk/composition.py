@@ -95,9 +95,16 @@ class Run:
         """The attention the model used before attaching (sdpa or the family's eager)."""
         return _base_function(self.base_impl, module)(module, query, key, value, attention_mask, **kwargs)
 
+    @property
+    def dtype(self) -> str:
+        """The dtype the model computes in (its first floating parameter's), e.g. ``"bfloat16"``."""
+        dt = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
+        return str(dt).removeprefix("torch.")
+
     def describe(self) -> dict[str, Any]:
-        """JSON-able description of the run (methods + options), for result files and sidecars."""
-        return {"methods": [{"name": m.name, "options": m.to_options()} for m in self.methods]}
+        """JSON-able description of the run (methods + options, the model's dtype), for result files and
+        sidecars."""
+        return {"methods": [{"name": m.name, "options": m.to_options()} for m in self.methods], "dtype": self.dtype}
 
     # ------------------------------------------------------------------ lifecycle
     def detach(self) -> None:

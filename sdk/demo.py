@@ -33,9 +33,10 @@ def acts_at_inference(cls) -> bool:
 
 def run_demo(model_name: str = "smollm2-135m", length: int | None = None, depth: float = 0.5,
              methods: list[str] | None = None, seed: int = 0, progress: bool = True,
-             options: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+             options: dict[str, dict[str, Any]] | None = None, dtype: Any = None,
+             device: str | None = None) -> list[dict[str, Any]]:
     from lcx.adapters.families import context_window
-    from lcx.models import load_model
+    from lcx.models import dtype_name, load_model
     from lcx.registry import registry
 
     names = methods or [NO_METHOD, *sorted(n for n, cls in registry().methods.items() if acts_at_inference(cls))]
@@ -53,7 +54,8 @@ def run_demo(model_name: str = "smollm2-135m", length: int | None = None, depth:
         if name not in names:
             raise LcxError(f"options for {name!r}, which the demo does not run (it runs: {', '.join(names)}); "
                            f"add --method {name} or drop the option")
-    model, tok = load_model(model_name)
+    model, tok = load_model(model_name, dtype=dtype, device=device)
+    dtype_used = dtype_name(model.dtype)
     window = context_window(model)
     length = length or 2 * window
     key = random.Random(seed).randint(10000, 99999)
@@ -64,7 +66,8 @@ def run_demo(model_name: str = "smollm2-135m", length: int | None = None, depth:
         if progress:
             said = f" ({' '.join(f'{k}={v}' for k, v in opts.items())})" if opts else ""
             print(f"[demo] {name}{said}: passkey {key} at depth {depth} in {ids.shape[1]} tokens ...", flush=True)
-        row = {"method": name, "options": opts, "prompt_tokens": int(ids.shape[1]), "window": window, "key": key}
+        row = {"method": name, "options": opts, "prompt_tokens": int(ids.shape[1]), "window": window, "key": key,
+               "dtype": dtype_used}
         try:
             with attach(model, [] if name == NO_METHOD else [name], **({name: opts} if opts else {})) as run, \
                     measure() as m:
@@ -87,7 +90,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     if not rows:
         return
     r0 = rows[0]
-    t = Table(title=f"passkey {r0['key']} in {r0['prompt_tokens']} tokens (model window {r0['window']})")
+    t = Table(title=f"passkey {r0['key']} in {r0['prompt_tokens']} tokens (model window {r0['window']}, "
+                    f"{r0.get('dtype', 'float32')})")
     t.add_column("method", overflow="fold")  # a long option (memory_layers=...) wraps instead of being cut
     for col in ("found key?", "output", "time (s)", "peak RSS (MiB)"):
         t.add_column(col)

@@ -254,8 +254,11 @@ class Journal:
             diff = sorted(k for k in set(self.fingerprint) | set(head or {})
                           if not _matches((head or {}).get(k, _MISSING), self.fingerprint.get(k),
                                           self.defaults.get(k)))
+            was = (head or {}).get("dtype", self.defaults.get("dtype"))
+            hint = (f"; its samples were computed in {was}: pass --dtype {was} to resume them"
+                    if "dtype" in diff and was else "")
             raise LcxError(f"cannot resume from {self.path}: it was written for a different run "
-                           f"(differs in: {', '.join(diff) or 'header'}); drop --resume to start afresh "
+                           f"(differs in: {', '.join(diff) or 'header'}){hint}; drop --resume to start afresh "
                            f"or choose another --out")
         good = 1
         for line in lines[1:]:

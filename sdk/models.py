@@ -47,6 +47,9 @@ QUICK_HASH_SPAN = 1 << 20
 #: Read size while hashing whole files.
 HASH_CHUNK = 1 << 22
 HOME_ENV = "LCX_HOME"
+#: Default of every ``--dtype`` (and of ``load_model(dtype=None)``) when set: auto, float32, bfloat16 or float16.
+DTYPE_ENV = "LCX_DTYPE"
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 #: Class-name endings of decoder heads; an architecture without one (BertModel, ...) is refused.
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
@@ -338,17 +341,17 @@ def _causal_lm_architectures() -> set[str]:
 
 
 @overload
-def load_model(name_or_path: str | os.PathLike[str], *, dtype: torch.dtype | None = ..., trust_remote_code: bool = ...,
+def load_model(name_or_path: str | os.PathLike[str], *, dtype: torch.dtype | str | None = ..., trust_remote_code: bool = ...,
                attn_implementation: str | None = ..., require_tokenizer: Literal[True] = ...,
                device: str | None = ...) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]: ...
 @overload
-def load_model(name_or_path: str | os.PathLike[str], *, dtype: torch.dtype | None = ..., trust_remote_code: bool = ...,
+def load_model(name_or_path: str | os.PathLike[str], *, dtype: torch.dtype | str | None = ..., trust_remote_code: bool = ...,
                attn_implementation: str | None = ..., require_tokenizer: bool,
                device: str | None = ...) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]: ...
 def load_model(
     name_or_path: str | os.PathLike[str],
     *,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     trust_remote_code: bool = False,
     attn_implementation: str | None = "sdpa",
     require_tokenizer: bool = True,
@@ -356,7 +359,8 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     """(model in eval mode, tokenizer padding on the left) from a local folder or a pulled known model.
 
-    ``dtype`` None means torch.float32 (torch is imported lazily so light commands stay fast).
+    ``dtype``: a torch dtype or one of ``DTYPE_NAMES``; None means ``LCX_DTYPE``, else auto (bfloat16 where
+    the device runs it natively, float32 elsewhere: :func:`resolve_dtype`).
     ``device`` (cpu, cuda, cuda:1, ...; None: ``LCX_DEVICE`` or cpu) is where the model runs; lcx's
     generation and memories follow the model's device.
     With ``require_tokenizer=False`` a folder without a tokenizer yields ``(model, None)``.
@@ -369,6 +373,7 @@ def load_model(
 
     hf_logging.disable_progress_bar()
     target = resolve_device(device)  # before the weights load: a bad device fails fast
+    dtype = resolve_dtype(dtype, target)
     path = resolve_model_path(name_or_path)
     try:
         config = AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
@@ -394,7 +399,7 @@ def load_model(
         check_safetensors(weights, "copy the model folder again")
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(path), config=config, dtype=dtype or torch.float32, local_files_only=True,
+            str(path), config=config, dtype=dtype, local_files_only=True,
             trust_remote_code=trust_remote_code, attn_implementation=attn_implementation,
         )
     except ValueError as e:
@@ -415,6 +420,75 @@ def load_model(
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     return model, tok
+
+
+def native_bf16(device: "torch.device") -> bool:
+    """Whether ``device`` runs bfloat16 matrix products natively: a CPU with AMX or AVX512-BF16 (oneDNN uses
+    them), a CUDA GPU of compute capability 8.0 or more."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    if device.type == "cpu":
+        return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
+    return False
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux ``/proc/cpuinfo``; elsewhere what torch reports of AMX/AVX512-BF16)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    import torch
+
+    cpu = getattr(torch, "cpu", None)
+    flags = set()
+    if getattr(cpu, "_is_amx_tile_supported", lambda: False)():
+        flags.add("amx_bf16")
+    if getattr(cpu, "_is_avx512_bf16_supported", lambda: False)():
+        flags.add("avx512_bf16")
+    return flags
+
+
+def resolve_dtype(dtype: "torch.dtype | str | None" = None, device: "torch.device | str | None" = None,
+                  warn: Callable[[str], None] | None = None) -> "torch.dtype":
+    """The torch dtype a model is loaded in: ``dtype`` (a torch dtype or a name in ``DTYPE_NAMES``), else
+    ``LCX_DTYPE``, else auto.  auto: bfloat16 where ``device`` runs it natively (:func:`native_bf16`), float32
+    elsewhere.  A half dtype asked for where the device only emulates it is said once (on stderr, or to
+    ``warn``): it runs, but slower than float32."""
+    import torch
+
+    dev = resolve_device(device) if not isinstance(device, torch.device) else device
+    if isinstance(dtype, torch.dtype):
+        name = str(dtype).removeprefix("torch.")
+    else:
+        name = (dtype or os.environ.get(DTYPE_ENV) or "auto").strip().lower()
+        name = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16", "half": "float16"}.get(name, name)
+    if name not in DTYPE_NAMES:
+        source = "" if dtype else f" (from {DTYPE_ENV})"
+        raise LcxError(f"dtype {name!r}{source} is not one lcx loads models in; give one of {', '.join(DTYPE_NAMES)}")
+    if name == "auto":
+        return torch.bfloat16 if native_bf16(dev) else torch.float32
+    if dev.type == "cpu" and name != "float32":
+        native = native_bf16(dev) if name == "bfloat16" else "amx_fp16" in cpu_flags()
+        if not native:
+            flag = "amx_bf16 or avx512_bf16" if name == "bfloat16" else "amx_fp16"
+            (warn or _stderr)(f"note: this CPU has no native {name} ({flag}): its matrix products are emulated, "
+                              f"several times slower than float32; use --dtype auto or float32")
+    return getattr(torch, name)
+
+
+def dtype_name(dtype: "torch.dtype") -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (how lcx writes a dtype into JSON, journals and sidecars)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
 
 
 def resolve_device(device: str | None = None) -> "torch.device":

@@ -49,11 +49,12 @@ def open_session(
     trust_remote_code: bool = False,
     require_tokenizer: bool = True,
     device: str | None = None,
+    dtype: Any = None,
 ) -> Session:
     from lcx.models import load_model
 
     hf_model, tok = load_model(model, trust_remote_code=trust_remote_code, require_tokenizer=require_tokenizer,
-                               device=device)
+                               device=device, dtype=dtype)
     sidecar = None
     if adapter:
         hf_model, sidecar, methods, options = apply_adapter(hf_model, adapter, list(methods), options or {})
@@ -76,7 +77,20 @@ def apply_adapter(model: Any, adapter: str | Path, methods: list[str],
     else:  # the named methods with the user's options, but what the adapter's training fixed stays fixed
         options = merge_options({m: _fixed(m, trained) for m in methods}, options, methods)
     check_adapter_methods(trained, options, methods, adapter)
+    _note_dtype(sidecar, model, adapter)
     return peft_model, sidecar, methods, options
+
+
+def _note_dtype(sidecar: dict[str, Any], model: Any, adapter) -> None:
+    """Say so (once, on stderr) when an adapter trained over base weights of one dtype is used over another's:
+    it runs, but its outputs differ from what its training saw by the rounding."""
+    import sys
+
+    trained = (sidecar.get("training") or {}).get("dtype", "float32")  # adapters from before dtypes were float32
+    now = next((str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()), trained)
+    if trained != now:
+        print(f"note: adapter {str(adapter)!r} was trained over {trained} weights and is used over {now} ones "
+              f"(pass --dtype {trained} to use it as trained)", file=sys.stderr)
 
 
 def trained_methods(sidecar: dict[str, Any]) -> dict[str, dict[str, Any]]:

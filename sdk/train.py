@@ -65,6 +65,9 @@ class TrainConfig:
         "help": "an lcx adapter whose weights the run starts from (same base model and rank; its roles)"})
     seed: int = field(default=0, metadata={"help": "seed for data order, init and sampling"})
     bf16: bool = field(default=False, metadata={"help": "bf16 autocast"})
+    dtype: str = field(default="float32", metadata={
+        "help": "dtype of the frozen base weights (float32, bfloat16); trained parameters stay float32, and a "
+                "bfloat16 base computes under bf16 autocast"})
     save_every: int = field(default=50, metadata={"help": "checkpoint every N steps (0 = never; a stopped or failed run still keeps one)"})
     keep_checkpoints: int = field(default=2, metadata={"help": "how many recent checkpoints to keep"})
     concat: bool = field(default=True, metadata={"help": "concatenate short documents into windows"})
@@ -83,6 +86,11 @@ class TrainConfig:
             raise LcxError(f"lr must be > 0, got {self.lr}")
         if self.schedule not in ("constant", "cosine"):
             raise LcxError(f"schedule must be constant or cosine, got {self.schedule!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise LcxError(f"dtype {self.dtype!r}: train in float32, bfloat16 or float16 (auto is resolved before)")
+        if self.dtype == "float16" and not torch.cuda.is_available():
+            raise LcxError("float16 training needs a CUDA GPU (its loss scaling runs there); on the CPU train in "
+                           "bfloat16 or float32")
         if self.init_adapter and (self.full or self.lora_roles):
             raise LcxError(f"--init-adapter {self.init_adapter!r} brings its own LoRA modules and roles; drop "
                            f"{'--full' if self.full else '--lora-targets'}")
@@ -209,7 +217,9 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, progr
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state()
-    accel = Accelerator(gradient_accumulation_steps=1, mixed_precision="bf16" if cfg.bf16 else "no", cpu=not torch.cuda.is_available())
+    # half-precision weights compute under autocast, so float32 trained parameters mix with them
+    mixed = "bf16" if cfg.bf16 or cfg.dtype == "bfloat16" else "fp16" if cfg.dtype == "float16" else "no"
+    accel = Accelerator(gradient_accumulation_steps=1, mixed_precision=mixed, cpu=not torch.cuda.is_available())
     rank, world = accel.process_index, accel.num_processes
     if accel.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
         sharded = accel.distributed_type.name
@@ -225,7 +235,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, progr
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     task = synthetic_task(cfg.data)
-    model, tok = load_model(cfg.model, require_tokenizer=task is None)
+    model, tok = load_model(cfg.model, require_tokenizer=task is None, dtype=cfg.dtype)
     model.train()
     if cfg.full_model:  # from scratch / full fine-tuning: no adapter, every weight trains
         peft_model = model.requires_grad_(True)
@@ -234,6 +244,9 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, progr
     else:
         roles = tuple(cfg.lora_roles) if cfg.lora_roles else _method_roles(cfg.methods, registry())
         peft_model = add_adapter(model, roles=roles, rank=cfg.lora_rank, modules_to_save=cfg.full or None)
+    for p in peft_model.parameters():
+        if p.requires_grad and p.dtype != torch.float32:  # float32 master weights: AdamW's updates need the range
+            p.data = p.data.float()
     run = attach(peft_model, cfg.methods, **cfg.options)
     run.state["seed"] = cfg.seed
     run.state["rank"] = rank  # per-process randomness in sampling stages (DDP)
@@ -472,7 +485,7 @@ def _lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
 #: ``save_every`` and ``keep_checkpoints`` change nothing it computes).
 RESUME_FIELDS = ("model", "methods", "options", "seq_len", "batch_size", "grad_accum", "seed", "lr", "warmup",
                  "schedule", "weight_decay", "max_grad_norm", "lora_rank", "lora_roles", "init_adapter", "data",
-                 "full", "bf16", "concat", "text_field")
+                 "full", "bf16", "concat", "text_field", "dtype")
 
 
 def _inputs_inside(out: Path, cfg: TrainConfig) -> str | None:

@@ -10,6 +10,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite compares paths token for token against float32 references; bf16 has its own tests (test_bf16, test_dtype).
+os.environ.setdefault("LCX_DTYPE", "float32")
 warnings.filterwarnings("ignore", message=".*must be `None` or an integer within the vocabulary.*")
 
 VOCAB = 256

@@ -237,7 +237,7 @@ def test_runtime_plugin_method_is_attachable_and_unregisters(isolated_registry):
         with lcx.attach(model, ["greet"], prefix="!") as run:
             new = lcx.generate(run, x, max_new_tokens=2)
             assert run.state["greet_calls"] == [("!", 9, 2)]
-            assert run.describe() == {"methods": [{"name": "greet", "options": {"prefix": "!"}}]}
+            assert run.describe() == {"methods": [{"name": "greet", "options": {"prefix": "!"}}], "dtype": "float32"}
         assert new.shape == (1, 2) and attached_run(model) is None
     finally:
         reg.remove_plugin("greet-plugin")

@@ -8,8 +8,8 @@ from pathlib import Path
 import click
 
 from lcx.cli.base import (
-    CONTEXT, OUT_DIR, LcxGroup, _echo_json, _float_list, _int_list, _open, _positive_ints, _token_count, main,
-    method_options, model_option, text_field_option,
+    CONTEXT, OUT_DIR, LcxGroup, _device, _dtype, _echo_json, _float_list, _int_list, _open, _positive_ints, _token_count, main,
+    device_option, method_options, model_option, text_field_option,
 )
 from lcx.cli.evaluation import _ppl_documents
 from lcx.errors import LcxError
@@ -29,13 +29,14 @@ def analyze_grp() -> None:
 @click.option("--chunk", type=click.IntRange(1), default=256, show_default=True, help="Queries per recomputation block.")
 @click.option("--out", type=OUT_DIR, default=Path("out/attention"), show_default=True,
               help="Folder for attention.json and attention.png.")
+@device_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (no table, no progress bars).")
 def analyze_attention(model, data, text_field, length, max_docs, chunk, out, as_json):
     """Attention mass by distance, per 1024-token bin and by rank (SMT's Pareto analysis); JSON + plot."""
     from lcx import analyze
     from lcx.models import load_model
 
-    hf_model, tok = load_model(model)
+    hf_model, tok = load_model(model, device=_device(), dtype=_dtype())
     docs = [(n, ids) for n, ids in _ppl_documents(data, tok, None, text_field) if len(ids) >= length][:max_docs]
     if not docs:
         raise LcxError(f"no document in {list(data)} has {length} tokens; lower --length")
@@ -62,6 +63,7 @@ def analyze_attention(model, data, text_field, length, max_docs, chunk, out, as_
 @click.option("--seed", type=int, default=12345, show_default=True, help="Keys differ from the eval's (seed 0).")
 @click.option("--out", type=OUT_DIR, default=Path("out/retrieval"), show_default=True,
               help="Folder for retrieval.json and retrieval.png.")
+@device_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (no table, no progress bars).")
 def analyze_retrieval(model, length, depths, n_keys, threshold, seed, out, as_json):
     """Which layers copy from far context: attention mass on a passkey while the model repeats it.
@@ -74,7 +76,7 @@ def analyze_retrieval(model, length, depths, n_keys, threshold, seed, out, as_js
     from lcx import analyze
     from lcx.models import load_model
 
-    hf_model, tok = load_model(model)
+    hf_model, tok = load_model(model, device=_device(), dtype=_dtype())
     rng = random.Random(seed)
     keys = [rng.randint(10000, 99999) for _ in range(n_keys)]
     result = {"model": model, "command": "lcx " + " ".join(sys.argv[1:]),

@@ -99,20 +99,43 @@ def limit_options(f):
 
 
 def device_option(f):
-    """``--device``: where the model runs; lcx's generation and memories follow the model."""
-    return click.option("--device", default=None, expose_value=False, callback=_set_device, metavar="DEVICE",
-                        help="Where the model runs: cpu (default), cuda, cuda:N (or LCX_DEVICE).")(f)
+    """``--device`` and ``--dtype``: where the model runs and in which precision; lcx's generation and memories
+    follow the model."""
+    f = dtype_option(f)
+    return click.option("--device", default=None, expose_value=False, callback=_set_meta("lcx.device"),
+                        metavar="DEVICE", help="Where the model runs: cpu (default), cuda, cuda:N (or LCX_DEVICE).")(f)
 
 
-def _set_device(ctx, param, value):
-    if value:  # kept on the command's context (not the environment: tests run many commands in one process)
-        ctx.meta["lcx.device"] = value
+DTYPE_HELP = ("Precision of the model's weights and activations: auto (default, or LCX_DTYPE) is bfloat16 where the "
+              "device runs it natively (a CPU with AMX or AVX512-BF16, a GPU of compute capability 8.0+) and "
+              "float32 elsewhere; float32 is the reference the tests compare against.")
+
+
+def dtype_option(f):
+    """``--dtype auto|float32|bfloat16|float16``, read by ``_dtype()``."""
+    from lcx.models import DTYPE_NAMES
+
+    return click.option("--dtype", type=click.Choice(DTYPE_NAMES, case_sensitive=False), default=None,
+                        expose_value=False, callback=_set_meta("lcx.dtype"), help=DTYPE_HELP)(f)
+
+
+def _set_meta(key: str):
+    def callback(ctx, param, value):
+        if value:  # kept on the command's context (not the environment: tests run many commands in one process)
+            ctx.meta[key] = value
+    return callback
 
 
 def _device() -> str | None:
     """The command's --device, or None (``load_model`` then reads LCX_DEVICE, else cpu)."""
     ctx = click.get_current_context(silent=True)
     return ctx.meta.get("lcx.device") if ctx else None
+
+
+def _dtype() -> str | None:
+    """The command's --dtype, or None (``load_model`` then reads LCX_DTYPE, else auto)."""
+    ctx = click.get_current_context(silent=True)
+    return ctx.meta.get("lcx.dtype") if ctx else None
 
 
 def _limit(name: str):
@@ -136,7 +159,7 @@ def _open(model: str, methods: tuple[str, ...], options: tuple[str, ...], adapte
     from lcx.session import open_session, parse_options
 
     return _with_limits(open_session(model, methods, parse_options(options), adapter, trust_remote_code=trust,
-                                     device=_device()))
+                                     device=_device(), dtype=_dtype()))
 
 
 def _echo_json(obj: Any) -> None:

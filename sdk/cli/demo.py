@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from lcx.cli.base import CONTEXT, _echo_json, main
+from lcx.cli.base import CONTEXT, _device, _dtype, _echo_json, device_option, main
 
 
 @main.command("demo", context_settings=CONTEXT)
@@ -17,6 +17,7 @@ from lcx.cli.base import CONTEXT, _echo_json, main
 @click.option("--option", "-o", "options", multiple=True, metavar="METHOD.KEY=VALUE",
               help="An option for one method's row, e.g. -o fot.local=1024 (see `lcx methods -v`); rows without "
                    "options run the method's defaults.")
+@device_option
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON (no table, no progress lines).")
 def demo_cmd(model, length, depth, methods, options, as_json) -> None:
     """Passkey at 2x the model's window with each installed method: found?, time, peak memory.
@@ -29,7 +30,7 @@ def demo_cmd(model, length, depth, methods, options, as_json) -> None:
     from lcx.session import parse_options
 
     rows = run_demo(model, length=length, depth=depth, methods=list(methods) or None, progress=not as_json,
-                    options=parse_options(options))
+                    options=parse_options(options), dtype=_dtype(), device=_device())
     if as_json:
         _echo_json(rows)
     else:

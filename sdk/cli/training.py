@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from lcx.cli.base import CONTEXT, OUT_DIR, _echo_json, main, model_option, text_field_option
+from lcx.cli.base import CONTEXT, OUT_DIR, _dtype, _echo_json, dtype_option, main, model_option, text_field_option
 
 
 @main.command("train", context_settings=CONTEXT)
@@ -44,6 +44,7 @@ from lcx.cli.base import CONTEXT, OUT_DIR, _echo_json, main, model_option, text_
 @text_field_option
 @click.option("--resume", is_flag=True, help="Continue exactly from the latest checkpoint in --out.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing --out folder.")
+@dtype_option
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary at the end.")
 def train_cmd(model, methods, options, data, out, seq_len, steps, batch_size, grad_accum, lr, warmup, schedule,
               lora_rank, lora_targets, full, init_adapter, seed, bf16, save_every, concat, text_field, resume, overwrite, as_json):
@@ -56,16 +57,21 @@ def train_cmd(model, methods, options, data, out, seq_len, steps, batch_size, gr
       accelerate launch --cpu --num_processes 2 -m lcx.cli train ...
     Ctrl-C stops after the current step and keeps a checkpoint; rerun with --resume.
     """
+    import torch
+
+    from lcx.models import dtype_name, resolve_dtype
     from lcx.session import parse_options
     from lcx.train import TrainConfig, train
 
+    # resolved here, so a run resumed on another machine is compared by what it computed in
+    dtype = dtype_name(resolve_dtype(_dtype(), "cuda" if torch.cuda.is_available() else "cpu"))
     cfg = TrainConfig(
         model=model, data=list(data), out=str(out), methods=list(methods) or ["vanilla"], options=parse_options(options),
         seq_len=seq_len, steps=steps, batch_size=batch_size, grad_accum=grad_accum, lr=lr, warmup=warmup,
         schedule=schedule, lora_rank=lora_rank, lora_roles=lora_targets.split(",") if lora_targets else None,
         full=[x.strip() for x in full.split(",") if x.strip()] if full else [],
         init_adapter=str(init_adapter) if init_adapter else None,
-        seed=seed, bf16=bf16, save_every=save_every, concat=concat, text_field=text_field,
+        seed=seed, bf16=bf16, save_every=save_every, concat=concat, text_field=text_field, dtype=dtype,
     )
     path = train(cfg, resume=resume, overwrite=overwrite, progress=not as_json)
     if int(os.environ.get("RANK", "0")) != 0:  # under accelerate launch: one report, from the main process
