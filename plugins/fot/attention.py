@@ -41,7 +41,9 @@ def memory_attention(
     B, H, T, D = query.shape
     Hkv, S = key.shape[1], key.shape[2]
     G = H // Hkv  # query heads per KV head
-    q_rel = rotate(query, q_shift[:, None, :], inv_freq) if inv_freq is not None else query
+    # float32 like the scores (rotate() answers in its input's dtype): a bf16 query rounded once more after
+    # re-rotation would score memory keys less exactly than local ones
+    q_rel = rotate(query.float(), q_shift[:, None, :], inv_freq) if inv_freq is not None else query
     out = torch.empty(B, T, H, value.shape[-1], dtype=query.dtype, device=query.device)
     for b in range(B):
         m = mask[b if mask.shape[0] > 1 else 0, 0].expand(T, S)

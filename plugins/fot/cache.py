@@ -71,7 +71,7 @@ def add_to_memory(memory: dict[tuple[int, int], MemoryStore], row: int, keys: to
     """Keys (H, n, D) of one batch row, rotated at RoPE ``positions``, un-rotated to "position 0" and added
     with their values to ``memory[(row, h)]`` per KV head, or to ``memory[row]`` when one store holds all
     the row's heads (``memory_attention`` reads either)."""
-    k0 = rotate(keys, -positions, inv_freq)
+    k0 = rotate(keys.float(), -positions, inv_freq)  # float32, as stores keep keys: no second bf16 rounding
     heads = memory.get(row)
     if heads is not None:
         heads.add(k0, values)
