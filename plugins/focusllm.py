@@ -340,7 +340,8 @@ def topk_keep(query: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Te
     """Which candidates each query reads: queries (..., Hkv, G, T, D) grouped by KV head, the candidates'
     keys (..., Hkv, n, D); True at each query's ``k`` highest q.k, (..., Hkv, G, T, n).  lcx's attention
     (``candidate_topk_mask``) and the served one (``vllm_attention._topk_sdpa``) both cut with it."""
-    scores = query @ candidates.unsqueeze(-3).transpose(-1, -2)
+    # float32: bf16 scores would tie and reorder near-equal candidates (and a bf16 bmm of these strided views is slow)
+    scores = query.float() @ candidates.float().unsqueeze(-3).transpose(-1, -2)
     keep = torch.zeros(scores.shape, dtype=torch.bool, device=query.device)
     return keep.scatter_(-1, scores.topk(k, dim=-1).indices, True)
 

@@ -147,3 +147,21 @@ def test_an_adapter_used_in_another_dtype_than_it_was_trained_in_is_said(tmp_pat
     s.close()
     err = capsys.readouterr().err
     assert "was trained over float32 weights and is used over bfloat16 ones (pass --dtype float32" in err
+
+
+def test_a_memory_read_in_another_dtype_than_it_was_built_in_is_said(tmp_path):
+    from tests.helpers import make_word_documents
+
+    d = make_tiny_model_dir(tmp_path / "m")
+    docs = make_word_documents(tmp_path / "docs")
+    build = ["memory", "build", "-m", str(d), "--out", str(tmp_path / "mem"), "-o", "local=32", "--dtype", "float32",
+             "--json", str(docs)]
+    r = CliRunner().invoke(main, build)
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "mem" / "memory.json").read_text())["dtype"] == "float32"
+    gen = ["generate", "-m", str(d), "--method", "fot", "-o", "local=32", "--memory", str(tmp_path / "mem"),
+           "-p", "alpha", "-n", "2", "--json"]
+    r = CliRunner().invoke(main, [*gen, "--dtype", "float32"])
+    assert r.exit_code == 0 and "was built in" not in r.output, r.output
+    r = CliRunner().invoke(main, [*gen, "--dtype", "bfloat16"])
+    assert r.exit_code == 0 and "was built in float32 and is read in bfloat16" in r.output, r.output

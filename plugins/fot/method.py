@@ -331,11 +331,15 @@ class FoT(Method):
 
     def load(self, path: str | Path, model) -> dict:
         """Use a memory built by ``lcx memory build`` (multi-document mode, batch 1)."""
-        from lcx.adapters.peft_bridge import base_identity
+        from lcx.adapters.peft_bridge import base_identity, same_embeddings
 
         stores, meta = load_memory(path, self.store_config())
         want, have = meta.get("model", {}), base_identity(model)
-        for key in ("model_type", "num_hidden_layers", "hidden_size", "embedding_sha256"):
+        if not same_embeddings(want, have):  # the same weights in another dtype are the same model
+            raise LcxError(f"memory {str(path)!r} was built with another model (embedding_sha256: "
+                           f"{want.get('embedding_sha256')!r} vs {have.get('embedding_sha256')!r}); rebuild it with "
+                           f"this model")
+        for key in ("model_type", "num_hidden_layers", "hidden_size"):
             if want.get(key) != have.get(key):
                 raise LcxError(f"memory {str(path)!r} was built with another model ({key}: {want.get(key)!r} vs "
                                f"{have.get(key)!r}); rebuild it with this model")

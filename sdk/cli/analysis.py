@@ -34,13 +34,14 @@ def analyze_grp() -> None:
 def analyze_attention(model, data, text_field, length, max_docs, chunk, out, as_json):
     """Attention mass by distance, per 1024-token bin and by rank (SMT's Pareto analysis); JSON + plot."""
     from lcx import analyze
-    from lcx.models import load_model
+    from lcx.models import dtype_name, load_model
 
     hf_model, tok = load_model(model, device=_device(), dtype=_dtype())
     docs = [(n, ids) for n, ids in _ppl_documents(data, tok, None, text_field) if len(ids) >= length][:max_docs]
     if not docs:
         raise LcxError(f"no document in {list(data)} has {length} tokens; lower --length")
-    result = {"model": model, **analyze.analyze(hf_model, docs, length, chunk=chunk, progress=not as_json)}
+    result = {"model": model, "dtype": dtype_name(hf_model.dtype),
+              **analyze.analyze(hf_model, docs, length, chunk=chunk, progress=not as_json)}
     js = analyze.write_json(result, out / "attention.json")
     png = analyze.plot(result, out / "attention.png", f"{model}: attention over {length} tokens")
     if as_json:
@@ -74,12 +75,12 @@ def analyze_retrieval(model, length, depths, n_keys, threshold, seed, out, as_js
     import random
 
     from lcx import analyze
-    from lcx.models import load_model
+    from lcx.models import dtype_name, load_model
 
     hf_model, tok = load_model(model, device=_device(), dtype=_dtype())
     rng = random.Random(seed)
     keys = [rng.randint(10000, 99999) for _ in range(n_keys)]
-    result = {"model": model, "command": "lcx " + " ".join(sys.argv[1:]),
+    result = {"model": model, "dtype": dtype_name(hf_model.dtype), "command": "lcx " + " ".join(sys.argv[1:]),
               **analyze.retrieval_layers(hf_model, tok, length, depths, keys, threshold, progress=not as_json)}
     js = analyze.write_json(result, out / "retrieval.json")
     png = analyze.plot_retrieval(result, out / "retrieval.png", f"{model}: retrieval by layer and head")

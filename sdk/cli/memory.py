@@ -71,7 +71,7 @@ def memory_build(model, methods, options, adapter, out, overwrite, text_field, a
         stores = fot.stores_for_saving()
         built_with = {"path": str(adapter), "sha256": adapter_digest(adapter)} if adapter else None
         save_memory(stores, out, {"model": base_identity(s.model), "method": s.run.describe()["methods"][0],
-                                  "adapter": built_with, "documents": listed})
+                                  "adapter": built_with, "documents": listed, "dtype": s.run.dtype})
     finally:
         s.close()
     entries = len(next(iter(stores.values()))) if stores else 0
