@@ -165,3 +165,18 @@ def test_a_memory_read_in_another_dtype_than_it_was_built_in_is_said(tmp_path):
     assert r.exit_code == 0 and "was built in" not in r.output, r.output
     r = CliRunner().invoke(main, [*gen, "--dtype", "bfloat16"])
     assert r.exit_code == 0 and "was built in float32 and is read in bfloat16" in r.output, r.output
+
+
+def test_an_adapter_from_before_bf16_fingerprints_over_bf16_weights_asks_for_float32(tmp_path):
+    from lcx.adapters.peft_bridge import random_adapter
+    from lcx.session import open_session
+
+    d = make_tiny_model_dir(tmp_path / "m")
+    adapter = random_adapter(load_model(d, dtype="float32", require_tokenizer=False)[0], tmp_path / "a", 0)
+    sidecar = json.loads((adapter / "lcx.json").read_text())
+    del sidecar["base_model"]["embedding_bf16_sha256"]  # as lcx saved adapters before 2026-11-28
+    (adapter / "lcx.json").write_text(json.dumps(sidecar))
+    open_session(str(d), [], {}, adapter, dtype="float32").close()  # its float32 fingerprint still matches
+    with pytest.raises(LcxError, match=r"records its base model's weights in float32 only .* loaded in bfloat16: "
+                                       r"load it with --dtype float32"):
+        open_session(str(d), [], {}, adapter, dtype="bfloat16")
