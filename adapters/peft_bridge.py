@@ -216,10 +216,12 @@ def check_base(model: nn.Module, sidecar: dict[str, Any], adapter_dir: str | os.
     keys = ["model_type", "num_hidden_layers", "hidden_size", "vocab_size", "embedding_sha256"]
     if same_embeddings(want, have):
         keys.pop()  # also the same weights in another precision
-    dtype = next((p.dtype for p in unwrap(model).parameters() if p.is_floating_point()), torch.float32)
-    if "embedding_sha256" in keys and not want.get("embedding_bf16_sha256") and dtype != torch.float32:
+    from lcx.models import dtype_name, model_dtype
+
+    dtype = dtype_name(model_dtype(model))
+    if "embedding_sha256" in keys and not want.get("embedding_bf16_sha256") and dtype != "float32":
         raise LcxError(f"adapter {str(adapter_dir)!r} records its base model's weights in float32 only (saved by an "
-                       f"older lcx), and the model is loaded in {str(dtype).removeprefix('torch.')}: load it with "
+                       f"older lcx), and the model is loaded in {dtype}: load it with "
                        f"--dtype float32, or add the bf16 fingerprint by re-saving the adapter")
     for key in keys:
         if want.get(key) != have.get(key):

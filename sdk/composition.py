@@ -98,8 +98,9 @@ class Run:
     @property
     def dtype(self) -> str:
         """The dtype the model computes in (its first floating parameter's), e.g. ``"bfloat16"``."""
-        dt = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
-        return str(dt).removeprefix("torch.")
+        from lcx.models import dtype_name, model_dtype
+
+        return dtype_name(model_dtype(self.model))
 
     def describe(self) -> dict[str, Any]:
         """JSON-able description of the run (methods + options, the model's dtype), for result files and

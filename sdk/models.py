@@ -464,7 +464,7 @@ def resolve_dtype(dtype: "torch.dtype | str | None" = None, device: "torch.devic
 
     dev = resolve_device(device) if not isinstance(device, torch.device) else device
     if isinstance(dtype, torch.dtype):
-        name = str(dtype).removeprefix("torch.")
+        name = dtype_name(dtype)
     else:
         name = (dtype or os.environ.get(DTYPE_ENV) or "auto").strip().lower()
         name = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16", "half": "float16"}.get(name, name)
@@ -480,6 +480,13 @@ def resolve_dtype(dtype: "torch.dtype | str | None" = None, device: "torch.devic
             (warn or _stderr)(f"note: this CPU has no native {name} ({flag}): its matrix products are emulated, "
                               f"several times slower than float32; use --dtype auto or float32")
     return getattr(torch, name)
+
+
+def model_dtype(model: Any) -> "torch.dtype":
+    """The dtype ``model`` computes in: its first floating parameter's (a PeftModel's too)."""
+    import torch
+
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 def dtype_name(dtype: "torch.dtype") -> str:

@@ -86,8 +86,10 @@ def _note_dtype(sidecar: dict[str, Any], model: Any, adapter) -> None:
     it runs, but its outputs differ from what its training saw by the rounding."""
     import sys
 
+    from lcx.models import dtype_name, model_dtype
+
     trained = (sidecar.get("training") or {}).get("dtype", "float32")  # adapters from before dtypes were float32
-    now = next((str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()), trained)
+    now = dtype_name(model_dtype(model))
     if trained != now:
         print(f"note: adapter {str(adapter)!r} was trained over {trained} weights and is used over {now} ones "
               f"(pass --dtype {trained} to use it as trained)", file=sys.stderr)

@@ -119,6 +119,17 @@ def dtype_option(f):
                         expose_value=False, callback=_set_meta("lcx.dtype"), help=DTYPE_HELP)(f)
 
 
+def _resolved_dtype(dtype: str | None) -> str:
+    """``dtype`` (or LCX_DTYPE, or auto) resolved by lcx's rule for where the engine runs: a CUDA GPU if torch sees
+    one, else the CPU (lcx serve, whose auto is vLLM's own CPU default here, and lcx train, whose runs resume by
+    what they computed in)."""
+    import torch
+
+    from lcx.models import dtype_name, resolve_dtype
+
+    return dtype_name(resolve_dtype(dtype, "cuda" if torch.cuda.is_available() else "cpu"))
+
+
 def _set_meta(key: str):
     def callback(ctx, param, value):
         if value:  # kept on the command's context (not the environment: tests run many commands in one process)

@@ -60,10 +60,10 @@ def generate_cmd(model, methods, options, adapter, trust_remote_code, input_file
                 raise LcxError("--memory needs the fot method: add --method fot")
             meta = fot.load(memory_dir, s.model)
             _note_memory_adapter(memory_dir, meta, adapter)
-            if meta.get("dtype", "float32") != s.run.dtype:  # memories from before dtypes were float32
-                click.echo(f"note: memory {str(memory_dir)!r} was built in {meta.get('dtype', 'float32')} and is read "
-                           f"in {s.run.dtype} (its keys were rounded otherwise; --dtype "
-                           f"{meta.get('dtype', 'float32')} reads it as built)", err=True)
+            built = meta.get("dtype", "float32")  # memories from before dtypes were float32
+            if built != s.run.dtype:
+                click.echo(f"note: memory {str(memory_dir)!r} was built in {built} and is read in {s.run.dtype} (its "
+                           f"keys were rounded otherwise; --dtype {built} reads it as built)", err=True)
         ids = s.tokenizer(text, return_tensors="pt")["input_ids"]
         torch.manual_seed(seed)
         kwargs: dict[str, Any] = {"do_sample": sample}

