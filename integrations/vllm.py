@@ -207,7 +207,7 @@ def check_memory_for_serving(path: Path, model_dir: Path, methods: list[Any]) ->
             raise LcxError(f"--memory {str(path)!r} was built with another model ({key}: {built.get(key)!r} vs "
                            f"{value!r}); rebuild it with `lcx memory build -m {model_dir}`")
     if config.get("num_hidden_layers"):
-        fot.check_memory_layers(path, meta, int(config["num_hidden_layers"]))
+        fot.check_memory_layers(path, meta, int(config["num_hidden_layers"]), config.get("layer_types"))
 
 
 def check_adapter_for_vllm(path: Path, model_dir: Path) -> dict[str, Any]:

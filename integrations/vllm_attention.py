@@ -507,7 +507,8 @@ class FoTServed(ServedAttention):
             rings.ensure(st.info["slot"], like, like)
             d.update(rings=rings, slot=st.info["slot"], count=0, local_start=0, memory=None)
             if self.memory_layers is None:
-                self.memory_layers = set(self.m.layers_of(int(module.config.num_hidden_layers)))
+                self.memory_layers = set(self.m.layers_of(int(module.config.num_hidden_layers),
+                                                          getattr(module.config, "layer_types", None)))
             if layer in self.memory_layers:
                 from lcx.memory import UnionStore, make_store
 

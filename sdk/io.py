@@ -215,6 +215,20 @@ def _matches(old: Any, new: Any, defaults: Any) -> bool:
     return old == new
 
 
+def _differences(old: dict[str, Any], new: dict[str, Any], defaults: dict[str, Any], prefix: str = "") -> list[str]:
+    """The keys (dotted into nested dicts, e.g. ``config.haystack``) where ``old`` does not match ``new``."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        o, n, d = old.get(k, _MISSING), new.get(k), defaults.get(k) if isinstance(defaults, dict) else None
+        if _matches(o, n, d):
+            continue
+        if isinstance(o, dict) and isinstance(n, dict):
+            out += _differences(o, n, d if isinstance(d, dict) else {}, f"{prefix}{k}.") or [f"{prefix}{k}"]
+        else:
+            out.append(f"{prefix}{k}")
+    return out
+
+
 class Journal:
     """Append-only JSON-lines record of finished samples, so a long evaluation can be resumed.
 
@@ -251,9 +265,7 @@ class Journal:
             raise LcxError(f"cannot resume from {self.path}: its first line is not a journal header (empty or "
                            f"damaged); drop --resume to start afresh or choose another --out")
         if not _matches(head, self.fingerprint, self.defaults):
-            diff = sorted(k for k in set(self.fingerprint) | set(head or {})
-                          if not _matches((head or {}).get(k, _MISSING), self.fingerprint.get(k),
-                                          self.defaults.get(k)))
+            diff = _differences(head, self.fingerprint, self.defaults)
             was = (head or {}).get("dtype", self.defaults.get("dtype"))
             hint = (f"; its samples were computed in {was}: pass --dtype {was} to resume them"
                     if "dtype" in diff and was else "")

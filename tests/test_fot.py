@@ -294,3 +294,14 @@ def test_smollm2_multi_doc_memory_answers_about_a_and_about_b():
             answers = {want: tok.decode(generate(run, enc(q), max_new_tokens=6)[0]) for want, q in questions.items()}
         for want, text in answers.items():
             assert (want in text.replace(" ", "")) == bool(order), (len(order), answers)
+
+
+def test_auto_memory_layers_are_the_full_attention_layers_of_a_sliding_window_model():
+    """A sliding-window layer reads only its window: memory there broke Gemma 3's output, so auto skips them."""
+    from lcx.plugins.fot import FoT
+
+    gemma = (["sliding_attention"] * 5 + ["full_attention"]) * 3
+    assert FoT().layers_of(18, gemma) == [5, 11, 17]
+    assert FoT().layers_of(30) == [7, 15, 22] == FoT().layers_of(30, ["full_attention"] * 30)
+    assert FoT(memory_layers="all").layers_of(18, gemma) == list(range(18))  # explicit choices stay the user's
+    assert FoT(memory_layers="4,9").layers_of(18, gemma) == [4, 9]

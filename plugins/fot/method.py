@@ -45,7 +45,8 @@ class FoT(Method):
     #: vLLM serves it inside its attention, a memory per request (lcx.integrations.vllm_attention).
     serving = "attention"
 
-    memory_layers: str = option("auto", "memory layers: auto (3 at 1/4, 1/2, 3/4 depth), all, or indices like 7,15,22")
+    memory_layers: str = option("auto", "memory layers: auto (3 at 1/4, 1/2, 3/4 depth; on a model with sliding-window "
+                                        "layers, its full-attention layers), all, or indices like 7,15,22")
     k: int = option(32, "memory keys retrieved per query and head")
     local: int = option(2048, "local context: keys each layer keeps in its cache (a sliding window)")
     chunk: int = option(0, "tokens ingested per forward pass; 0 = local (FoT); smaller keeps every query's local context >= local - chunk")
@@ -93,12 +94,15 @@ class FoT(Method):
 
     # ------------------------------------------------------------------ configuration
     def layer_indices(self, run) -> list[int]:
-        return self.layers_of(families.num_layers(run.model, run.family))
+        return self.layers_of(families.num_layers(run.model, run.family), getattr(run.model.config, "layer_types", None))
 
-    def layers_of(self, n: int) -> list[int]:
-        """The memory layers of a model with ``n`` layers."""
+    def layers_of(self, n: int, layer_types: list[str] | None = None) -> list[int]:
+        """The memory layers of a model with ``n`` layers (``layer_types``: its config's, where it has them)."""
         spec = str(self.memory_layers).strip()
         if spec == "auto":
+            full = [i for i, t in enumerate(layer_types or []) if t == "full_attention"]
+            if 0 < len(full) < n:  # a sliding-window layer cannot read what its window dropped: memory breaks it
+                return full
             return sorted({n // 4, n // 2, (3 * n) // 4})
         if spec == "all":
             return list(range(n))
@@ -319,11 +323,12 @@ class FoT(Method):
     def stores_for_saving(self) -> dict[tuple[int, int], MemoryStore]:
         return {(layer, head): store for layer, per in (self._stores or {}).items() for (_, head), store in per.items()}
 
-    def check_memory_layers(self, path: str | Path, meta: dict, n_layers: int) -> None:
+    def check_memory_layers(self, path: str | Path, meta: dict, n_layers: int,
+                            layer_types: list[str] | None = None) -> None:
         """A memory (``lcx memory build``) holds keys for the memory layers it was built with; read with others,
         some of its layers would never be read and the reading layers would find nothing: refuse that."""
         stored = sorted({int(name.split(".")[0]) for name in meta.get("stores", [])})
-        here = self.layers_of(n_layers)
+        here = self.layers_of(n_layers, layer_types)
         if stored != here:
             raise LcxError(f"memory {str(path)!r} holds memory layers {','.join(map(str, stored))}, and fot here "
                            f"reads layers {','.join(map(str, here))} (memory_layers={self.memory_layers}); read it "
@@ -343,7 +348,7 @@ class FoT(Method):
             if want.get(key) != have.get(key):
                 raise LcxError(f"memory {str(path)!r} was built with another model ({key}: {want.get(key)!r} vs "
                                f"{have.get(key)!r}); rebuild it with this model")
-        self.check_memory_layers(path, meta, int(have["num_hidden_layers"]))
+        self.check_memory_layers(path, meta, int(have["num_hidden_layers"]), getattr(model.config, "layer_types", None))
         self.mode = "multi"
         self._stores = {}
         for (layer, head), store in stores.items():

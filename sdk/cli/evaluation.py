@@ -30,14 +30,19 @@ def eval_grp() -> None:
 @click.option("--depths", callback=_float_list, default="0.1,0.3,0.5,0.7,0.9", show_default=True,
               help="Comma-separated needle depths in [0, 1].")
 @click.option("--samples", type=click.IntRange(1), default=5, show_default=True, help="Random keys per cell.")
+@click.option("--haystack", "haystack", multiple=True, type=click.Path(exists=True, path_type=Path), metavar="PATH",
+              help="Hide the needle in real text instead of the repeated filler: text files, folders of them or "
+                   ".jsonl (e.g. ../shared/data/books); whole sentences from the start, so one length's prompts "
+                   "share their text. Repeatable.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Draws the keys (same seed, same prompts).")
 @click.option("--out", type=OUT_DIR, default=Path("out/passkey"), show_default=True,
               help="Folder for passkey.json and passkey.png.")
 @click.option("--resume", is_flag=True, help=RESUME_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def eval_passkey(model, methods, options, adapter, trust_remote_code, lengths, depths, samples, seed, out, resume,
-                 as_json):
-    """Passkey retrieval over a length x depth grid: a 5-digit key hidden in repeated filler (FoT, FocusLLM).
+def eval_passkey(model, methods, options, adapter, trust_remote_code, lengths, depths, samples, haystack, seed, out,
+                 resume, as_json):
+    """Passkey retrieval over a length x depth grid: a 5-digit key hidden in repeated filler (FoT, FocusLLM)
+    or, with --haystack, in real text.
 
     Writes OUT/passkey.json (config, per-sample outputs, summary) and a heatmap OUT/passkey.png;
     every finished sample is also appended to OUT/passkey.samples.jsonl, so an interrupted grid
@@ -49,7 +54,8 @@ def eval_passkey(model, methods, options, adapter, trust_remote_code, lengths, d
 
     s = _open(model, methods, options, adapter, trust_remote_code)
     try:
-        cfg = passkey.PasskeyConfig(lengths=lengths, depths=depths, samples=samples, seed=seed)
+        cfg = passkey.PasskeyConfig(lengths=lengths, depths=depths, samples=samples, seed=seed,
+                                    haystack=_haystack(haystack))
         journal = _passkey_journal(out / "passkey.samples.jsonl", model, s.run, adapter, cfg, resume)
         result = passkey.evaluate(_passkey_generator(s.run, progress=not as_json), s.tokenizer, cfg,
                                   progress=not as_json, journal=journal)
@@ -65,6 +71,13 @@ def eval_passkey(model, methods, options, adapter, trust_remote_code, lengths, d
         acc = result["summary"]["accuracy_by_length"]
         click.echo(f"passkey accuracy ({label}): " + ", ".join(f"{n}: {a:.0%}" for n, a in acc.items()))
         click.echo(f"wrote {js} and {png}")
+
+
+def _haystack(paths: tuple[Path, ...]) -> str | None:
+    if any("," in str(p) for p in paths):
+        raise LcxError(f"--haystack {next(p for p in paths if ',' in str(p))}: a path with a comma cannot be "
+                       "recorded; rename it")
+    return ",".join(map(str, paths)) or None
 
 
 def _passkey_generator(run, progress: bool = False):
@@ -94,7 +107,7 @@ def _passkey_journal(path: Path, model: str, run, adapter, cfg, resume: bool):
     # before lcx recorded the adapter's digest is taken as this adapter's (said below)
     # journals from before lcx recorded the dtype were all float32
     defaults = {"methods": [{"options": m.default_options()} for m in run.methods], "adapter_sha256": digest,
-                "dtype": "float32"}
+                "dtype": "float32", "config": {"haystack": None}}
     journal = Journal(path, fingerprint, resume=resume, defaults=defaults)
     if journal.reused:
         click.echo(f"resuming: {journal.reused} samples already in {path}", err=True)
@@ -184,6 +197,10 @@ def eval_ppl(model, methods, options, adapter, trust_remote_code, data, text_fie
 @click.option("--depths", callback=_float_list, default="0.1,0.3,0.5,0.7,0.9", show_default=True, help="passkey: depths.")
 @click.option("--samples", type=click.IntRange(1), default=None, help="Keys per cell (passkey, default 5) or spans per document (ppl, default 1).")
 @click.option("--seed", type=int, default=0, show_default=True, help="passkey: draws the keys (same seed, same prompts).")
+@click.option("--haystack", "haystack", multiple=True, type=click.Path(exists=True, path_type=Path), metavar="PATH",
+              help="passkey: hide the needle in real text instead of the repeated filler: text files, folders of them or "
+                   ".jsonl (e.g. ../shared/data/books); whole sentences from the start, so one length's prompts "
+                   "share their text. Repeatable.")
 @click.option("--data", "-d", multiple=True, metavar="PATH", help="ppl: documents.")
 @text_field_option
 @click.option("--max-docs", type=click.IntRange(1), default=None, help="ppl: at most this many documents.")
@@ -196,7 +213,7 @@ def eval_ppl(model, methods, options, adapter, trust_remote_code, data, text_fie
 @click.option("--resume", is_flag=True, help="passkey: " + RESUME_HELP)
 @device_option
 @click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
-def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, data, text_field, max_docs, contexts,
+def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, haystack, data, text_field, max_docs, contexts,
                  target, room, out, resume, as_json):
     """Run one suite over several method stacks; writes OUT/compare-SUITE.{json,md,png}.
 
@@ -214,7 +231,8 @@ def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, 
     opts = parse_options(options)
     hf_model, tok = load_model(model, device=_device(), dtype=_dtype())
     if suite == "passkey":
-        cfg = passkey.PasskeyConfig(lengths=lengths, depths=depths, samples=samples or 5, seed=seed)
+        cfg = passkey.PasskeyConfig(lengths=lengths, depths=depths, samples=samples or 5, seed=seed,
+                                    haystack=_haystack(haystack))
         stems: dict[str, str] = {}  # journal name -> the adapter folder it is for
 
         def ev(run, adapter):

@@ -1,9 +1,9 @@
 """Passkey retrieval (Mohtashami & Jaggi 2023), as used by FoT and FocusLLM.
 
-A 5-digit key hidden at a given depth inside repeated filler; the model must
-repeat it.  Grid over total length (tokens) x needle depth, several random keys
-per cell; a sample counts as found when the key appears in the first generated
-tokens.
+A 5-digit key hidden at a given depth inside repeated filler, or inside real
+text (a ``Haystack`` of books); the model must repeat it.  Grid over total
+length (tokens) x needle depth, several random keys per cell; a sample counts
+as found when the key appears in the first generated tokens.
 """
 
 from __future__ import annotations
@@ -30,24 +30,82 @@ NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? The pass key is"
 
 
-def build_prompt_ids(tokenizer: Any, length: int, depth: float, key: int) -> torch.Tensor:
+class Haystack:
+    """Real text to hide the needle in: the sentences of documents (files, folders, JSONL), in order.
+
+    A prompt takes whole sentences from the start of the text, so every prompt of one length holds the same
+    text and only the needle moves.  Whitespace is normalised (novels' hard line wraps are not text).
+    """
+
+    BATCH = 4096  # sentences tokenized at a time: only as much text as the longest prompt needs is read
+
+    def __init__(self, paths: list[str], text_field: str = "text") -> None:
+        from lcx.data import iter_documents
+
+        self.paths = [str(p) for p in paths]
+        text = " ".join(" ".join(d["text"].split()) for d in iter_documents(self.paths, text_field))
+        self.sentences = [x for x in re.split(r"(?<=[.!?])\s+", text) if x]
+        if not self.sentences:
+            raise LcxError(f"haystack {', '.join(self.paths)} holds no text")
+        self._ids: list[list[int]] = []
+        self._tokens = 0
+        self._tokenizer: Any = None
+
+    @property
+    def label(self) -> str:
+        return ",".join(self.paths)
+
+    def take(self, tokenizer: Any, n: int) -> list[list[int]]:
+        """Whole sentences (token ids, each after a space) from the start, at most ``n`` tokens in all, and
+        no fewer than ``n`` minus one sentence: a haystack too short for ``n`` is an error naming the shortfall."""
+        if tokenizer is not self._tokenizer:
+            self._ids, self._tokens, self._tokenizer = [], 0, tokenizer
+        while self._tokens < n and len(self._ids) < len(self.sentences):
+            batch = self.sentences[len(self._ids):len(self._ids) + self.BATCH]
+            ids = tokenizer([" " + x for x in batch], add_special_tokens=False)["input_ids"]
+            self._ids.extend(ids)
+            self._tokens += sum(map(len, ids))
+        out, total = [], 0
+        for ids in self._ids:
+            if total + len(ids) > n:
+                return out
+            out.append(ids)
+            total += len(ids)
+        if total < n - max(map(len, self._ids)):
+            raise LcxError(f"the haystack {self.label} has {total:,} tokens of text, {n - total:,} fewer than a "
+                           f"prompt of this length needs ({n:,}); give more text (more files, or a folder of "
+                           f"books) or shorter --lengths")
+        return out
+
+
+def build_prompt_ids(tokenizer: Any, length: int, depth: float, key: int,
+                     haystack: Haystack | None = None) -> torch.Tensor:
     """Token ids (1-D) of a passkey prompt of about ``length`` tokens with the needle at ``depth``."""
-    return prompt_and_needle(tokenizer, length, depth, key)[0]
+    return prompt_and_needle(tokenizer, length, depth, key, haystack)[0]
 
 
-def prompt_and_needle(tokenizer: Any, length: int, depth: float, key: int) -> tuple[torch.Tensor, int]:
-    """The prompt's ids and where its needle starts: the tokens before it are the same for every key."""
+def prompt_and_needle(tokenizer: Any, length: int, depth: float, key: int,
+                      haystack: Haystack | None = None) -> tuple[torch.Tensor, int]:
+    """The prompt's ids and where its needle starts: the tokens before it are the same for every key.
+    The needle sits between whole sentences: of the repeated filler, or of ``haystack``'s text."""
     if not 0.0 <= depth <= 1.0:
         raise LcxError(f"depth must be in [0, 1], got {depth}")
     enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     head = tokenizer(INSTRUCTION + "\n", add_special_tokens=True)["input_ids"]  # keeps the tokenizer's BOS, if any
     question = enc("\n" + QUESTION)
     needle = enc(" " + NEEDLE.format(key=key) + " ")
-    filler = enc(" " + FILLER)
     n_fill = max(0, length - len(head) - len(question) - len(needle))
-    reps = n_fill // len(filler) + 1
-    fill = (filler * reps)[: (n_fill // len(filler)) * len(filler)]  # whole sentences only
-    cut = int(round(depth * (len(fill) // len(filler)))) * len(filler)
+    if haystack is None:
+        filler = enc(" " + FILLER)
+        sentences = [filler] * (n_fill // len(filler))
+        cut = int(round(depth * len(sentences))) * len(filler)
+    else:
+        sentences = haystack.take(tokenizer, n_fill)
+        bounds = [0]
+        for x in sentences:
+            bounds.append(bounds[-1] + len(x))
+        cut = min(bounds, key=lambda b: abs(b - depth * bounds[-1]))  # the sentence boundary nearest the depth
+    fill = [t for x in sentences for t in x]
     ids = head + fill[:cut] + needle + fill[cut:] + question
     return torch.tensor(ids, dtype=torch.long), len(head) + cut
 
@@ -66,6 +124,8 @@ class PasskeyConfig:
     samples: int = 5
     seed: int = 0
     max_new_tokens: int = 8
+    #: files or folders of text hiding the needle ("," joined), or None for the repeated filler
+    haystack: str | None = None
 
     def validate(self) -> None:
         if not self.lengths or any(n <= 0 for n in self.lengths):
@@ -93,6 +153,9 @@ def evaluate(
     With a ``journal`` every finished sample is recorded as it completes, and samples the journal
     already holds (a resumed run: same seed, so the same keys) are taken from it, not recomputed."""
     config.validate()
+    haystack = Haystack(config.haystack.split(",")) if config.haystack else None
+    if haystack is not None:  # too little text is said before any sample runs
+        haystack.take(tokenizer, max(config.lengths) - shortest_length(tokenizer))
     least = shortest_length(tokenizer)
     short = [n for n in config.lengths if n < least]
     if short:
@@ -112,7 +175,7 @@ def evaluate(
                                 "found": passkey_found(done["key"], done["output"])})
                 bar.update(1)
                 continue
-            ids, shared = prompt_and_needle(tokenizer, n, d, key)
+            ids, shared = prompt_and_needle(tokenizer, n, d, key, haystack)
             ids = ids[None]
             t0 = time.perf_counter()
             new = generate_fn(ids, config.max_new_tokens, shared)

