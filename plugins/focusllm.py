@@ -577,6 +577,15 @@ class FocusLLM(Method):
         for key in ("focusllm_candidates", "focusllm_groups", "focusllm_generation"):
             run.state.pop(key, None)
 
+    def forward_shapes(self, run, tokens: int) -> list[tuple[int, int, int]]:
+        """The candidates' pass (its chunks as rows: all at once with parallel=0) and the local tokens' pass."""
+        spans = self._spans(tokens)
+        local = min(tokens, self.local)
+        if not spans:
+            return [(1, local, local)]
+        width = max(e - s for s, e in spans) + self.fragment
+        return [(self.parallel or len(spans), width, width), (1, local, len(spans) + local)]
+
     def cache_tokens(self, run, tokens: int) -> int:
         """The decoder's cache: [candidates ; local tokens ; new tokens], at most the window (``lcx_plan``
         refuses more)."""

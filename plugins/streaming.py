@@ -107,6 +107,10 @@ class Streaming(Method):
     def reusable_prefix(self) -> bool:
         return True  # sinks and window live in the cache
 
+    def forward_shapes(self, run, tokens: int) -> list[tuple[int, int, int]]:
+        q = min(tokens, self.chunk)
+        return [(1, q, self.cache_tokens(run, tokens))]
+
     def cache_tokens(self, run, tokens: int) -> int:
         """The sinks and the recent window, plus the chunk being ingested (every token for options that
         leave no recent window: the estimate is not where they are refused)."""

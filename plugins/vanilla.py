@@ -67,7 +67,7 @@ class Vanilla(Method):
             return Plan.whole(input_ids, attention_mask)
         pad = int(input_ids[attention_mask == 0][0]) if (attention_mask == 0).any() else 0
         ids, mask = left_pad(rows, pad)
-        return Plan(ids, mask, [(0, ids.shape[1])], dropped=dropped)
+        return Plan.whole(ids, mask, dropped=dropped)
 
 
 @hookimpl

@@ -17,7 +17,9 @@ request may plan to use
 
 The memory estimate is an upper bound: the keys and values of every layer for every token the cache
 holds at once (every token of the request for the bare model; a method whose cache keeps a window says
-how many, ``Method.cache_tokens``) plus the methods' own memories after the request (``Method.memory_bytes``:
+how many, ``Method.cache_tokens``), what the largest forward pass allocates besides (masks, attention,
+activations, logits: ``forward_bytes`` of ``Method.forward_shapes``, by default windows of
+``lcx.plan.PREFILL_CHUNK`` queries), plus the methods' own memories after the request (``Method.memory_bytes``:
 fot's stores in its memory layers, with what a multi-document memory already holds).  Each part is checked
 against the device it lives on: the cache against the model's (a GPU's free memory for a model on CUDA, the
 machine's free RAM otherwise), a method's memory against ``Method.memory_device`` (fot's FAISS stores: the
@@ -131,6 +133,37 @@ def kv_bytes_per_token(model: Any) -> int:
     return 2 * layers * kv_heads * head_dim * size
 
 
+def forward_bytes(model: Any, shapes: list[tuple[int, ...]]) -> int:
+    """An upper bound on what the largest of the forward passes ``shapes`` allocates besides the cache, per
+    batch row.  A shape is (rows, queries, keys), optionally with a fourth term: bytes a method's own attention
+    adds per row.  Counted: a boolean mask per kind of layer (sliding-window and full) and its float copy inside
+    attention, the layer's activations in float32, the kept logits."""
+    cfg = model.config
+    cfg = getattr(cfg, "get_text_config", lambda: cfg)()
+    _, kv_heads, head_dim, _ = kv_dims(model)
+    heads = getattr(cfg, "num_attention_heads", 1)
+    hidden = cfg.hidden_size
+    inter = getattr(cfg, "intermediate_size", None) or 4 * hidden
+    kinds = len(set(getattr(cfg, "layer_types", None) or ["full"]))
+    per_query = 4 * (6 * hidden + 3 * inter + 2 * (heads + 2 * kv_heads) * head_dim)
+    logits = 2 * 4 * getattr(cfg, "vocab_size", 0)
+    return max(shape[0] * (shape[1] * shape[2] * (kinds + 4) + shape[1] * per_query + logits + sum(shape[3:]))
+               for shape in shapes)
+
+
+def request_forward_shapes(run: Any, tokens: int) -> list[tuple[int, ...]]:
+    """The methods' largest forward passes for ``tokens`` tokens, or the default: windows of ``PREFILL_CHUNK``
+    queries over every cached token."""
+    from lcx.plan import PREFILL_CHUNK
+
+    for m in run.methods:
+        shapes = m.forward_shapes(run, tokens)
+        if shapes:
+            return shapes
+    cached = min([tokens, *(m.cache_tokens(run, tokens) for m in run.methods)])
+    return [(1, min(tokens, PREFILL_CHUNK), cached)]
+
+
 def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
@@ -178,16 +211,21 @@ def check_request(run: Any, input_tokens: int, max_new_tokens: int, batch: int =
     per_token = kv_bytes_per_token(run.model)
     tokens = input_tokens + max_new_tokens
     cached = min([tokens, *(m.cache_tokens(run, tokens) for m in run.methods)])  # a windowed cache bounds it
-    needs[model_device] = needs.get(model_device, 0) + per_token * batch * cached
+    passes = batch * forward_bytes(run.model, request_forward_shapes(run, tokens))
+    needs[model_device] = needs.get(model_device, 0) + per_token * batch * cached + passes
     free = {}
     for device, n in needs.items():
         free[device] = have = available_memory(device)
         if n > limits.ram_fraction * have:
             cache = per_token * batch * cached if device == model_device else 0
-            parts = [f"{batch} x {cached:,} cached tokens x {per_token:,} bytes"] if cache else []
-            if n > cache:
-                parts.append(f"{_gib(n - cache)} for {entries:,} memory entries")
-            raise LimitError(f"this request needs up to {_gib(n)} for keys and values ({' + '.join(parts)}) on "
+            parts = [f"{batch} x {cached:,} cached tokens x {per_token:,} bytes for keys and values"] if cache else []
+            if device == model_device:
+                parts.append(f"{_gib(passes)} for the largest forward pass")
+            if n > cache + (passes if device == model_device else 0):
+                parts.append(f"{_gib(n - cache - (passes if device == model_device else 0))} for {entries:,} "
+                             "memory entries")
+            raise LimitError(f"this request needs up to {_gib(n)} ({' + '.join(parts)}) on "
                              f"{_where(device)}, more than the {_gib(limits.ram_fraction * have)} it has free; "
                              f"shorten the prompt, generate fewer rows at once, or free memory")
-    return {"kv_bytes": per_token * batch * cached + memory, "free_bytes": free[model_device]}
+    return {"kv_bytes": per_token * batch * cached + memory, "forward_bytes": passes,
+            "free_bytes": free[model_device]}

@@ -93,6 +93,13 @@ class Method:
         a method whose cache keeps a window."""
         return tokens
 
+    def forward_shapes(self, run: Any, tokens: int) -> list[tuple[int, ...]] | None:
+        """The largest forward passes of a request of ``tokens`` tokens, per batch row, as (rows, queries, keys)
+        and optionally the bytes the method's own attention adds per row (``lcx.limits.forward_bytes`` bounds
+        what each pass allocates besides the cache); None: the default, windows of ``lcx.plan.PREFILL_CHUNK``
+        queries over every cached token."""
+        return None
+
     def serves_prefix_kv(self) -> bool:
         """For ``serve_state`` methods: whether the tensors :meth:`serve_request` computes are only a fixed
         prefix of keys and values (``"{layer}.k"``/``"{layer}.v"``, (KV heads, n, head dim), rotated at

@@ -8,6 +8,11 @@ import torch
 
 from lcx.errors import LcxError
 
+#: Most tokens one forward pass reads when the methods leave the prompt whole: a longer prompt is prefilled in
+#: windows of this many (exact: each reads the cache of the ones before), so that masks, attention and
+#: activations scale with it rather than with the prompt.
+PREFILL_CHUNK = 4096
+
 
 @dataclass
 class Plan:
@@ -37,18 +42,18 @@ class Plan:
             raise LcxError(f"invalid plan windows {self.windows}: they cover {expected} of {T} tokens")
 
     @classmethod
-    def whole(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> "Plan":
-        """Feed the input as it is, in one window."""
-        return cls(input_ids, attention_mask, [(0, input_ids.shape[1])])
+    def whole(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor, dropped: int = 0) -> "Plan":
+        """Feed the input as it is: in windows of ``PREFILL_CHUNK`` tokens, each reading the ones before."""
+        return cls.chunked(input_ids, attention_mask, PREFILL_CHUNK, dropped=dropped)
 
     @classmethod
-    def chunked(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor, chunk: int) -> "Plan":
+    def chunked(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor, chunk: int, dropped: int = 0) -> "Plan":
         """Feed the whole input in windows of ``chunk`` tokens (the last one may be shorter)."""
         if chunk <= 0:
             raise LcxError(f"chunk size must be positive, got {chunk}")
         T = input_ids.shape[1]
         spans = [(s, min(s + chunk, T)) for s in range(0, T, chunk)]
-        return cls(input_ids, attention_mask, spans)
+        return cls(input_ids, attention_mask, spans, dropped=dropped)
 
 
 def left_pad(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -84,9 +84,11 @@ def test_a_request_whose_keys_and_values_exceed_the_free_ram_is_refused(monkeypa
     per_token = kv_bytes_per_token(model)
     assert per_token == 2 * 2 * 1 * 32 * 4  # layers x (k, v) x kv heads x head dim x fp32
     monkeypatch.setattr(limits, "available_ram", lambda: 100 * per_token)  # room for 90 tokens at 0.9
+    monkeypatch.setattr(limits, "forward_bytes", lambda model, shapes: 0)  # the cache alone (passes: below)
     calls = _Forwards(model)
     with lcx.attach(model, ["vanilla"]) as run:
-        with pytest.raises(LimitError, match=r"needs up to .* GiB for keys and values \(1 x 100 cached tokens"):
+        with pytest.raises(LimitError, match=r"needs up to .* GiB \(1 x 100 cached tokens x \d+ bytes for keys and "
+                                             r"values \+ 0\.0 GiB for the largest forward pass"):
             generate(run, _ids(96), max_new_tokens=4)
         assert calls.n == 0
         generate(run, _ids(80), max_new_tokens=4)
@@ -142,9 +144,11 @@ def test_a_model_on_a_gpu_is_checked_against_the_gpus_free_memory(monkeypatch):
     free = {"cpu": 10**12, "cuda:0": 100 * per_token}  # a roomy host, a GPU with room for 90 tokens at 0.9
     monkeypatch.setattr(limits, "_model_device", lambda m: gpu)
     monkeypatch.setattr(limits, "available_memory", lambda d: free[str(d)])
+    monkeypatch.setattr(limits, "forward_bytes", lambda model, shapes: 0)  # the caches' arithmetic only
     with lcx.attach(model, []) as run:
         assert check_request(run, 80, 4)["free_bytes"] == free["cuda:0"]
-        with pytest.raises(LimitError, match=r"\(1 x 100 cached tokens x .* bytes\) on the GPU cuda:0, more than"):
+        with pytest.raises(LimitError, match=r"\(1 x 100 cached tokens x .* bytes for keys and values \+ 0\.0 GiB for "
+                                             r"the largest forward pass\) on the GPU cuda:0, more than"):
             check_request(run, 96, 4)
     opts = dict(local=32, memory_layers="0", mode="multi")
     with lcx.attach(model, ["fot"], backend="faiss-flat", **opts) as run:
@@ -187,3 +191,28 @@ def test_focusllm_estimate_bounds_its_chunk_caches():
         held = sum(g.cache.layers[0].keys.shape[0] * g.cache.layers[0].keys.shape[2]
                    for g in run.state["focusllm_generation"]["groups"]) + run.state["memory"].layers[0].keys.shape[2]
     assert held == 3763 and held <= estimate <= held + 8  # the decoder's cache: at most the window (128), not T + new
+
+
+def test_the_largest_forward_pass_is_in_the_estimate_and_prefill_is_windowed(monkeypatch):
+    """A prompt the methods leave whole is fed in windows of PREFILL_CHUNK queries (exactly: the same logits),
+    and the estimate counts that window's masks and activations, not the whole prompt's."""
+    from lcx import plan as plan_mod
+    from lcx.generation import make_plan, tail_logits
+
+    model = tiny_model("gemma3_text")  # sliding-window and full layers: two masks
+    monkeypatch.setattr(plan_mod, "PREFILL_CHUNK", 16)
+    ids = _ids(80)
+    with lcx.attach(model, []) as run:
+        assert make_plan(run, ids, None, 4).windows == [(0, 16), (16, 32), (32, 48), (48, 64), (64, 80)]
+        windowed = tail_logits(run, ids, 40)
+        est = check_request(run, 80, 4)
+    torch.testing.assert_close(windowed, model(ids).logits[0, -41:-1], atol=1e-5, rtol=0)
+    shapes = [(1, 16, 84)]
+    assert est["forward_bytes"] == limits.forward_bytes(model, shapes) > 16 * 84 * 2
+    monkeypatch.setattr(plan_mod, "PREFILL_CHUNK", 4096)
+    with lcx.attach(model, []) as run:
+        assert check_request(run, 80, 4)["forward_bytes"] == limits.forward_bytes(model, [(1, 84, 84)])
+    with lcx.attach(model, ["fot"], local=32, chunk=8) as run:  # fot's joint softmax: float32 scores, every head
+        (shape,) = run.method("fot").forward_shapes(run, 84)
+        assert shape[:3] == (1, 8, 40) and shape[3] == 3 * 4 * model.config.num_attention_heads * 8 * (40 + 32)
+        assert check_request(run, 80, 4)["forward_bytes"] == limits.forward_bytes(model, [shape])

@@ -309,6 +309,14 @@ class FoT(Method):
         """Every layer's cache keeps the local window, plus the tokens of the forward being ingested."""
         return min(tokens, self.local + (self.chunk or self.local))
 
+    def forward_shapes(self, run, tokens: int) -> list[tuple[int, ...]]:
+        """A chunk's queries over the local window and the chunk; a memory layer's joint softmax adds float32
+        scores (and their softmax and weights) of a block of queries over local and retrieved keys, every head."""
+        q = min(tokens, self.chunk or self.local)
+        keys = min(tokens, self.local + q)
+        heads = getattr(getattr(run.model.config, "get_text_config", lambda: run.model.config)(), "num_attention_heads", 1)
+        return [(1, q, keys, 3 * 4 * heads * min(q, self.block) * (keys + self.k))]
+
     def memory_bytes(self, run, entries: int) -> int:
         """One store per memory layer and KV head (``bytes_per_store``)."""
         _, kv_heads, head_dim, size = kv_dims(run.model)
