@@ -103,6 +103,14 @@ def load_documents(paths: Iterable[str | os.PathLike], text_field: str = "text")
     return ds
 
 
+def special_prefix(tokenizer: Any) -> list[int]:
+    """The tokens the tokenizer puts before every text (its BOS, where it adds one), or none."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a", add_special_tokens=True)["input_ids"]
+    n = len(full) - len(plain)
+    return list(full[:n]) if n > 0 and list(full[n:n + len(plain)]) == list(plain) else []
+
+
 def tokenizer_fingerprint(tokenizer: Any) -> str:
     """Identity of a tokenizer's behaviour (its serialised fast tokenizer, or its vocabulary)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)

@@ -98,3 +98,21 @@ def test_cli_passkey_with_a_haystack_records_it_and_refuses_a_journal_of_the_fil
     r = CliRunner().invoke(main, ["eval", "passkey", "-m", str(tiny_dir), "--lengths", "90000", "--samples", "1",
                                   "--haystack", str(books), "--out", str(tmp_path / "pk2")])
     assert r.exit_code != 0 and "fewer than a prompt of this length needs" in r.output
+
+
+def test_perplexity_spans_start_with_the_tokenizers_bos_where_it_adds_one():
+    """Gemma's tokenizer adds <bos> and the model degenerates without it; SmolLM2's and Qwen's add none."""
+    from lcx.data import special_prefix
+    from lcx.evals import ppl
+
+    tok = char_tokenizer()
+    assert special_prefix(tok) == []  # this tokenizer adds nothing
+    seen = []
+
+    def score(ids, n):
+        seen.append(ids[0].tolist())
+        return {"nll_sum": 1.0, "correct": 0, "count": n}
+
+    doc = ("d", list(range(10, 110)))
+    out = ppl.evaluate(score, [doc], ppl.PplConfig(contexts=[8], target=4), progress=False, prefix=[1])
+    assert seen[0][0] == 1 and len(seen[0]) == 1 + 8 + 4 and out["prefix_tokens"] == [1]

@@ -157,6 +157,7 @@ def eval_ppl(model, methods, options, adapter, trust_remote_code, data, text_fie
 
     Writes OUT/ppl.json and OUT/ppl.png.  The same scored spans serve every N.
     """
+    from lcx.data import special_prefix
     from lcx.evals import ppl
     from lcx.generation import score_tail
 
@@ -167,7 +168,8 @@ def eval_ppl(model, methods, options, adapter, trust_remote_code, data, text_fie
         label = "+".join(m.name for m in s.run.methods) or "none"
         result = {"model": model, **s.run.describe(), "methods_label": label, "data": list(data),
                   "adapter": str(adapter) if adapter else None,
-                  **ppl.evaluate(lambda ids, n: score_tail(s.run, ids, n), docs, cfg, progress=not as_json)}
+                  **ppl.evaluate(lambda ids, n: score_tail(s.run, ids, n), docs, cfg, progress=not as_json,
+                                 prefix=special_prefix(s.tokenizer))}
     finally:
         s.close()
     js = ppl.write_json(result, out / "ppl.json")
@@ -222,6 +224,7 @@ def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, 
       lcx eval compare passkey -m smollm2-135m --stack vanilla --stack streaming --stack rope+streaming \\
           --lengths 8K,16K --samples 3 -o rope.factor=2
     """
+    from lcx.data import special_prefix
     from lcx.evals import compare as cmp
     from lcx.evals import passkey, ppl
     from lcx.generation import score_tail
@@ -250,7 +253,8 @@ def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, 
             raise LcxError("ppl needs documents: give --data PATH (e.g. ../shared/data/books)")
         docs = _ppl_documents(data, tok, max_docs, text_field)
         cfg = ppl.PplConfig(contexts=contexts, target=target, samples=samples or 1, room=room)
-        ev = lambda run, adapter: ppl.evaluate(lambda ids, n: score_tail(run, ids, n), docs, cfg, progress=not as_json)  # noqa: E731
+        ev = lambda run, adapter: ppl.evaluate(lambda ids, n: score_tail(run, ids, n), docs, cfg,  # noqa: E731
+                                               progress=not as_json, prefix=special_prefix(tok))
     command = "lcx " + " ".join(sys.argv[1:])
     partial = lambda done: cmp.write_json({"suite": suite, "model": model, "command": command,  # noqa: E731
                                            "unfinished": [s for s in stacks if s not in done], "stacks": done},

@@ -62,8 +62,12 @@ def evaluate(
     documents: list[tuple[str, list[int]]],
     config: PplConfig,
     progress: bool = True,
+    prefix: list[int] | None = None,
 ) -> dict[str, Any]:
-    """``documents``: (name, token ids); ``score_fn(ids (1, T), n_target)`` -> nll_sum/correct/count."""
+    """``documents``: (name, token ids); ``score_fn(ids (1, T), n_target)`` -> nll_sum/correct/count.
+    ``prefix``: tokens every span starts with, before its context (the tokenizer's BOS where it adds one:
+    Gemma degenerates without it)."""
+    prefix = list(prefix or [])
     config.validate()
     longest = config.longest
     work, too_short = [], []
@@ -84,14 +88,14 @@ def evaluate(
         )
     per_sample = []
     for name, ids, end, n in tqdm(work, desc="ppl", disable=not progress, unit="span"):
-        span = torch.tensor(ids[end - n - config.target:end])[None]
+        span = torch.tensor(prefix + ids[end - n - config.target:end])[None]
         r = score_fn(span, config.target)
         per_sample.append({"document": name, "context": n, "end": end, **r,
                            "ppl": math.exp(r["nll_sum"] / r["count"]), "accuracy": r["correct"] / r["count"]})
     summary = summarize(per_sample, config.contexts)
     # what was read and what was not: a --max-docs 20 run may score fewer, and says so
     summary.update(documents_scored=len(documents) - len(too_short), documents_too_short=too_short)
-    return {"config": asdict(config), "samples": per_sample, "summary": summary}
+    return {"config": asdict(config), "prefix_tokens": prefix, "samples": per_sample, "summary": summary}
 
 
 def summarize(samples: list[dict[str, Any]], contexts: list[int]) -> dict[str, Any]:
