@@ -514,7 +514,9 @@ def _prepare_out(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool) -> 
     if inside is not None:
         raise LcxError(f"--out {str(out)!r} holds {inside}, which this run reads; write the run to another folder")
     content = [p.name for p in out.iterdir()] if out.is_dir() else []
-    if content and content != [CONFIG]:  # only a config: a run that failed while setting up, before any step
+    # a config and no metrics yet: a run that failed while setting up or in its first step (its batch refused)
+    unstarted = set(content) <= {CONFIG, METRICS} and not (METRICS in content and (out / METRICS).stat().st_size)
+    if content and not unstarted:
         if not overwrite:
             raise LcxError(f"output folder {str(out)!r} exists and is not empty; pass --overwrite to replace it or --resume to continue")
         if CONFIG not in content:

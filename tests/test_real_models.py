@@ -114,3 +114,28 @@ def test_the_memory_estimate_bounds_the_measured_peak(real, method):
     bound = est["kv_bytes"] + est["forward_bytes"]
     assert grew <= bound, f"{name} {method}: the request grew the peak by {grew / 2**20:.0f} MiB, " \
                           f"over its estimate of {bound / 2**20:.0f} MiB"
+
+
+#: One training step of each method's training path, held small (windows of 256-512 tokens).
+TRAIN = {
+    "vanilla": ({}, 512),  # LoRA
+    "smt": ({"budget": 256, "window": 64}, 512),
+    "fot": ({"local": 128}, 256),  # crossbatch: (w + 1) x local tokens
+    "focusllm": ({"chunk": 64, "local": 128, "fragment": 32, "train_chunks": "64"}, 512),
+}
+
+
+@pytest.mark.parametrize("method", sorted(TRAIN))
+def test_each_methods_training_runs_on_the_real_model(real, method, tmp_path):
+    import json
+    import math
+
+    from lcx.train import TrainConfig, train
+
+    name = real[0]
+    options, seq_len = TRAIN[method]
+    out = train(TrainConfig(model=name, data=[f"{BOOKS}/wells_invisible_man.txt"], out=str(tmp_path / "a"),
+                            methods=[method], options=options, seq_len=seq_len, steps=1, batch_size=1,
+                            save_every=0, dtype="float32"), progress=False)
+    losses = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 1 and math.isfinite(losses[0]) and (out / "adapter_model.safetensors").exists()

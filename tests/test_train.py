@@ -176,6 +176,14 @@ def test_a_run_that_failed_while_setting_up_does_not_block_the_corrected_one(mod
     assert r.exit_code == 2 and "nosuch" in r.output
     r = _cli("train", "-m", str(model_dir), "-d", str(corpus), "--out", str(out), "--seq-len", "64", "--steps", "1")
     assert r.exit_code == 0, r.output
+    # refused at its first batch (fot wants (w + 1) x local tokens): the corrected run needs no --overwrite
+    out = tmp_path / "p"
+    fot = ["train", "-m", str(model_dir), "-d", str(corpus), "--out", str(out), "--method", "fot", "-o", "local=32",
+           "--steps", "1"]
+    r = _cli(*fot, "--seq-len", "96")
+    assert r.exit_code == 2 and "--seq-len 64" in r.output
+    r = _cli(*fot, "--seq-len", "64")
+    assert r.exit_code == 0, r.output
 
 
 def test_resume_refuses_settings_that_change_the_run(model_dir, corpus, tmp_path):
