@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# results/models/: lcx on models that can read (issue 50): Gemma 3 270M and Qwen2.5 0.5B, bfloat16, the needle in
+# real prose (the 8 books, in file-name order) and in the repeated filler.
+#   bash results/models/run.sh gemma_fot64          # chosen steps (every passkey step journals: rerun continues)
+#   bash results/models/run.sh                      # every step, in order
+# Windows held to 4K inside the native 32K window: fot local, streaming window, focusllm chunk and local, vanilla.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+LCX=.venv/bin/lcx
+BOOKS=../shared/data/books
+COMMON=(--dtype bfloat16 --resume)
+WIN4K=(-o fot.local=4096 -o fot.chunk=1024 -o streaming.window=4096 -o focusllm.chunk=4096 -o focusllm.local=4096
+       -o vanilla.window=4096)
+# Qwen2.5 0.5B retrieves with memory in every layer (tried by hand); Gemma 3: auto = its 3 full-attention layers
+QWEN_FOT=(-o fot.memory_layers=all)
+
+gemma_fot64() {  # the first figure past the window: fot training-free at 64K (2x Gemma's window), one key per depth
+    $LCX eval passkey -m gemma3-270m --method fot -o local=4096 -o chunk=1024 --lengths 64K --samples 1 \
+        --haystack $BOOKS --out results/models/gemma3-270m/fot-64k-prose "${COMMON[@]}"
+}
+inside() {  # $1 model, $2 length: each method at a 4K window against the bare model's full attention, prose
+    local extra=(); [ "$1" = qwen2.5-0.5b ] && extra=("${QWEN_FOT[@]}")
+    $LCX eval compare passkey -m "$1" --stack none --stack fot --stack streaming --stack focusllm --stack vanilla \
+        "${WIN4K[@]}" "${extra[@]}" --lengths "$2" --samples 3 --haystack $BOOKS \
+        --out "results/models/$1/inside-$2" "${COMMON[@]}"
+}
+ppl() {  # $1 model: perplexity at 16K and 32K, two books, same stacks
+    local extra=(); [ "$1" = qwen2.5-0.5b ] && extra=("${QWEN_FOT[@]}")
+    $LCX eval compare ppl -m "$1" --stack none --stack fot --stack streaming --stack focusllm --stack vanilla \
+        "${WIN4K[@]}" "${extra[@]}" -d $BOOKS/wells_invisible_man.txt -d $BOOKS/doyle_hound_of_the_baskervilles.txt \
+        --contexts 16K,32K --target 256 --dtype bfloat16 --out "results/models/$1/ppl"
+}
+beyond() {  # $1 model, $2 haystack (prose|filler): 64K, every training-free stack and YaRN x2
+    local extra=(); [ "$1" = qwen2.5-0.5b ] && extra=("${QWEN_FOT[@]}")
+    local hay=(); [ "$2" = prose ] && hay=(--haystack $BOOKS)
+    $LCX eval compare passkey -m "$1" --stack vanilla --stack rope --stack streaming --stack fot --stack focusllm \
+        -o rope.factor=2 "${extra[@]}" --lengths 64K --samples 3 "${hay[@]}" \
+        --out "results/models/$1/beyond-64k-$2" "${COMMON[@]}"
+}
+
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(gemma_fot64 "inside gemma3-270m 16K" "inside qwen2.5-0.5b 16K" "ppl gemma3-270m"
+    "ppl qwen2.5-0.5b" "inside gemma3-270m 32K" "inside qwen2.5-0.5b 32K" "beyond gemma3-270m prose"
+    "beyond qwen2.5-0.5b prose" "beyond gemma3-270m filler" "beyond qwen2.5-0.5b filler")
+for s in "${steps[@]}"; do echo "== $s"; $s; done
