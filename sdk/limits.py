@@ -145,7 +145,7 @@ def forward_bytes(model: Any, shapes: list[tuple[int, ...]]) -> int:
     hidden = cfg.hidden_size
     inter = getattr(cfg, "intermediate_size", None) or 4 * hidden
     kinds = len(set(getattr(cfg, "layer_types", None) or ["full"]))
-    per_query = 4 * (6 * hidden + 3 * inter + 2 * (heads + 2 * kv_heads) * head_dim)
+    per_query = 4 * (6 * hidden + 4 * inter + 2 * (heads + 2 * kv_heads) * head_dim)
     logits = 2 * 4 * getattr(cfg, "vocab_size", 0)
     return max(shape[0] * (shape[1] * shape[2] * (kinds + 4) + shape[1] * per_query + logits + sum(shape[3:]))
                for shape in shapes)
