@@ -235,7 +235,7 @@ _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 
 def read_gguf_header(path: Path) -> dict[str, Any]:
     """The metadata key/values of a GGUF file (architecture, tokenizer flags, vocabulary, ...).
 
-    Hand-read because gguf's ``GGUFReader`` also maps every tensor (about 20 s for Gemma 3's file, 1 s here).
+    Hand-read because gguf's ``GGUFReader`` also maps every tensor, many times slower for one key.
     """
     import struct
 
