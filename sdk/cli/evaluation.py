@@ -1,4 +1,4 @@
-"""`lcx eval passkey|ppl|compare|dictionary`: evaluation suites, each writing JSON and a plot."""
+"""`lcx eval passkey|ruler|ppl|compare|dictionary`: evaluation suites, each writing JSON and a plot."""
 
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ def eval_passkey(model, methods, options, adapter, trust_remote_code, lengths, d
     try:
         cfg = passkey.PasskeyConfig(lengths=lengths, depths=depths, samples=samples, seed=seed,
                                     haystack=_haystack(haystack))
-        journal = _passkey_journal(out / "passkey.samples.jsonl", model, s.run, adapter, cfg, resume)
-        result = passkey.evaluate(_passkey_generator(s.run, progress=not as_json), s.tokenizer, cfg,
+        journal = _journal(out / "passkey.samples.jsonl", model, s.run, adapter, cfg, resume)
+        result = passkey.evaluate(_grid_generator(s.run, progress=not as_json), s.tokenizer, cfg,
                                   progress=not as_json, journal=journal)
         label = "+".join(m.name for m in s.run.methods) or "no method"
         result = {"model": model, **s.run.describe(), "methods_label": label,
@@ -73,6 +73,85 @@ def eval_passkey(model, methods, options, adapter, trust_remote_code, lengths, d
         click.echo(f"wrote {js} and {png}")
 
 
+HAYSTACK_HELP = ("Real text: text files, folders of them or .jsonl (e.g. ../shared/data/books); whole sentences from "
+                 "the start, so one length's prompts share their text. Repeatable.")
+
+
+def _tasks(ctx, param, value: str) -> list[str]:
+    from lcx.evals.ruler import parse_tasks
+
+    try:
+        return parse_tasks(value)
+    except LcxError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def ruler_options(f):
+    """The options `eval ruler` and `eval compare ruler` share."""
+    from lcx.evals.ruler import TASKS
+
+    f = click.option("--max-new-tokens", type=click.IntRange(1), default=None,
+                     help="ruler: new tokens per answer (default: each task's own, enough for its answer).")(f)
+    f = click.option("--tasks", callback=_tasks, default="all", show_default=True,
+                     help="ruler: comma-separated tasks, `all`, or `niah` for every needle task: "
+                          + ", ".join(TASKS) + ".")(f)
+    return f
+
+
+@eval_grp.command("ruler", context_settings=CONTEXT)
+@model_option
+@method_options
+@ruler_options
+@click.option("--lengths", callback=_int_list, default="4096", show_default=True,
+              help="Comma-separated prompt lengths in tokens; K suffix allowed (4K = 4096).")
+@click.option("--samples", type=click.IntRange(1), default=5, show_default=True, help="Samples per task and length.")
+@click.option("--depths", callback=_float_list, default="0.1,0.3,0.5,0.7,0.9", show_default=True,
+              help="Depths of the queried needle in [0, 1]: sample i takes the (i mod count)-th.")
+@click.option("--haystack", "haystack", multiple=True, required=True, type=click.Path(exists=True, path_type=Path),
+              metavar="PATH", help=HAYSTACK_HELP)
+@click.option("--seed", type=int, default=0, show_default=True, help="Draws keys, values and lists (same seed, "
+              "same prompts).")
+@click.option("--out", type=OUT_DIR, default=Path("out/ruler"), show_default=True,
+              help="Folder for ruler.json, ruler.png and the journal.")
+@click.option("--resume", is_flag=True, help=RESUME_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def eval_ruler(model, methods, options, adapter, trust_remote_code, tasks, max_new_tokens, lengths, samples, depths,
+               haystack, seed, out, resume, as_json):
+    """RULER's synthetic tasks over real text: needles (single, multi-key, multi-value, multi-query), variable
+    tracking, common- and frequent-words extraction, on a lengths x tasks grid.
+
+    Prompts are raw text ending in the answer's first words (no chat template); a sample scores the share of
+    the expected strings its output holds (RULER's scoring).  Writes OUT/ruler.json (config, per-sample
+    prompts' answers and outputs, scores by task and length) and the heatmap OUT/ruler.png; finished samples
+    go to OUT/ruler.samples.jsonl as they end, so an interrupted grid continues with --resume.
+
+    \b
+    Example:
+      lcx eval ruler -m gemma3-270m --method fot --lengths 8K,16K --tasks niah,vt --haystack ../shared/data/books
+    """
+    from lcx.evals import ruler
+
+    s = _open(model, methods, options, adapter, trust_remote_code)
+    try:
+        cfg = ruler.RulerConfig(lengths=lengths, tasks=tasks, samples=samples, depths=depths, seed=seed,
+                                haystack=_haystack(haystack) or "", max_new_tokens=max_new_tokens)
+        journal = _journal(out / "ruler.samples.jsonl", model, s.run, adapter, cfg, resume)
+        result = ruler.evaluate(_grid_generator(s.run, progress=not as_json), s.tokenizer, cfg,
+                                progress=not as_json, journal=journal)
+        label = "+".join(m.name for m in s.run.methods) or "no method"
+        result = {"model": model, **s.run.describe(), "methods_label": label,
+                  "adapter": str(adapter) if adapter else None, **result}
+        js, png = ruler.write_result(result, out)
+    finally:
+        s.close()
+    if as_json:
+        _echo_json({"json": str(js), "plot": str(png), **result["summary"]})
+    else:
+        by = result["summary"]["score_by_length"]
+        click.echo(f"RULER mean score ({label}): " + ", ".join(f"{n}: {a:.0%}" for n, a in by.items()))
+        click.echo(f"wrote {js} and {png}")
+
+
 def _haystack(paths: tuple[Path, ...]) -> str | None:
     if any("," in str(p) for p in paths):
         raise LcxError(f"--haystack {next(p for p in paths if ',' in str(p))}: a path with a comma cannot be "
@@ -80,9 +159,9 @@ def _haystack(paths: tuple[Path, ...]) -> str | None:
     return ",".join(map(str, paths)) or None
 
 
-def _passkey_generator(run, progress: bool = False):
-    """Greedy generation for a passkey grid: the filler before a cell's needle, the same for each of its keys,
-    is fed once and its memory reused (methods that keep all per-prompt state in their cache; same tokens).
+def _grid_generator(run, progress: bool = False):
+    """Greedy generation for a passkey or RULER grid: the text before a cell's first needle, the same for each
+    of its samples, is fed once and its memory reused (methods that keep all per-prompt state in their cache; same tokens).
     ``progress``: a bar over each prompt's windows as they are read (a 128K prompt takes minutes)."""
     from lcx.generation import PrefixReuse, generate
 
@@ -93,7 +172,8 @@ def _passkey_generator(run, progress: bool = False):
     return gen
 
 
-def _passkey_journal(path: Path, model: str, run, adapter, cfg, resume: bool):
+def _journal(path: Path, model: str, run, adapter, cfg, resume: bool):
+    """The journal of a passkey or RULER grid: its fingerprint is the run, the adapter's weights and the grid."""
     from dataclasses import asdict
 
     from lcx.adapters.peft_bridge import adapter_digest
@@ -187,7 +267,7 @@ def eval_ppl(model, methods, options, adapter, trust_remote_code, data, text_fie
 
 
 @eval_grp.command("compare", context_settings=CONTEXT)
-@click.argument("suite", type=click.Choice(["passkey", "ppl"]))
+@click.argument("suite", type=click.Choice(["passkey", "ruler", "ppl"]))
 @model_option
 @click.option("--stack", "stacks", multiple=True, required=True, metavar="METHODS",
               help="A method stack: none, a method, or methods joined by + (rope+streaming); add @DIR to load "
@@ -195,14 +275,19 @@ def eval_ppl(model, methods, options, adapter, trust_remote_code, data, text_fie
                    "Repeat per stack.")
 @click.option("--option", "-o", "options", multiple=True, metavar="METHOD.KEY=VALUE",
               help="Per-method option, applied in every stack that has the method.")
-@click.option("--lengths", callback=_int_list, default="4096", show_default=True, help="passkey: prompt lengths.")
-@click.option("--depths", callback=_float_list, default="0.1,0.3,0.5,0.7,0.9", show_default=True, help="passkey: depths.")
-@click.option("--samples", type=click.IntRange(1), default=None, help="Keys per cell (passkey, default 5) or spans per document (ppl, default 1).")
-@click.option("--seed", type=int, default=0, show_default=True, help="passkey: draws the keys (same seed, same prompts).")
+@click.option("--lengths", callback=_int_list, default="4096", show_default=True,
+              help="passkey, ruler: prompt lengths.")
+@click.option("--depths", callback=_float_list, default="0.1,0.3,0.5,0.7,0.9", show_default=True,
+              help="passkey, ruler: needle depths.")
+@click.option("--samples", type=click.IntRange(1), default=None,
+              help="Keys per cell (passkey, default 5), samples per task and length (ruler, default 5) or spans "
+                   "per document (ppl, default 1).")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="passkey, ruler: draws the keys (same seed, same prompts).")
 @click.option("--haystack", "haystack", multiple=True, type=click.Path(exists=True, path_type=Path), metavar="PATH",
-              help="passkey: hide the needle in real text instead of the repeated filler: text files, folders of them or "
-                   ".jsonl (e.g. ../shared/data/books); whole sentences from the start, so one length's prompts "
-                   "share their text. Repeatable.")
+              help="passkey: hide the needle in real text instead of the repeated filler; ruler (required): the "
+                   "text of every task. " + HAYSTACK_HELP)
+@ruler_options
 @click.option("--data", "-d", multiple=True, metavar="PATH", help="ppl: documents.")
 @text_field_option
 @click.option("--max-docs", type=click.IntRange(1), default=None, help="ppl: at most this many documents.")
@@ -212,11 +297,11 @@ def eval_ppl(model, methods, options, adapter, trust_remote_code, data, text_fie
               help="ppl: tokens before the first scored span (default: the largest of --contexts).")
 @click.option("--out", type=OUT_DIR, default=Path("out/compare"), show_default=True,
               help="Folder for compare-SUITE.json, .md and .png (and the passkey journals).")
-@click.option("--resume", is_flag=True, help="passkey: " + RESUME_HELP)
+@click.option("--resume", is_flag=True, help="passkey, ruler: " + RESUME_HELP)
 @device_option
 @click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
-def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, haystack, data, text_field, max_docs, contexts,
-                 target, room, out, resume, as_json):
+def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, haystack, tasks, max_new_tokens, data,
+                 text_field, max_docs, contexts, target, room, out, resume, as_json):
     """Run one suite over several method stacks; writes OUT/compare-SUITE.{json,md,png}.
 
     \b
@@ -226,16 +311,23 @@ def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, 
     """
     from lcx.data import special_prefix
     from lcx.evals import compare as cmp
-    from lcx.evals import passkey, ppl
+    from lcx.evals import passkey, ppl, ruler
     from lcx.generation import score_tail
     from lcx.models import load_model
     from lcx.session import parse_options
 
     opts = parse_options(options)
     hf_model, tok = load_model(model, device=_device(), dtype=_dtype())
-    if suite == "passkey":
-        cfg = passkey.PasskeyConfig(lengths=lengths, depths=depths, samples=samples or 5, seed=seed,
-                                    haystack=_haystack(haystack))
+    if suite in ("passkey", "ruler"):
+        if suite == "passkey":
+            cfg = passkey.PasskeyConfig(lengths=lengths, depths=depths, samples=samples or 5, seed=seed,
+                                        haystack=_haystack(haystack))
+        else:
+            if not haystack:
+                raise LcxError("ruler needs real text: give --haystack PATH (e.g. ../shared/data/books)")
+            cfg = ruler.RulerConfig(lengths=lengths, tasks=tasks, samples=samples or 5, depths=depths, seed=seed,
+                                    haystack=_haystack(haystack) or "", max_new_tokens=max_new_tokens)
+        grid = passkey if suite == "passkey" else ruler
         stems: dict[str, str] = {}  # journal name -> the adapter folder it is for
 
         def ev(run, adapter):
@@ -245,9 +337,9 @@ def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, 
             if stems.setdefault(stem, where) != where:  # two adapter folders of one name (.../a/adapter, .../b/adapter)
                 stem += "-" + hashlib.sha256(where.encode()).hexdigest()[:8]
                 stems[stem] = where
-            journal = _passkey_journal(out / f"compare-passkey.{stem}.samples.jsonl", model, run, adapter, cfg, resume)
-            return passkey.evaluate(_passkey_generator(run, progress=not as_json), tok, cfg, progress=not as_json,
-                                    journal=journal)
+            journal = _journal(out / f"compare-{suite}.{stem}.samples.jsonl", model, run, adapter, cfg, resume)
+            return grid.evaluate(_grid_generator(run, progress=not as_json), tok, cfg, progress=not as_json,
+                                 journal=journal)
     else:
         if not data:
             raise LcxError("ppl needs documents: give --data PATH (e.g. ../shared/data/books)")
@@ -261,12 +353,13 @@ def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, 
                                           out / f"compare-{suite}.json")
     results = cmp.compare(hf_model, list(stacks), opts, ev, log=(lambda m: None) if as_json else click.echo,
                           on_stack_done=partial)
-    header, rows = (cmp.passkey_table if suite == "passkey" else cmp.ppl_table)(results)
+    header, rows = {"passkey": cmp.passkey_table, "ruler": cmp.ruler_table, "ppl": cmp.ppl_table}[suite](results)
     js = partial(results)  # the final write: nothing unfinished
     md = cmp.write_markdown(header, rows, out / f"compare-{suite}.md", command)
     title = f"{model}: {suite} by method stack"
-    png = (cmp.plot_passkey(results, out / "compare-passkey.png", title) if suite == "passkey"
-           else ppl.plot(results, out / "compare-ppl.png", title))
+    png = (cmp.plot_by_length(results, out / "compare-passkey.png", title) if suite == "passkey"
+           else cmp.plot_by_length(results, out / "compare-ruler.png", title, "score_by_length", "RULER mean score")
+           if suite == "ruler" else ppl.plot(results, out / "compare-ppl.png", title))
     if as_json:
         _echo_json({"json": str(js), "table": str(md), "plot": str(png), "header": header, "rows": rows})
         return

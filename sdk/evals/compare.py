@@ -96,12 +96,26 @@ def compare(model: Any, stacks: list[str], options: dict[str, Any],
 
 
 def passkey_table(results: dict[str, dict]) -> tuple[list[str], list[list[str]]]:
+    return _by_length_table(results, "accuracy_by_length", "accuracy")
+
+
+def ruler_table(results: dict[str, dict]) -> tuple[list[str], list[list[str]]]:
+    """Mean score over tasks at each length, then each task's mean over lengths."""
+    header, rows = _by_length_table(results, "score_by_length", "score")
+    tasks = next(iter(results.values()))["config"]["tasks"]
+    for row, r in zip(rows, results.values()):
+        by = r["summary"]["score_by_task"]
+        row += [f"{sum(by[t].values()) / len(by[t]):.0%}" if by.get(t) else "-" for t in tasks]
+    return header + tasks, rows
+
+
+def _by_length_table(results: dict[str, dict], by_key: str, all_key: str) -> tuple[list[str], list[list[str]]]:
     lengths = next(iter(results.values()))["config"]["lengths"]
     header = ["stack", *map(token_label, lengths), "all"]
     rows = []
     for stack, r in results.items():
-        by = r["summary"]["accuracy_by_length"]
-        rows.append([stack, *[f"{by[str(n)]:.0%}" for n in lengths], f"{r['summary']['accuracy']:.0%}"])
+        by = r["summary"][by_key]
+        rows.append([stack, *[f"{by[str(n)]:.0%}" for n in lengths], f"{r['summary'][all_key]:.0%}"])
     return header, rows
 
 
@@ -116,18 +130,20 @@ def ppl_table(results: dict[str, dict]) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
-def plot_passkey(results: dict[str, dict], path: Path, title: str) -> Path:
+def plot_by_length(results: dict[str, dict], path: Path, title: str, by_key: str = "accuracy_by_length",
+                   ylabel: str = "passkey accuracy") -> Path:
+    """One bar per stack at each length: ``summary[by_key][length]``."""
     lengths = next(iter(results.values()))["config"]["lengths"]
     width = 0.8 / max(len(results), 1)
     fig, ax = pyplot().subplots(figsize=(2 + 1.3 * len(lengths), 3.6))
     for i, (stack, r) in enumerate(results.items()):
-        by = r["summary"]["accuracy_by_length"]
+        by = r["summary"][by_key]
         xs = [j + i * width for j in range(len(lengths))]
         ax.bar(xs, [by[str(n)] for n in lengths], width=width, label=stack)
     ax.set_xticks([j + width * (len(results) - 1) / 2 for j in range(len(lengths))],
                   [token_label(n) for n in lengths])
     ax.set_ylim(0, 1.05)
-    ax.set_ylabel("passkey accuracy")
+    ax.set_ylabel(ylabel)
     ax.set_xlabel("prompt length (tokens)")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)

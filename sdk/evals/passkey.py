@@ -77,6 +77,18 @@ class Haystack:
                            f"books) or shorter --lengths")
         return out
 
+    def fill(self, tokenizer: Any, n: int) -> list[list[int]]:
+        """Exactly ``n`` tokens: whole sentences from the start, the last one cut to fit."""
+        out = self.take(tokenizer, n)
+        short = n - sum(map(len, out))
+        if short:
+            if len(out) == len(self._ids):
+                raise LcxError(f"the haystack {self.label} has {n - short:,} tokens of text, {short:,} fewer than a "
+                               f"prompt of this length needs ({n:,}); give more text (more files, or a folder of "
+                               f"books) or shorter --lengths")
+            out.append(self._ids[len(out)][:short])
+        return out
+
 
 def build_prompt_ids(tokenizer: Any, length: int, depth: float, key: int,
                      haystack: Haystack | None = None) -> torch.Tensor:
