@@ -450,3 +450,27 @@ def eval_dictionary(model, methods, options, adapter, trust_remote_code, dict_to
         _echo_json({"json": str(js), "plot": str(png), **{k: v["accuracy"] for k, v in per_size.items()}})
     else:
         click.echo(f"wrote {js} and {png}")
+
+
+@eval_grp.command("lm-eval", context_settings=dict(CONTEXT, ignore_unknown_options=True, allow_extra_args=True,
+                                                   help_option_names=[]))
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def eval_lm_eval(args):
+    """lm-evaluation-harness's own command line with the `lcx` model registered: every argument goes to
+    `lm_eval` unchanged.
+
+    \b
+    Example (RULER's needle task at 4K and 8K; lm-eval's RULER tasks size prompts with `tokenizer`):
+      HF_DATASETS_OFFLINE=1 lcx eval lm-eval run --model lcx --tasks niah_single_1 \\
+          --model_args model=smollm2-135m,method=fot,tokenizer=$HOME/.cache/lcx/models/smollm2-135m \\
+          --metadata '{"max_seq_lengths": [4096, 8192]}'
+    In Python: `import lcx.integrations.lm_eval` before `lm_eval.simple_evaluate(model="lcx", ...)`.
+    """
+    try:
+        import lcx.integrations.lm_eval  # noqa: F401  (registers the model)
+        from lm_eval.__main__ import cli_evaluate
+    except ImportError as e:
+        raise LcxError(f"lm-evaluation-harness is not installed ({e}); install lcx's dev extras: "
+                       f"pip install -e '.[dev]'") from None
+    sys.argv = ["lm_eval", *args]
+    cli_evaluate()
