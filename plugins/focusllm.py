@@ -586,6 +586,11 @@ class FocusLLM(Method):
         width = max(e - s for s, e in spans) + self.fragment
         return [(self.parallel or len(spans), width, width), (1, local, len(spans) + local)]
 
+    def forward_hint(self, run) -> str | None:
+        if self.parallel == 1:
+            return None
+        return "decode fewer candidate chunks at once (-o focusllm.parallel=N; 1 = one at a time)"
+
     def cache_tokens(self, run, tokens: int) -> int:
         """The decoder's cache: [candidates ; local tokens ; new tokens], at most the window (``lcx_plan``
         refuses more)."""

@@ -213,6 +213,7 @@ def check_request(run: Any, input_tokens: int, max_new_tokens: int, batch: int =
     cached = min([tokens, *(m.cache_tokens(run, tokens) for m in run.methods)])  # a windowed cache bounds it
     passes = batch * forward_bytes(run.model, request_forward_shapes(run, tokens))
     needs[model_device] = needs.get(model_device, 0) + per_token * batch * cached + passes
+    hints = "".join(f"{h}, " for m in run.methods if (h := m.forward_hint(run)))
     free = {}
     for device, n in needs.items():
         free[device] = have = available_memory(device)
@@ -226,6 +227,6 @@ def check_request(run: Any, input_tokens: int, max_new_tokens: int, batch: int =
                              "memory entries")
             raise LimitError(f"this request needs up to {_gib(n)} ({' + '.join(parts)}) on "
                              f"{_where(device)}, more than the {_gib(limits.ram_fraction * have)} it has free; "
-                             f"shorten the prompt, generate fewer rows at once, or free memory")
+                             f"shorten the prompt, generate fewer rows at once, {hints}or free memory")
     return {"kv_bytes": per_token * batch * cached + memory, "forward_bytes": passes,
             "free_bytes": free[model_device]}

@@ -100,6 +100,11 @@ class Method:
         queries over every cached token."""
         return None
 
+    def forward_hint(self, run: Any) -> str | None:
+        """How a user makes this method's largest forward pass smaller (an option to give), said when a request
+        is refused for memory; None: no such option."""
+        return None
+
     def serves_prefix_kv(self) -> bool:
         """For ``serve_state`` methods: whether the tensors :meth:`serve_request` computes are only a fixed
         prefix of keys and values (``"{layer}.k"``/``"{layer}.v"``, (KV heads, n, head dim), rotated at

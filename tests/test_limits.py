@@ -216,3 +216,16 @@ def test_the_largest_forward_pass_is_in_the_estimate_and_prefill_is_windowed(mon
         (shape,) = run.method("fot").forward_shapes(run, 84)
         assert shape[:3] == (1, 8, 40) and shape[3] == 3 * 4 * model.config.num_attention_heads * 8 * (40 + 32)
         assert check_request(run, 80, 4)["forward_bytes"] == limits.forward_bytes(model, [shape])
+
+
+def test_a_refusal_for_memory_names_the_option_that_shrinks_the_methods_forward_pass(monkeypatch):
+    """focusllm decodes every candidate chunk in one batch by default: its refusal says how to decode fewer."""
+    model = tiny_model("llama")
+    monkeypatch.setattr(limits, "available_memory", lambda d: 10**6)
+    with lcx.attach(model, ["focusllm"], chunk=64, local=64, fragment=16) as run:
+        with pytest.raises(LimitError, match=r"generate fewer rows at once, decode fewer candidate chunks at once "
+                                             r"\(-o focusllm.parallel=N; 1 = one at a time\), or free memory"):
+            check_request(run, 4000, 4)
+    with lcx.attach(model, ["focusllm"], chunk=64, local=64, fragment=16, parallel=1) as run, \
+            pytest.raises(LimitError, match=r"generate fewer rows at once, or free memory"):
+        check_request(run, 4000, 4)
