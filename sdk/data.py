@@ -139,7 +139,8 @@ def tokenize(docs, tokenizer: Any, num_proc: int | None = None):
 
 
 def token_windows(docs, tokenizer: Any, seq_len: int, concat: bool = True):
-    """Fixed-length training windows of ``seq_len`` tokens.
+    """Fixed-length training windows of ``seq_len`` tokens, each opening with the tokenizer's BOS where it adds
+    one (:func:`special_prefix`).
 
     Documents longer than ``seq_len`` are cut into consecutive windows; with
     ``concat`` the remainders and short documents are concatenated (EOS between
@@ -151,16 +152,20 @@ def token_windows(docs, tokenizer: Any, seq_len: int, concat: bool = True):
     if seq_len <= 1:
         raise LcxError(f"seq_len must be > 1, got {seq_len}")
     tok = tokenize(docs, tokenizer)
+    prefix = special_prefix(tokenizer)  # each window starts as the model's inputs do (Gemma's <bos>)
+    body = seq_len - len(prefix)
+    if body <= 0:
+        raise LcxError(f"seq_len must be > {len(prefix)} (the tokenizer's BOS starts every window), got {seq_len}")
 
     def fn(batch: dict[str, list]) -> dict[str, list]:
         out, src, carry = [], [], []
         for ids, s in zip(batch["input_ids"], batch["source"]):
             stream = carry + ids if concat else ids
-            n_full = len(stream) // seq_len
+            n_full = len(stream) // body
             for k in range(n_full):
-                out.append(stream[k * seq_len:(k + 1) * seq_len])
+                out.append(prefix + stream[k * body:(k + 1) * body])
                 src.append(s)
-            carry = stream[n_full * seq_len:] if concat else []
+            carry = stream[n_full * body:] if concat else []
         return {"input_ids": out, "source": src}
 
     # one batch so documents concatenate across the whole corpus (deterministic order)

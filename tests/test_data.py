@@ -99,3 +99,22 @@ def test_ppl_documents_sharing_a_file_name_keep_apart(tmp_path):
     (tmp_path / "a" / "book.txt").write_text("a book " * 20)
     names = [name for name, _ in _ppl_documents((str(tmp_path),), char_tokenizer(), None)]
     assert sorted(names) == sorted([str(tmp_path / "a" / "__init__.py"), str(tmp_path / "b" / "__init__.py"), "book.txt"])
+
+
+def test_windows_open_with_the_bos_of_a_tokenizer_that_adds_one(corpus):
+    """Gemma's tokenizer adds <bos>, and the model degenerates on text without it: windows keep their length and
+    start with it; a tokenizer adding none (SmolLM2's, Qwen's) gives the windows it always gave."""
+    from tokenizers import processors
+
+    from lcx.data import special_prefix
+
+    tok = char_tokenizer()
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    assert special_prefix(tok) == [1]
+    docs = load_documents([corpus / "docs"])
+    w = token_windows(docs, tok, seq_len=16)  # 72 tokens, 15 per window after the BOS
+    assert len(w) == 72 // 15 and all(x["input_ids"].shape == (16,) and x["input_ids"][0] == 1 for x in w)
+    text = "".join(tok.decode(x["input_ids"][1:]) for x in w)
+    assert text.startswith("a" * 50) and "<s>" not in text
+    plain = token_windows(docs, char_tokenizer(), seq_len=16)
+    assert plain[0]["input_ids"][0] != 1
