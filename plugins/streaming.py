@@ -39,14 +39,26 @@ class SinkWindowLayer(SubsetCacheLayer):
         empty = key_states[:, :, :0]
         self.sink_k, self.sink_v = empty, value_states[:, :, :0]
         self.keys, self.values = empty, value_states[:, :, :0]
+        self.evicted = False  # until the first eviction the sinks stay the front of one buffer: no copy per update
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        ns = self.sink_k.shape[-2]
-        recent_start = self.cumulative_length - self.keys.shape[-2]  # absolute position of the first recent key
         self.cumulative_length += key_states.shape[-2]
+        if not self.evicted:  # keys are positions [0, S): returned as held, as a plain cache does
+            ns = min(self.sinks, self.keys.shape[-2])
+            self.visible = (ns, ns)
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+            out_k, out_v = self.keys, self.values
+            if self.keys.shape[-2] > self.sinks + self.window:  # later tokens see the sinks and the window only
+                self.evicted = True
+                self.sink_k, self.sink_v = self.keys[:, :, :self.sinks].clone(), self.values[:, :, :self.sinks].clone()
+                self.keys, self.values = self.keys[:, :, -self.window:], self.values[:, :, -self.window:]
+            return out_k, out_v
+        ns = self.sink_k.shape[-2]
+        recent_start = self.cumulative_length - key_states.shape[-2] - self.keys.shape[-2]  # the first recent key
         rest_k = torch.cat([self.keys, key_states], dim=-2)  # (B, H, S_rest, D), contiguous from recent_start
         rest_v = torch.cat([self.values, value_states], dim=-2)
         self.visible = (ns, recent_start)
@@ -54,12 +66,6 @@ class SinkWindowLayer(SubsetCacheLayer):
         sink_k = rotate(self.sink_k, shift, self.inv_freq) if shift and ns else self.sink_k
         out_k = torch.cat([sink_k, rest_k], dim=-2)
         out_v = torch.cat([self.sink_v, rest_v], dim=-2)
-        # Keep: fill the sinks first (only before any eviction), then the last `window` tokens.
-        if ns < self.sinks:
-            take = min(self.sinks - ns, rest_k.shape[-2])
-            self.sink_k = torch.cat([self.sink_k, rest_k[:, :, :take]], dim=-2)
-            self.sink_v = torch.cat([self.sink_v, rest_v[:, :, :take]], dim=-2)
-            rest_k, rest_v = rest_k[:, :, take:], rest_v[:, :, take:]
         self.keys, self.values = rest_k[:, :, -self.window:], rest_v[:, :, -self.window:]
         return out_k, out_v
 

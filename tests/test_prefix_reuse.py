@@ -64,7 +64,7 @@ def test_a_prompt_that_differs_inside_the_snapshot_or_a_method_that_keeps_state_
 
 def test_passkey_grid_answers_the_same_with_reuse(tmp_path):
     """`lcx eval passkey`'s generator (prefix reuse on) against plain generation, on a char tokenizer."""
-    from lcx.cli.evaluation import _passkey_generator
+    from lcx.cli.evaluation import _grid_generator
     from lcx.evals import passkey
     from tests.helpers import char_tokenizer
 
@@ -73,7 +73,7 @@ def test_passkey_grid_answers_the_same_with_reuse(tmp_path):
     cfg = passkey.PasskeyConfig(lengths=[400], depths=[0.3, 0.8], samples=2, max_new_tokens=3)
     with lcx.attach(model, ["fot"], local=64, chunk=32, k=4) as run:
         plain = passkey.evaluate(lambda ids, n, shared: generate(run, ids, max_new_tokens=n), tok, cfg, progress=False)
-        gen = _passkey_generator(run)
+        gen = _grid_generator(run)
         reused = passkey.evaluate(gen, tok, cfg, progress=False)
     assert [s["output"] for s in plain["samples"]] == [s["output"] for s in reused["samples"]]
     assert gen.reuse.reused > 0  # each cell's second key started from the first key's filler

@@ -96,15 +96,11 @@ def _peak() -> int:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's resettable peak RSS")
 @pytest.mark.parametrize("method", ["none", "vanilla", "rope", "streaming", "fot", "focusllm"])
-def test_the_memory_estimate_bounds_the_measured_peak(real, method, request):
+def test_the_memory_estimate_bounds_the_measured_peak(real, method):
     """Each path's estimate (cache, methods' memories, largest forward pass) is at least what the request
     really adds to the process's peak resident memory, on a prompt longer than one prefill window.  Measured on
     the path's second request: the first forward of a shape also grows the process once (allocator and
     kernel warm-up), which no later request repeats."""
-    if real[0] == "qwen2.5-0.5b" and method == "streaming":  # an open defect, kept visible rather than loosened
-        request.applymarker(pytest.mark.xfail(reason="with 2 threads Qwen2.5 streaming's request outgrew its "
-                                                     "estimate (open defect, figures in the commit)",
-                                              strict=False))
     from lcx.limits import check_request, trim_heap
 
     name, model, tok = real

@@ -8,7 +8,7 @@ then summarises a chunk as long as the ones vanilla reads within its window (25/
 
 The keys are drawn exactly as `lcx eval passkey --samples 5` draws them (seed 0, cell by cell), and only the
 samples named by --index of each cell are run, so each row is a prompt of the committed grid.  Generation is
-`lcx eval passkey`'s own (`_passkey_generator`).  Resumable: finished prompts are kept in OUT.jsonl.
+`lcx eval passkey`'s own (`_grid_generator`).  Resumable: finished prompts are kept in OUT.jsonl.
 
     .venv/bin/python results/focusllm/bigchunk/probe.py --length 64K --index 0 \
         --baseline results/focusllm/passkey-recall-local-64k -o focusllm.chunk=7616 -o focusllm.overlap=64
@@ -22,7 +22,7 @@ import random
 import time
 from pathlib import Path
 
-from lcx.cli.evaluation import _passkey_generator
+from lcx.cli.evaluation import _grid_generator
 from lcx.evals.passkey import passkey_found, prompt_and_needle
 from lcx.io import token_counts
 from lcx.session import open_session, parse_options
@@ -62,7 +62,7 @@ def main() -> None:
     journal = args.out.with_suffix(".jsonl")
     done = {(r["depth"], r["key"]): r for r in map(json.loads, journal.read_text().splitlines())} if journal.exists() else {}
     s = open_session("smollm2-135m", [], parse_options(tuple(args.option)), ADAPTER)
-    gen = _passkey_generator(s.run)
+    gen = _grid_generator(s.run)
     rows = []
     try:
         for d in depths:

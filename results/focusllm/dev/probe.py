@@ -5,7 +5,7 @@ grid it is then measured on.
 Every variant reads the same prompt in one session: the chunks are decoded once per prompt (the chunk memo of
 ``lcx eval passkey`` hands them to each later variant, and the filler chunks to each later prompt), and each
 variant sets the method's generation options (``topk``, ``refresh``) before its greedy generation, which is
-``lcx eval passkey``'s own (``_passkey_generator``).  Resumable: finished (prompt, variant) rows are kept in
+``lcx eval passkey``'s own (``_grid_generator``).  Resumable: finished (prompt, variant) rows are kept in
 OUT.jsonl.
 
     .venv/bin/python results/focusllm/dev/probe.py --length 128K --out results/focusllm/dev/dev-128k \\
@@ -20,7 +20,7 @@ import random
 import time
 from pathlib import Path
 
-from lcx.cli.evaluation import _passkey_generator
+from lcx.cli.evaluation import _grid_generator
 from lcx.evals.passkey import passkey_found, prompt_and_needle
 from lcx.io import token_counts
 from lcx.session import open_session, parse_options
@@ -70,7 +70,7 @@ def main() -> None:
     base = {k: getattr(m, k) for k in ("topk", "refresh")}
     if not base["topk"]:
         raise SystemExit("start the session with -o focusllm.topk=K > 0: its attention stage is installed only then")
-    gen = _passkey_generator(s.run)
+    gen = _grid_generator(s.run)
     rows = list(done.values())
     try:
         for (d, i), key in keys.items():
