@@ -2,7 +2,7 @@
 the machine's free RAM before any work starts, so a request too big for the machine is a clear
 error rather than an out-of-memory kill halfway through a long prefill.
 
-Defaults (documented in the README; each can be changed per command or by environment variable):
+Defaults (documented in docs/limits.md; each can be changed per command or by environment variable):
 
 ==========================  ===========  ===============================  =========================
 cap                         default      flag                             environment

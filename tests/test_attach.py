@@ -1,6 +1,6 @@
 """The shared matrix: every tiny family x every installed method.
 
-Invariants (STYLE.md habit 5): attaching with no method, or a method on an
+Invariants: attaching with no method, or a method on an
 input shorter than its window, leaves logits unchanged; detaching restores the
 model exactly; generate() works with batch > 1 and left padding.
 """

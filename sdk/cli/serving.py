@@ -56,7 +56,7 @@ def export_cmd(model, options, methods, adapters, max_model_len, target, out, ov
     checked against what vLLM's LoRA loader accepts and against its base model.
     Example:
       lcx export --for vllm -m smollm2-135m --method rope -o rope.factor=4 --out out/vllm-yarn
-      python -m lcx.integrations.vllm serve out/vllm-yarn/model --max-model-len 32768   # = vllm serve (see README)
+      python -m lcx.integrations.vllm serve out/vllm-yarn/model --max-model-len 32768   # = vllm serve (see docs/serving.md)
     """
     from lcx.integrations.vllm import export_for_vllm
     from lcx.session import parse_options
