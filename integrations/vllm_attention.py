@@ -53,8 +53,8 @@ worker has (a logits processor's batch updates).  The cost of the choice: the Tr
 instead of vLLM's native model code, a replay of the cached prefix instead of sharing it as it is, and
 attention in torch instead of vLLM's CPU kernel (``bench/serve_throughput.py --method fot`` measures what that leaves of vLLM's batching).
 focusllm's candidates *are* a fixed prefix, and a KV connector injects them (``lcx.integrations.vllm_connector``):
-vLLM then serves focusllm on its native model code, whose decode step for 8 requests took ~57 ms on 2 cores
-against 114-166 ms through this module (BENCHMARKS.md, focusllm).  Only ``topk``, a per-head choice of candidates, still needs this attention function; its
+vLLM then serves focusllm on its native model code, which decodes faster than this module (BENCHMARKS.md,
+focusllm).  Only ``topk``, a per-head choice of candidates, still needs this attention function; its
 candidates reach the worker as a file named by an id in the request's ``vllm_xargs`` (the request's
 ``extra_args``, which a logits processor's batch updates carry).
 """
@@ -276,8 +276,7 @@ def _sdpa(q, keys, values, allowed, scale):
 
 class _Window:
     """One layer's local keys or values (Hkv, S, D), appended at the end and dropped from the front in
-    amortised O(1): ``torch.cat`` per generated token would copy the whole window at every step (a
-    1,024-token window: 1.5 MiB per layer and request).  When it runs out, the live rows move to the front
+    amortised O(1): ``torch.cat`` per generated token would copy the whole window at every step.  When it runs out, the live rows move to the front
     of a buffer of ``front`` + live + appended + max(16, live x ``WINDOW_SLACK``) rows (the old one if that
     fits).  ``front`` rows always stay free before the live ones, for ``with_front``."""
 

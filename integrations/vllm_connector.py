@@ -13,9 +13,8 @@ tokens ; generated tokens] from its paged cache: the same keys lcx's ``Candidate
 decoder, so the tokens equal ``lcx generate -o focusllm.refresh=0``'s (tests/serve/test_focusllm.py).
 
 Why this and not lcx's served attention (``vllm_attention.FocusServed``, which still serves focusllm with
-``topk``): measured on 2 cores (BENCHMARKS.md, focusllm), a decode step of 8 such requests takes ~57 ms on
-vLLM's native Llama against 114-166 ms on its Transformers backend under lcx's attention; 8 requests of 4K
-tokens with 1,024 new tokens each took 139.8 s against 246.0 s.
+``topk``): vLLM's native model code decodes these requests about twice as fast as its Transformers backend
+under lcx's attention (BENCHMARKS.md, focusllm).
 
 Each request's state id comes from its ``extra_args`` (the middleware's ``vllm_xargs``); the scheduler half
 deletes the request's file when vLLM reports it finished (a request recomputed after a preemption loads its
@@ -28,7 +27,7 @@ The candidates themselves (training-free: no candidate adapter) are computed by 
 each chunk's [chunk ; fragment] tokens to the engine as a one-token request whose ``extra_args`` name it
 (``CHUNK_ARG``), and this connector saves the keys/values its last prompt position leaves in vLLM's cache,
 per layer, to a file the middleware reads (``save_kv_layer``): the candidate ``candidate_kv`` computes, at the
-engine's speed (on 2 cores vLLM's prefill is ~2.3x faster than the Hugging Face forward).  The slot is read
+engine's speed (vLLM's prefill is faster than the Hugging Face forward: BENCHMARKS.md).  The slot is read
 through the backend's own cache-update op: ``_CacheReader`` learns, once per cache shape, where that op puts
 each key and value element (the CPU backend stores a block's keys transposed).
 """

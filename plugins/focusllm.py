@@ -210,7 +210,7 @@ def candidate_kv(model, memory_ids: torch.Tensor, fragment_ids: torch.Tensor, sp
             kv = [(l.keys[j:j + 1], l.values[j:j + 1]) for l in group.cache.layers] if keep else None
             kept[keys[i]] = _MemoChunk(per_chunk[i], kv, group.length)
             if keep:  # refreshed one chunk at a time: the batch's cache stays as the memo holds it, and a refresh
-                # copies one chunk's cache, not all of them at once (at 128K: 7.6 GB each, on a 24 GB machine)
+                # copies one chunk's cache, not all of them at once (at long lengths each is gigabytes)
                 made.append(ChunkGroup([i], group.length, _kv_cache(model.config, kv)))
     if keys:
         memo.chunks = kept  # this prompt's chunks (the previous prompt's others are let go)

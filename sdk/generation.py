@@ -128,7 +128,7 @@ def prefill(run: Run, plan: Plan, include_last: bool = False,
 
 def release_last_request(run: Run) -> None:
     """A new request starts: the last one's memory and the methods' state for it go now, so that the limits
-    check sees the memory they held as free (a 128K focusllm prompt's chunk caches: 7.6 GB)."""
+    check sees the memory they held as free (a long focusllm prompt's chunk caches are gigabytes)."""
     held = run.state.pop("memory", None) is not None
     run.state.pop("plan", None)
     for m in run.methods:

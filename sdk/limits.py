@@ -85,8 +85,7 @@ def available_ram() -> int:
 def trim_heap() -> None:
     """Hand freed heap pages back to the OS (glibc ``malloc_trim``).  Tensors of a few MB come from malloc's
     heap, whose freed pages glibc may keep: the process can reuse them, but ``available_ram`` does not count
-    them (a 128K focusllm grid's next prompt was refused while the last one's 63 per-chunk caches, 7.6 GB,
-    had just been freed; with this and ``release_last_request`` it ran through, the two not tried apart)."""
+    them, so a long grid's next prompt could be refused for memory its last one had just freed."""
     if not sys.platform.startswith("linux"):
         return
     try:

@@ -9,8 +9,8 @@ in ``lcx-model.json``.  Any local Hugging Face model folder works everywhere a
 model name does.
 
 Integrity: the manifest lists every file of the folder with its size and
-sha256.  ``pull`` checks all of them in full before calling a model present
-(the 538 MB SmolLM2 weights hash in about 0.5 s).  ``resolve_model_path`` and
+sha256.  ``pull`` checks all of them in full before calling a model present;
+``resolve_model_path`` and
 ``list_models`` run on every load and listing, so they use the quick check:
 sizes, full hashes of the small files, and for the weights a hash of
 their size plus their first and last MiB.
