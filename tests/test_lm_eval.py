@@ -95,3 +95,18 @@ def test_lm_evals_ruler_task_runs_offline_through_the_lcx_model(tiny_dir, tmp_pa
     results = [json.loads(p.read_text()) for p in out.rglob("results*.json")]
     assert results and "niah_single_1" in results[0]["results"]
     assert "1024,none" in results[0]["results"]["niah_single_1"]
+
+
+def test_a_known_models_folder_is_passed_on_as_the_tokenizer_lm_evals_ruler_tasks_load(tmp_path, monkeypatch):
+    from lcx.cli.evaluation import _with_tokenizer
+    from lcx.models import model_dir
+
+    monkeypatch.setenv("LCX_HOME", str(tmp_path))
+    args = ["run", "--model", "lcx", "--model_args", "model=smollm2-135m,method=fot", "--tasks", "niah_single_1"]
+    assert _with_tokenizer(args) == args  # not pulled: lm-eval says what it cannot load
+    model_dir("smollm2-135m").mkdir(parents=True)
+    assert _with_tokenizer(args)[4] == f"model=smollm2-135m,method=fot,tokenizer={model_dir('smollm2-135m')}"
+    spaced = ["run", "--model_args", "model=smollm2-135m", "method=fot"]  # lm-eval also takes space-separated pairs
+    assert _with_tokenizer(spaced)[-1] == f"method=fot,tokenizer={model_dir('smollm2-135m')}"
+    for given in (["--model_args", "model=smollm2-135m,tokenizer=/x"], ["--model_args", "model=/some/dir"], ["run"]):
+        assert _with_tokenizer(given) == given

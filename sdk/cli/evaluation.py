@@ -460,10 +460,10 @@ def eval_lm_eval(args):
     `lm_eval` unchanged.
 
     \b
-    Example (RULER's needle task at 4K and 8K; lm-eval's RULER tasks size prompts with `tokenizer`):
+    Example (RULER's needle task at 4K and 8K; a known model's folder is passed on as the `tokenizer` lm-eval's
+    RULER tasks size prompts with):
       HF_DATASETS_OFFLINE=1 lcx eval lm-eval run --model lcx --tasks niah_single_1 \\
-          --model_args model=smollm2-135m,method=fot,tokenizer=$HOME/.cache/lcx/models/smollm2-135m \\
-          --metadata '{"max_seq_lengths": [4096, 8192]}'
+          --model_args model=smollm2-135m,method=fot --metadata '{"max_seq_lengths": [4096, 8192]}'
     In Python: `import lcx.integrations.lm_eval` before `lm_eval.simple_evaluate(model="lcx", ...)`.
     """
     try:
@@ -472,5 +472,24 @@ def eval_lm_eval(args):
     except ImportError as e:
         raise LcxError(f"lm-evaluation-harness is not installed ({e}); install lcx's dev extras: "
                        f"pip install -e '.[dev]'") from None
-    sys.argv = ["lm_eval", *args]
+    sys.argv = ["lm_eval", *_with_tokenizer(list(args))]
     cli_evaluate()
+
+
+def _with_tokenizer(args: list[str]) -> list[str]:
+    """lm-eval's synthetic tasks load ``tokenizer`` (else ``pretrained``, else ``model``) from the model args by
+    name, which for a known lcx model means the hub: a pulled known model gets ``tokenizer=<its folder>``."""
+    from lcx.known_models import KNOWN_MODELS
+    from lcx.models import model_dir
+
+    if "--model_args" not in args:
+        return args
+    start = args.index("--model_args") + 1
+    end = next((i for i in range(start, len(args)) if args[i].startswith("--")), len(args))
+    pairs = [p for a in args[start:end] for p in a.split(",")]
+    if any(p.strip().startswith(("tokenizer=", "pretrained=")) for p in pairs):
+        return args
+    name = next((p.split("=", 1)[1].strip() for p in pairs if p.strip().startswith("model=")), None)
+    if name not in KNOWN_MODELS or not model_dir(name).is_dir():
+        return args
+    return [*args[:end - 1], f"{args[end - 1]},tokenizer={model_dir(name)}", *args[end:]]
