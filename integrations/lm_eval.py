@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import lm_eval.models  # noqa: F401  (lm-eval fills its model list only while empty: its own models first)
 import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model

@@ -110,3 +110,11 @@ def test_a_known_models_folder_is_passed_on_as_the_tokenizer_lm_evals_ruler_task
     assert _with_tokenizer(spaced)[-1] == f"method=fot,tokenizer={model_dir('smollm2-135m')}"
     for given in (["--model_args", "model=smollm2-135m,tokenizer=/x"], ["--model_args", "model=/some/dir"], ["run"]):
         assert _with_tokenizer(given) == given
+
+
+def test_lm_evals_own_models_stay_found_once_lcx_is_registered():
+    from lm_eval.api.registry import get_model
+
+    import lcx.integrations.lm_eval  # noqa: F401
+
+    assert get_model("local-completions").__name__ == "LocalCompletionsAPI"

@@ -28,7 +28,28 @@ def test_vanilla_server_truncates_as_the_hf_path_does_at_twice_the_window(tmp_pa
         got = s.complete(MODEL, ids.tolist(), NEW)
         as_text = s.complete(MODEL, text, NEW)
         status, out = s.post("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": WINDOW})
+        served = _niah_through_lm_eval("local-completions", f"model={MODEL},base_url=http://127.0.0.1:{s.port}"
+                                       "/v1/completions,tokenized_requests=False,num_concurrent=1,max_retries=1")
     assert got == want
     assert "52817" in tok.decode(got)
     assert as_text == want_text
     assert status == 400 and f"max_new_tokens={WINDOW} leaves no room in a window of {WINDOW}" in out["error"]["message"]
+    # lm-eval's RULER needle task against the server (its local-completions model), and through lcx's own lm-eval
+    # model: the same answers and scores
+    assert served == _niah_through_lm_eval("lcx", f"model={MODEL},method=vanilla") and len(served) == 2
+
+
+def _niah_through_lm_eval(model: str, model_args: str) -> list[tuple[str, float]]:
+    """lm-eval's niah_single_1, 2 samples of 2,048 tokens, 8 new tokens each: (answer, score) per sample."""
+    import os
+
+    import lm_eval
+
+    import lcx.integrations.lm_eval  # noqa: F401  (registers `lcx`)
+    from lcx.models import resolve_model_path
+
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    out = lm_eval.simple_evaluate(model=model, model_args=f"{model_args},tokenizer={resolve_model_path(MODEL)}",
+                                  tasks=["niah_single_1"], limit=2, log_samples=True, gen_kwargs="max_gen_toks=8",
+                                  metadata={"max_seq_lengths": [2048]})
+    return [(x["resps"][0][0], x["2048"]) for x in out["samples"]["niah_single_1"]]
