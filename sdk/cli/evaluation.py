@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import sys
 from collections import Counter
@@ -462,9 +463,11 @@ def eval_lm_eval(args):
     \b
     Example (RULER's needle task at 4K and 8K; a known model's folder is passed on as the `tokenizer` lm-eval's
     RULER tasks size prompts with):
-      HF_DATASETS_OFFLINE=1 lcx eval lm-eval run --model lcx --tasks niah_single_1 \\
+      lcx eval lm-eval run --model lcx --tasks niah_single_1 \\
           --model_args model=smollm2-135m,method=fot --metadata '{"max_seq_lengths": [4096, 8192]}'
     In Python: `import lcx.integrations.lm_eval` before `lm_eval.simple_evaluate(model="lcx", ...)`.
+    Runs offline (HF_HUB_OFFLINE=1, HF_DATASETS_OFFLINE=1) unless those are set: tasks that download data need
+    them set to 0 and a network.
     """
     try:
         import lcx.integrations.lm_eval  # noqa: F401  (registers the model)
@@ -472,6 +475,8 @@ def eval_lm_eval(args):
     except ImportError as e:
         raise LcxError(f"lm-evaluation-harness is not installed ({e}); install lcx's dev extras: "
                        f"pip install -e '.[dev]'") from None
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):  # a hub lookup fails at once instead of waiting on a network
+        os.environ.setdefault(var, "1")
     sys.argv = ["lm_eval", *_with_tokenizer(list(args))]
     cli_evaluate()
 
