@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # results/ruler/: RULER's nine tasks (lcx eval ruler) over the 8 books, bfloat16, 5 samples per task and cell (issue 51).
+# Output: results/ruler/MODEL/STACK/LENGTHS/ (a journal per run; summarize.py reads them all).
 #   bash results/ruler/run.sh crosscheck gemma3-270m      # chosen steps (every step journals: rerun continues)
 #   bash results/ruler/run.sh                             # every step, cheapest first
 # Cells, chosen to keep a model's table near 6 hours of this 2-core machine: the bare model at the largest length
@@ -19,7 +20,7 @@ fot_options() {  # fot's per-model options (results/models, results/fot): memory
     esac
 }
 bare() {  # $1 model, $2 lengths: the model alone, inside its window
-    $LCX eval ruler -m "$1" --lengths "$2" "${COMMON[@]}" --out "results/ruler/$1/none"
+    $LCX eval ruler -m "$1" --lengths "$2" "${COMMON[@]}" --out "results/ruler/$1/none/$2"
 }
 beyond() {  # $1 model, $2 stack, $3 lengths[, $4 rope's YaRN factor]: one stack past the window
     local opts=()
@@ -28,7 +29,7 @@ beyond() {  # $1 model, $2 stack, $3 lengths[, $4 rope's YaRN factor]: one stack
         rope) opts=(-o rope.type=yarn -o rope.factor="$4") ;;
     esac
     $LCX eval compare ruler -m "$1" --stack "$2" "${opts[@]}" --lengths "$3" "${COMMON[@]}" \
-        --out "results/ruler/$1/$2${4:+-x$4}"
+        --out "results/ruler/$1/$2${4:+-x$4}/$3"
 }
 crosscheck() {  # $1 model: lm-eval's niah_single_1 through the lcx model next to lcx's own single-needle task
     $LCX eval ruler -m "$1" --tasks niah_single_number --lengths 4K,8K "${COMMON[@]}" \

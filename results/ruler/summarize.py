@@ -16,9 +16,10 @@ HERE = Path(__file__).parent
 
 
 def _samples(folder: Path) -> list[dict]:
-    """Every sample recorded in a stack's journals (a journal's first line is its header)."""
+    """Every sample recorded in a stack's journals, one run per lengths folder (a journal's first line is its
+    header)."""
     out = []
-    for journal in sorted(folder.glob("*.samples.jsonl")):
+    for journal in sorted(folder.rglob("*.samples.jsonl")):
         for line in journal.read_text().splitlines()[1:]:
             try:
                 out.append(json.loads(line))
