@@ -53,26 +53,11 @@ def eval_passkey(model, methods, options, adapter, trust_remote_code, lengths, d
     """
     from lcx.evals import passkey
 
-    s = _open(model, methods, options, adapter, trust_remote_code)
-    try:
-        cfg = passkey.PasskeyConfig(lengths=lengths, depths=depths, samples=samples, seed=seed,
-                                    haystack=_haystack(haystack))
-        journal = _journal(out / "passkey.samples.jsonl", model, s.run, adapter, cfg, resume)
-        result = passkey.evaluate(_grid_generator(s.run, progress=not as_json), s.tokenizer, cfg,
-                                  progress=not as_json, journal=journal)
-        label = "+".join(m.name for m in s.run.methods) or "no method"
-        result = {"model": model, **s.run.describe(), "methods_label": label,
-                  "adapter": str(adapter) if adapter else None, **result}
-        js, png = passkey.write_result(result, out)
-    finally:
-        s.close()
-    if as_json:
-        _echo_json({"json": str(js), "plot": str(png), **result["summary"]})
-    else:
-        acc = result["summary"]["accuracy_by_length"]
-        click.echo(f"passkey accuracy ({label}): " + ", ".join(f"{n}: {a:.0%}" for n, a in acc.items()))
-        click.echo(f"wrote {js} and {png}")
-
+    cfg = passkey.PasskeyConfig(lengths=lengths, depths=depths, samples=samples, seed=seed,
+                                haystack=_haystack(haystack))
+    _run_grid(passkey, "passkey", cfg, model, methods, options, adapter, trust_remote_code, out, resume, as_json,
+              lambda label, by: f"passkey accuracy ({label}): "
+              + ", ".join(f"{n}: {a:.0%}" for n, a in by["accuracy_by_length"].items()))
 
 HAYSTACK_HELP = ("Real text: text files, folders of them or .jsonl (e.g. ../shared/data/books); whole sentences from "
                  "the start, so one length's prompts share their text. Repeatable.")
@@ -132,26 +117,33 @@ def eval_ruler(model, methods, options, adapter, trust_remote_code, tasks, max_n
     """
     from lcx.evals import ruler
 
-    s = _open(model, methods, options, adapter, trust_remote_code)
+    cfg = ruler.RulerConfig(lengths=lengths, tasks=tasks, samples=samples, depths=depths, seed=seed,
+                            haystack=_haystack(haystack) or "", max_new_tokens=max_new_tokens)
+    _run_grid(ruler, "ruler", cfg, model, methods, options, adapter, trust_remote_code, out, resume, as_json,
+              lambda label, by: f"RULER mean score ({label}): "
+              + ", ".join(f"{n}: {a:.0%}" for n, a in by["score_by_length"].items()))
+
+
+def _run_grid(grid, stem: str, cfg, model, methods, options, adapter, trust, out: Path, resume: bool, as_json: bool,
+              line) -> None:
+    """One passkey or RULER grid (``grid``: its module) on one stack: journaled, written as OUT/STEM.json and
+    .png; prints the JSON summary with --json, else ``line(label, summary)`` and the files written."""
+    s = _open(model, methods, options, adapter, trust)
     try:
-        cfg = ruler.RulerConfig(lengths=lengths, tasks=tasks, samples=samples, depths=depths, seed=seed,
-                                haystack=_haystack(haystack) or "", max_new_tokens=max_new_tokens)
-        journal = _journal(out / "ruler.samples.jsonl", model, s.run, adapter, cfg, resume)
-        result = ruler.evaluate(_grid_generator(s.run, progress=not as_json), s.tokenizer, cfg,
-                                progress=not as_json, journal=journal)
+        journal = _journal(out / f"{stem}.samples.jsonl", model, s.run, adapter, cfg, resume)
+        result = grid.evaluate(_grid_generator(s.run, progress=not as_json), s.tokenizer, cfg,
+                               progress=not as_json, journal=journal)
         label = "+".join(m.name for m in s.run.methods) or "no method"
         result = {"model": model, **s.run.describe(), "methods_label": label,
                   "adapter": str(adapter) if adapter else None, **result}
-        js, png = ruler.write_result(result, out)
+        js, png = grid.write_result(result, out)
     finally:
         s.close()
     if as_json:
         _echo_json({"json": str(js), "plot": str(png), **result["summary"]})
     else:
-        by = result["summary"]["score_by_length"]
-        click.echo(f"RULER mean score ({label}): " + ", ".join(f"{n}: {a:.0%}" for n, a in by.items()))
+        click.echo(line(label, result["summary"]))
         click.echo(f"wrote {js} and {png}")
-
 
 def _haystack(paths: tuple[Path, ...]) -> str | None:
     if any("," in str(p) for p in paths):
