@@ -72,10 +72,13 @@ class Haystack:
             out.append(ids)
             total += len(ids)
         if total < n - max(map(len, self._ids)):
-            raise LcxError(f"the haystack {self.label} has {total:,} tokens of text, {n - total:,} fewer than a "
-                           f"prompt of this length needs ({n:,}); give more text (more files, or a folder of "
-                           f"books) or shorter --lengths")
+            raise self._too_short(total, n)
         return out
+
+    def _too_short(self, total: int, n: int) -> LcxError:
+        return LcxError(f"the haystack {self.label} has {total:,} tokens of text, {n - total:,} fewer than a "
+                        f"prompt of this length needs ({n:,}); give more text (more files, or a folder of books) "
+                        f"or shorter --lengths")
 
     def fill(self, tokenizer: Any, n: int) -> list[list[int]]:
         """Exactly ``n`` tokens: whole sentences from the start, the last one cut to fit."""
@@ -83,9 +86,7 @@ class Haystack:
         short = n - sum(map(len, out))
         if short:
             if len(out) == len(self._ids):
-                raise LcxError(f"the haystack {self.label} has {n - short:,} tokens of text, {short:,} fewer than a "
-                               f"prompt of this length needs ({n:,}); give more text (more files, or a folder of "
-                               f"books) or shorter --lengths")
+                raise self._too_short(n - short, n)
             out.append(self._ids[len(out)][:short])
         return out
 
