@@ -7,6 +7,9 @@ A folder contributes every text-like file below it (one document each); a
 ``.jsonl`` file contributes one document per line (its ``text`` field, or the
 field you name).  Tokenisation is cached by `datasets` (fingerprinted by the
 files' paths, sizes and modification times, and the tokenizer).
+
+Instead of files, ``lcx train`` can read a synthetic *task* (``--data task:NAME[:ARG...]``): a ``Task`` that a
+plugin registers with ``lcx_register_tasks`` and that makes fresh seeded batches every step.
 """
 
 from __future__ import annotations
@@ -14,10 +17,33 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from lcx.errors import LcxError
+
+if TYPE_CHECKING:
+    import random
+
+    import torch
+
+#: A synthetic task's batches: ``(rng, batch_size, seq_len) -> {"input_ids", "attention_mask", "labels"}``, each
+#: (batch_size, seq_len), a pure function of ``rng``.
+Batches = Callable[["random.Random", int, int], "dict[str, torch.Tensor]"]
+
+
+@dataclass(frozen=True)
+class Task:
+    """A synthetic training task, named in ``lcx train --data task:NAME[:ARG...]`` (see ``lcx_register_tasks``)."""
+
+    #: The NAME in ``task:NAME``.
+    name: str
+    #: The ARGs (strings, in order) -> the task's batches; an ``LcxError`` naming an ARG it does not take.
+    make: Callable[[list[str]], Batches]
+    #: What it is and which ARGs it takes, listed when an unknown task is named.
+    help: str = ""
+
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".text")
 JSONL_SUFFIXES = (".jsonl", ".json")

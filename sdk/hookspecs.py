@@ -4,6 +4,8 @@ A long-context method is a plugin that implements some of the *stages* below.
 Reading this file top to bottom tells you the whole architecture:
 
     discovery     lcx_register_methods   which methods a plugin provides
+                  lcx_register_tasks     which synthetic training tasks (``--data task:NAME``) it provides
+                  lcx_register_commands  which commands it adds to the ``lcx`` command line
     1 chunking    lcx_plan               how a long input is split (local / memory / windows)
     2 memory      lcx_memory             the store of (key, value) that outlives one window
     3 attention   lcx_patch_model        reversible changes to the model at attach time
@@ -13,7 +15,7 @@ Reading this file top to bottom tells you the whole architecture:
 
 Two plugin managers exist.  The *global* one (``lcx.registry``) holds plugins
 (in-tree modules and third-party packages from the ``lcx.methods`` entry-point
-group) and only answers ``lcx_register_methods``.  Each call to ``lcx.attach``
+group) and only answers the discovery hooks.  Each call to ``lcx.attach``
 builds a *per-run* manager that holds only the method instances the user chose,
 so an installed but unselected method never fires.
 
@@ -37,6 +39,29 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 @hookspec
 def lcx_register_methods(register):
     """At plugin load: call ``register(MethodClass)`` once per method this plugin provides. Collected."""
+
+
+@hookspec
+def lcx_register_tasks(register):
+    """At plugin load: call ``register(lcx.data.Task(name, make, help))`` once per synthetic training task. Collected.
+
+    ``lcx train --data task:NAME:ARG1:ARG2`` calls ``make(["ARG1", "ARG2"])``, which returns (or raises an
+    ``LcxError`` naming the ARG it refuses) a function ``(random.Random, batch_size, seq_len) -> batch``:
+    ``input_ids``, ``attention_mask``, ``labels`` of shape (B, T), a pure function of the random generator it is
+    given (the trainer seeds it by seed, step, micro-batch and rank, which makes resuming exact).
+    """
+
+
+@hookspec
+def lcx_register_commands(cli):
+    """When the ``lcx`` command line first needs a command it lacks: add this plugin's click commands. Collected.
+
+    ``cli`` is the root ``click.Group``: ``cli.add_command(cmd)`` adds a top-level command and
+    ``cli.commands["analyze"].add_command(cmd)`` a command to an existing group (``memory``, ``analyze``, ...).
+    It runs when a group is asked for a command it does not have (``lcx memory build``) or for its list
+    (``lcx memory --help``).  ``lcx --help`` lists the core's commands without loading plugins, to stay fast:
+    a new top-level command runs but is not listed there; a command in a group is listed by the group's help.
+    """
 
 
 # --------------------------------------------------------------------- 1 chunking
@@ -109,6 +134,9 @@ def lcx_loss(run, model, batch):
     next-token loss as the only term.
     """
 
+
+#: Hooks of the global plugin manager (``lcx.registry``): what plugins provide, not stages of a run.
+DISCOVERY: tuple[str, ...] = ("lcx_register_methods", "lcx_register_tasks", "lcx_register_commands")
 
 #: Stages that accept one implementation per run, with the name users see.
 EXCLUSIVE_STAGES: dict[str, str] = {

@@ -55,6 +55,21 @@ class Method:
     #: middleware computes from each whole prompt with the model (:meth:`serve_request`).
     serve_state: ClassVar[bool] = False
 
+    #: Whether this method reads a document memory built by ``lcx memory build`` (``lcx generate --memory``,
+    #: ``lcx serve --memory``): the stack's method with this set gets :meth:`load_memory` / :meth:`check_memory`.
+    reads_memory: ClassVar[bool] = False
+
+    def load_memory(self, path: Any, model: Any) -> dict[str, Any]:
+        """For ``reads_memory`` methods: use the document memory at ``path`` with ``model`` (refusing one built
+        with another model or other options); returns its metadata (``dtype``, ``adapter``, ``documents``)."""
+        raise LcxError(f"method {self.name!r} reads no document memory")
+
+    def check_memory(self, path: Any, config: dict[str, Any]) -> dict[str, Any]:
+        """For ``reads_memory`` methods: check the memory at ``path`` before a server loads it, for a model of
+        ``config`` (config.json as a dict): whole files, the layers it holds; returns its metadata (its
+        ``model`` identity is compared by the caller)."""
+        raise LcxError(f"method {self.name!r} reads no document memory")
+
     def reusable_prefix(self) -> bool:
         """Whether a prompt's leading windows may be fed once and their memory (the run's cache, copied)
         reused by later prompts that start with the same tokens (``lcx.generation.PrefixReuse``): true

@@ -1,7 +1,8 @@
-"""Discovery: which methods exist.
+"""Discovery: which methods (and training tasks, and commands) exist.
 
 In-tree methods are plugins like any other: each module in ``BUILTIN_PLUGINS``
-implements ``lcx_register_methods``.  Third-party packages add a module to the
+implements ``lcx_register_methods`` (and may register training tasks and commands:
+``lcx_register_tasks``, ``lcx_register_commands``).  Third-party packages add a module to the
 ``lcx.methods`` entry-point group.  ``LCX_PLUGINS`` (comma-separated entry-point
 names) is an allowlist: when set, only those third-party plugins load;
 ``LCX_PLUGINS=""`` loads none.
@@ -14,10 +15,12 @@ import os
 import sys
 from dataclasses import dataclass
 from importlib import metadata
+from typing import Any
 
 import pluggy
 
 from lcx import hookspecs
+from lcx.data import Task
 from lcx.errors import LcxError
 from lcx.method import Method
 
@@ -33,6 +36,10 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "lcx.plugins.smt",
     "lcx.plugins.focusllm",
 )
+
+#: What ``lcx train`` trains with when no method is named: the in-tree baseline (the model as it is, its
+#: prompts truncated to its window at inference).
+DEFAULT_METHOD = "vanilla"
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,8 @@ class Registry:
         self.pm.add_hookspecs(hookspecs)
         self.methods: dict[str, type[Method]] = {}
         self._method_plugin: dict[str, str] = {}
+        self.tasks: dict[str, Task] = {}
+        self._task_plugin: dict[str, str] = {}
         self._sources: dict[str, str] = {}
         for modname in BUILTIN_PLUGINS:
             self.add_plugin(importlib.import_module(modname), name=modname, source="builtin")
@@ -82,27 +91,44 @@ class Registry:
                       f"(set {ALLOWLIST_ENV} to choose which plugins load)", file=sys.stderr)
 
     def add_plugin(self, plugin: object, name: str, source: str = "runtime") -> None:
-        """Register a plugin object/module and collect the methods it registers."""
+        """Register a plugin object/module and collect the methods and training tasks it registers."""
         if self.pm.has_plugin(name):
             return
         self.pm.register(plugin, name=name)
         self._sources[name] = source
         try:
-            collected: list[type[Method]] = []
-            impls = [i for i in self.pm.hook.lcx_register_methods.get_hookimpls() if i.plugin_name == name]
-            for impl in impls:
-                impl.function(register=collected.append)
-            for cls in collected:
+            for cls in self._collect(self.pm.hook.lcx_register_methods, name):
                 self._add_method(cls, name)
+            for task in self._collect(self.pm.hook.lcx_register_tasks, name):
+                self._add_task(task, name)
         except Exception:
             self.remove_plugin(name)  # all or nothing: no half-registered plugin stays behind
             raise
+
+    def _collect(self, hook: pluggy.HookCaller, plugin: str) -> list:
+        """What plugin ``plugin``'s implementations of the ``register`` hook ``hook`` register, in order."""
+        collected: list = []
+        for impl in hook.get_hookimpls():
+            if impl.plugin_name == plugin:
+                impl.function(register=collected.append)
+        return collected
 
     def remove_plugin(self, name: str) -> None:
         self.pm.unregister(name=name)
         self._sources.pop(name, None)
         for m in [m for m, p in self._method_plugin.items() if p == name]:
             del self.methods[m], self._method_plugin[m]
+        for t in [t for t, p in self._task_plugin.items() if p == name]:
+            del self.tasks[t], self._task_plugin[t]
+
+    def add_commands(self, cli: Any) -> None:
+        """Let every plugin add its commands to the click group ``cli`` (``lcx_register_commands``); a plugin whose
+        hook fails is skipped with a warning, as a plugin that fails to load is."""
+        for impl in self.pm.hook.lcx_register_commands.get_hookimpls():
+            try:
+                impl.function(cli=cli)
+            except Exception as e:  # a broken third-party plugin must not break lcx
+                print(f"lcx: warning: plugin {impl.plugin_name!r} could not add its commands: {e}", file=sys.stderr)
 
     def _add_method(self, cls: type[Method], plugin: str) -> None:
         if not (isinstance(cls, type) and issubclass(cls, Method)) or not cls.name:
@@ -118,6 +144,16 @@ class Registry:
         self.methods[cls.name] = cls
         self._method_plugin[cls.name] = plugin
 
+    def _add_task(self, task: Task, plugin: str) -> None:
+        if not isinstance(task, Task) or not task.name or ":" in task.name or not callable(task.make):
+            raise LcxError(f"plugin {plugin!r} registered {task!r}, which is not an lcx.data.Task with a name "
+                           f"(no ':' in it) and a callable `make`; register lcx.data.Task(name, make, help)")
+        if task.name in self.tasks and self.tasks[task.name] is not task:
+            raise LcxError(f"plugin {plugin!r} registers training task {task.name!r}, already registered by plugin "
+                           f"{self._task_plugin[task.name]!r}; rename one of them")
+        self.tasks[task.name] = task
+        self._task_plugin[task.name] = plugin
+
     # ------------------------------------------------------------------ queries
     def get(self, name: str) -> type[Method]:
         try:
@@ -128,6 +164,14 @@ class Registry:
                 "(`lcx methods` lists them; third-party methods install as packages with an "
                 f"{ENTRY_POINT_GROUP!r} entry point)"
             ) from None
+
+    def task(self, name: str) -> Task:
+        """The synthetic training task ``task:NAME`` names."""
+        try:
+            return self.tasks[name]
+        except KeyError:
+            known = "; ".join(f"task:{n}" + (f" ({t.help})" if t.help else "") for n, t in sorted(self.tasks.items()))
+            raise LcxError(f"unknown synthetic task {name!r}; known: {known or '(none installed)'}") from None
 
     def plugin_of(self, method: str) -> str:
         return self._method_plugin[method]

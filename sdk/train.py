@@ -33,7 +33,9 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from lcx.data import Batches
 from lcx.errors import LcxError
+from lcx.registry import DEFAULT_METHOD
 
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
@@ -45,7 +47,7 @@ class TrainConfig:
     model: str = field(metadata={"help": "known model name or local HF folder"})
     data: list[str] = field(metadata={"help": "text files, folders (one document per file) or .jsonl"})
     out: str = field(metadata={"help": "output folder: adapter, metrics.jsonl, checkpoints/"})
-    methods: list[str] = field(default_factory=lambda: ["vanilla"], metadata={"help": "methods to train with"})
+    methods: list[str] = field(default_factory=lambda: [DEFAULT_METHOD], metadata={"help": "methods to train with"})
     options: dict[str, Any] = field(default_factory=dict, metadata={"help": "method options"})
     seq_len: int = field(default=1024, metadata={"help": "tokens per training window"})
     steps: int = field(default=100, metadata={"help": "optimizer steps"})
@@ -401,37 +403,18 @@ def _end(accel) -> None:
         accel.end_training()
 
 
-#: Synthetic training tasks, named in --data as task:NAME: fn(rng, batch_size, seq_len) -> batch with labels.
-def synthetic_task(data: list[str]) -> Callable[[random.Random, int, int], dict[str, torch.Tensor]] | None:
+def synthetic_task(data: list[str]) -> Batches | None:
+    """The batches of the synthetic task ``data`` names (``task:NAME[:ARG...]``, a ``lcx.data.Task`` a plugin
+    registers with ``lcx_register_tasks``), or None when ``data`` names files."""
     tasks = [d for d in data if str(d).startswith("task:")]
     if not tasks:
         return None
     if len(data) != 1:
         raise LcxError(f"a synthetic task trains alone: give --data {tasks[0]} without other data")
+    from lcx.registry import registry
+
     name, *args = tasks[0].split(":")[1:]
-    if name == "dictionary":
-        from lcx.evals.dictionary import training_batch
-
-        doc, near = None, 0.0
-        for arg in args:
-            key, eq, value = arg.partition("=")
-            if not eq and arg.isdigit() and int(arg) >= 20:
-                doc = int(arg)
-            elif key == "near" and _is_share(value):
-                near = float(value)
-            else:
-                raise LcxError(f"task:dictionary: {arg!r} is neither a document length (a number of tokens >= 20, "
-                               f"e.g. task:dictionary:512) nor near=SHARE in [0, 1] (e.g. task:dictionary:near=0.5)")
-        return lambda rng, batch_size, seq_len: training_batch(rng, batch_size, seq_len, doc, near)
-    raise LcxError(f"unknown synthetic task {name!r}; known: task:dictionary (FoT's dictionary lookup; "
-                   f"task:dictionary:N for N-token documents back to back in each row; :near=P for near-miss keys)")
-
-
-def _is_share(text: str) -> bool:
-    try:
-        return 0.0 <= float(text) <= 1.0
-    except ValueError:
-        return False
+    return registry().task(name).make(args)
 
 
 def _loss_terms(run, model, batch) -> dict[str, torch.Tensor]:
@@ -598,7 +581,7 @@ def _load_checkpoint(path: Path, model, names: list[str], opt, sched, rank: int,
            "start the run again without --resume")
     meta = read_json_file(path / "meta.json", fix)
     if state is not None and meta.get("method_state"):
-        state["train_state"] = dict(meta["method_state"])  # e.g. fot's d schedule (switched or not)
+        state["train_state"] = dict(meta["method_state"])  # e.g. where a sampling stage's schedule stands
     weights = load_safetensors(path / "trainable.safetensors", fix)
     missing = set(names) - set(weights)
     if missing:

@@ -223,6 +223,13 @@ def test_demo_refuses_what_it_cannot_run(tiny_dir, args, needles):
     assert_error(lcx("demo", "-m", str(tiny_dir), "--json", *args), *needles)
 
 
+def test_generate_with_a_memory_needs_a_method_that_reads_it(tiny_dir, tmp_path):
+    """The run's methods are asked whether they read document memories (``Method.reads_memory``); the fix names
+    the installed ones."""
+    assert_error(lcx("generate", "-m", str(tiny_dir), "--method", "vanilla", "--memory", str(tmp_path), "-p", "x"),
+                 f"--memory {str(tmp_path)!r} needs a method that reads document memories (fot); add --method fot")
+
+
 def test_memory_build_refuses_a_file_as_out_and_a_blank_document(tiny_dir, tmp_path):
     doc, blank, f = tmp_path / "a.txt", tmp_path / "blank.txt", tmp_path / "f.txt"
     doc.write_text("Some text. " * 20)

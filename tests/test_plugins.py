@@ -4,6 +4,7 @@ test_thirdparty_plugin.py)."""
 from __future__ import annotations
 
 import dataclasses
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -130,3 +131,73 @@ def test_vanilla_with_its_own_window_runs_on_a_model_whose_config_names_none():
     with pytest.raises(lcx.LcxError, match="no max_position_embeddings; set it there.*-o vanilla.window=N"):
         with lcx.attach(model, ["vanilla"]) as run:
             generate(run, torch.randint(3, 200, (1, 100)), max_new_tokens=4)
+
+
+# ---------------------------------------------------------------------- training tasks and commands
+class TasksPlugin:
+    """A plugin object registering the given training tasks."""
+
+    def __init__(self, *tasks):
+        self.tasks = tasks
+
+    @lcx.hookimpl
+    def lcx_register_tasks(self, register):
+        for task in self.tasks:
+            register(task)
+
+
+class ExtrasPlugin:
+    """A plugin adding a training task (``task:fill[:N]``: rows of token N) and a command to `lcx analyze`."""
+
+    @lcx.hookimpl
+    def lcx_register_tasks(self, register):
+        from lcx.data import Task
+
+        def make(args):
+            value = int(args[0]) if args else 7
+            return lambda rng, batch_size, seq_len: {"input_ids": torch.full((batch_size, seq_len), value)}
+
+        register(Task("fill", make, "rows of one token; task:fill:N for token N"))
+
+    @lcx.hookimpl
+    def lcx_register_commands(self, cli):
+        import click
+
+        @click.command("hello")
+        def hello():
+            """Say hello."""
+            click.echo("hello from a plugin")
+
+        cli.commands["analyze"].add_command(hello)
+
+
+def test_a_plugin_adds_a_training_task_and_a_command_and_takes_them_back(isolated_registry):
+    from click.testing import CliRunner
+
+    from lcx.cli import main
+    from lcx.train import synthetic_task
+
+    isolated_registry.add_plugin(ExtrasPlugin(), name="extras")
+    try:
+        assert synthetic_task(["task:fill:3"])(random.Random(0), 2, 4)["input_ids"].tolist() == [[3] * 4] * 2
+        r = CliRunner().invoke(main, ["analyze", "hello"])
+        assert (r.exit_code, r.output) == (0, "hello from a plugin\n"), r.output
+        assert "hello" in CliRunner().invoke(main, ["analyze", "--help"]).output
+    finally:
+        isolated_registry.remove_plugin("extras")
+    with pytest.raises(lcx.LcxError, match="unknown synthetic task 'fill'; known: task:dictionary"):
+        synthetic_task(["task:fill"])
+    r = CliRunner().invoke(main, ["analyze", "hello"])
+    assert r.exit_code == 2 and "No such command 'hello'" in r.output, r.output
+    assert CliRunner().invoke(main, ["analyze", "distraction", "--help"]).exit_code == 0  # the built-ins' stay
+
+
+def test_bad_task_registrations_name_the_plugin(isolated_registry):
+    from lcx.data import Task
+
+    with pytest.raises(lcx.LcxError, match="plugin 'odd' registered 'fill', which is not an lcx.data.Task"):
+        isolated_registry.add_plugin(TasksPlugin("fill"), name="odd")
+    with pytest.raises(lcx.LcxError, match="plugin 'again' registers training task 'dictionary', already registered "
+                                           "by plugin 'lcx.plugins.fot'; rename one"):
+        isolated_registry.add_plugin(TasksPlugin(Task("dictionary", lambda args: None)), name="again")
+    assert not isolated_registry.pm.has_plugin("odd") and not isolated_registry.pm.has_plugin("again")

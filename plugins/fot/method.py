@@ -44,6 +44,8 @@ class FoT(Method):
     fixed_by_training = ("positions", "fixed_distance")  # how memory keys are encoded is learned
     #: vLLM serves it inside its attention, a memory per request (lcx.integrations.vllm_attention).
     serving = "attention"
+    #: Multi-document mode reads a memory built by `lcx memory build` (commands.py): ``load_memory``.
+    reads_memory = True
 
     memory_layers: str = option("auto", "memory layers: auto (3 at 1/4, 1/2, 3/4 depth; on a model with sliding-window "
                                         "layers, its full-attention layers), all, or indices like 7,15,22")
@@ -342,7 +344,17 @@ class FoT(Method):
                            f"reads layers {','.join(map(str, here))} (memory_layers={self.memory_layers}); read it "
                            f"with -o fot.memory_layers={','.join(map(str, stored))}, as it was built")
 
-    def load(self, path: str | Path, model) -> dict:
+    def check_memory(self, path: str | Path, config: dict) -> dict:
+        """A memory (``lcx memory build``) for a server of a model of ``config``: its files whole, the memory
+        layers fot reads here; returns its metadata (whose ``model`` the caller compares)."""
+        from lcx.memory import check_memory_files
+
+        meta = check_memory_files(path)
+        if config.get("num_hidden_layers"):
+            self.check_memory_layers(path, meta, int(config["num_hidden_layers"]), config.get("layer_types"))
+        return meta
+
+    def load_memory(self, path: str | Path, model) -> dict:
         """Use a memory built by ``lcx memory build`` (multi-document mode, batch 1)."""
         from lcx.adapters.peft_bridge import base_identity, same_embeddings
 
@@ -362,3 +374,5 @@ class FoT(Method):
         for (layer, head), store in stores.items():
             self._stores.setdefault(layer, {})[(0, head)] = store
         return meta
+
+    load = load_memory  # the name callers used before ``Method.load_memory``

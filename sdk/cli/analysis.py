@@ -1,4 +1,5 @@
-"""`lcx analyze attention|retrieval|distraction`: where long-context attention goes."""
+"""`lcx analyze attention|retrieval`: where long-context attention goes (plugins add analyses to the group, e.g.
+fot's `lcx analyze distraction`, plugins/fot/commands.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from pathlib import Path
 import click
 
 from lcx.cli.base import (
-    CONTEXT, OUT_DIR, LcxGroup, _device, _dtype, _echo_json, _float_list, _int_list, _open, _positive_ints, _token_count, main,
-    device_option, method_options, model_option, text_field_option,
+    CONTEXT, OUT_DIR, LcxGroup, _device, _dtype, _echo_json, _float_list, _token_count, main, device_option,
+    model_option, text_field_option,
 )
 from lcx.cli.evaluation import _ppl_documents
 from lcx.errors import LcxError
@@ -89,61 +90,4 @@ def analyze_retrieval(model, length, depths, n_keys, threshold, seed, out, as_js
                     "best_head_mass_by_layer": result["best_head_mass_by_layer"]})
     else:
         click.echo(f"suggested memory layers: {result['suggested_memory_layers'] or '(none over the threshold)'}")
-        click.echo(f"wrote {js} and {png}")
-
-
-@analyze_grp.command("distraction", context_settings=CONTEXT)
-@model_option
-@method_options
-@click.option("--data", "-d", multiple=True, required=True, metavar="PATH",
-              help="Documents, one per batch row (files, folders, .jsonl); at least max(--ds) of them.")
-@text_field_option
-@click.option("--ds", callback=lambda c, p, v: _positive_ints(v), default="1,2,4,8", show_default=True,
-              help="Numbers of documents visible to the memory layer.")
-@click.option("--batches", type=click.IntRange(1), default=3, show_default=True,
-              help="Batches per d, each from another place in every document.")
-@click.option("--max-docs", type=click.IntRange(1), default=None, help="Use at most this many documents.")
-@click.option("--label", default=None, help="Name of this model in the plot (default: model, + adapter).")
-@click.option("--out", type=OUT_DIR, default=Path("out/distraction"), show_default=True,
-              help="Folder for distraction.json and distraction.png.")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (no table, no progress bars).")
-def analyze_distraction(model, methods, options, adapter, trust_remote_code, data, text_field, ds, batches, max_docs,
-                        label, out, as_json):
-    """FoT's distraction measure: share of a memory layer's attention on its own document's previous
-    context when d documents' previous contexts are visible (chance: 1/d).
-
-    Runs fot's crossbatch attention (memory layers, local, positions from -o fot options).  Results
-    accumulate in OUT/distraction.json by --label, so a model before and after crossbatch training
-    land in one plot:
-
-    \b
-      lcx analyze distraction -m smollm2-135m -d ../shared/data/books -o local=256 --label base
-      lcx analyze distraction -m smollm2-135m --adapter out/fot-xb -d ../shared/data/books --label crossbatch
-    """
-    from lcx.io import accumulated_runs, write_json
-    from lcx.plugins.fot import distraction
-
-    if methods and tuple(methods) != ("fot",):
-        raise LcxError(f"analyze distraction measures fot's memory layers; drop --method {' '.join(methods)}")
-    s = _open(model, methods or (() if adapter else ("fot",)), options, adapter, trust_remote_code)
-    try:
-        if "fot" not in [m.name for m in s.run.methods]:
-            raise LcxError(f"adapter {str(adapter)!r} was not trained with fot; add --method fot")
-        docs = _ppl_documents(data, s.tokenizer, max_docs, text_field)
-        result = distraction.measure(s.run, docs, ds, batches, progress=not as_json)
-        result.update(model=model, adapter=str(adapter) if adapter else None, **s.run.describe())
-    finally:
-        s.close()
-    label = label or (f"{model} + {Path(adapter).name}" if adapter else model)
-    path = out / "distraction.json"
-    command = "lcx " + " ".join(sys.argv[1:])
-    with accumulated_runs(path) as runs:
-        runs[label] = {"command": command, **result}  # each run keeps the command that measured it
-        js = write_json({"command": command, "runs": runs}, path)
-        png = distraction.plot(runs, out / "distraction.png", "FoT distraction: attention on the relevant context")
-    if as_json:
-        _echo_json({"json": str(js), "plot": str(png), "label": label, "positive_share": result["positive_share"]})
-    else:
-        for d, v in result["positive_share"].items():
-            click.echo(f"d={d:>3}: positive share {v:.3f} (chance {1 / int(d):.3f})")
         click.echo(f"wrote {js} and {png}")

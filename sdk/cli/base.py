@@ -23,7 +23,21 @@ OUT_DIR = click.Path(path_type=Path, file_okay=False)
 
 class LcxGroup(click.Group):
     """Turns LcxError, and click's usage errors in a command's arguments (a bad option value, an unknown
-    option), into one ``error:`` line and exit status 2."""
+    option), into one ``error:`` line and exit status 2.  Asked for a command it lacks, or for its list, it first
+    lets the plugins add theirs (``add_plugin_commands``)."""
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        command = super().get_command(ctx, cmd_name)
+        plugins = command is None or any(g is self and n == cmd_name for g, n, _ in _PLUGIN_COMMANDS["added"])
+        if plugins and add_plugin_commands():  # a plugin's command, from the registry now in use
+            command = super().get_command(ctx, cmd_name)
+        return command
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        # `lcx --help` lists the core's commands without loading the plugins (seconds), and theirs once loaded
+        if self is not main or _PLUGIN_COMMANDS["key"] is not None:
+            add_plugin_commands()
+        return super().list_commands(ctx)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -61,6 +75,41 @@ def main() -> None:
       lcx generate --model smollm2-135m --method streaming --input book.txt --prompt "Who is the narrator?"
       lcx eval passkey --model smollm2-135m --method vanilla --lengths 4096 --samples 5
     """
+
+
+# ---------------------------------------------------------------------- plugins' commands
+#: The registry whose plugins' commands are on `lcx` (with its plugins' names), and what they changed:
+#: (group, name, the command the name had before or None).
+_PLUGIN_COMMANDS: dict[str, Any] = {"key": None, "added": []}
+
+
+def add_plugin_commands() -> bool:
+    """Let the registry's plugins add their commands to `lcx` (``lcx_register_commands``), once per registry and
+    set of plugins; returns whether they were added now.  The commands of an earlier registry (a test's, one
+    before ``reset_registry``) are taken off first."""
+    from lcx.registry import registry
+
+    reg = registry()
+    key = (reg, tuple(name for name, _ in reg.pm.list_name_plugin()))
+    if _PLUGIN_COMMANDS["key"] == key:
+        return False
+    for group, name, before in reversed(_PLUGIN_COMMANDS["added"]):
+        if before is None:
+            group.commands.pop(name, None)
+        else:
+            group.commands[name] = before
+    groups = _groups(main)
+    was = {id(g): dict(g.commands) for g in groups}
+    _PLUGIN_COMMANDS.update(key=key, added=[])
+    reg.add_commands(main)
+    _PLUGIN_COMMANDS["added"] = [(g, name, was[id(g)].get(name)) for g in groups for name, cmd in g.commands.items()
+                                 if was[id(g)].get(name) is not cmd]
+    return True
+
+
+def _groups(group: click.Group) -> list[click.Group]:
+    """``group`` and every group below it."""
+    return [group, *(g for c in group.commands.values() if isinstance(c, click.Group) for g in _groups(c))]
 
 
 # ---------------------------------------------------------------------- shared options

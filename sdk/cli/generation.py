@@ -55,10 +55,7 @@ def generate_cmd(model, methods, options, adapter, trust_remote_code, input_file
     s = _open(model, methods, options, adapter, trust_remote_code)
     try:
         if memory_dir is not None:
-            fot = s.run.method("fot")
-            if fot is None:
-                raise LcxError("--memory needs the fot method: add --method fot")
-            meta = fot.load(memory_dir, s.model)
+            meta = _memory_reader(s.run, memory_dir).load_memory(memory_dir, s.model)
             _note_memory_adapter(memory_dir, meta, adapter)
             built = meta.get("dtype", "float32")  # memories from before dtypes were float32
             if built != s.run.dtype:
@@ -83,6 +80,22 @@ def generate_cmd(model, methods, options, adapter, trust_remote_code, input_file
             })
     finally:
         s.close()
+
+
+def _memory_reader(run: Any, memory_dir: Path) -> Any:
+    """The run's method that reads document memories (``Method.reads_memory``); refused when it has none."""
+    reader = next((m for m in run.methods if m.reads_memory), None)
+    if reader is not None:
+        return reader
+    from lcx.registry import registry
+
+    readers = sorted(name for name, cls in registry().methods.items() if cls.reads_memory)
+    if not readers:
+        raise LcxError(f"--memory {str(memory_dir)!r} needs a method that reads document memories, and no installed "
+                       f"method does (`lcx methods` lists them); drop --memory")
+    fix = f"add --method {readers[0]}" if len(readers) == 1 else "add one of them with --method NAME"
+    raise LcxError(f"--memory {str(memory_dir)!r} needs a method that reads document memories ({', '.join(readers)}); "
+                   f"{fix}")
 
 
 def _note_memory_adapter(memory_dir: Path, meta: dict[str, Any], adapter: Path | None) -> None:

@@ -57,12 +57,13 @@ def train_cmd(model, methods, options, data, out, seq_len, steps, batch_size, gr
       accelerate launch --cpu --num_processes 2 -m lcx.cli train ...
     Ctrl-C stops after the current step and keeps a checkpoint; rerun with --resume.
     """
+    from lcx.registry import DEFAULT_METHOD
     from lcx.session import parse_options
     from lcx.train import TrainConfig, train
 
     dtype = _resolved_dtype(_dtype())  # resolved here: a resumed run is compared by what it computed in
     cfg = TrainConfig(
-        model=model, data=list(data), out=str(out), methods=list(methods) or ["vanilla"], options=parse_options(options),
+        model=model, data=list(data), out=str(out), methods=list(methods) or [DEFAULT_METHOD], options=parse_options(options),
         seq_len=seq_len, steps=steps, batch_size=batch_size, grad_accum=grad_accum, lr=lr, warmup=warmup,
         schedule=schedule, lora_rank=lora_rank, lora_roles=lora_targets.split(",") if lora_targets else None,
         full=[x.strip() for x in full.split(",") if x.strip()] if full else [],
