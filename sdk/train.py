@@ -7,7 +7,8 @@ checkpoints are safetensors + JSON only (no pickle).  Scaling out is
 accelerate's job: ``accelerate launch --config_file configs/accelerate/ddp-2proc.yaml -m lcx.cli train ...``
 (DDP; FSDP and DeepSpeed shard what the checkpoints read whole, and are refused at start).
 
-Per optimizer step, for each gradient-accumulation micro-batch:
+``train`` strings together the parts of a ``Trainer``: setup (its constructor), ``train_step`` (one
+optimizer step), ``checkpoint``, ``save_result``.  Per optimizer step, for each gradient-accumulation micro-batch:
     batch = lcx_sample(batch, step) or batch          # sampling stage
     terms = lcx_loss(model, batch) or {"lm": loss}     # training-loss stage (named terms)
     backward(sum(terms) / accumulation)
@@ -201,44 +202,238 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, progr
     ``stop_after`` ends the run after that many optimizer steps of this call
     (with a checkpoint), as if interrupted; used to test exact resumption.
     """
+    t = Trainer(cfg, resume=resume, overwrite=overwrite)
+    stop_at = cfg.steps if stop_after is None else min(cfg.steps, t.step + stop_after)
+    interrupted = t.run_until(stop_at, progress)
+    if interrupted or t.step < cfg.steps:
+        path = t.checkpoint()
+        t.close()
+        if interrupted:
+            raise Interrupted(
+                f"training interrupted after step {t.step}/{cfg.steps}; checkpoint kept in {path}; "
+                f"continue with the same command plus --resume"
+            )
+        return t.out
+    t.save_result()
+    t.close()
+    return t.out
+
+
+class Trainer:
+    """One run of ``train``, in parts: the constructor sets it up, ``train_step`` runs one optimizer step,
+    ``checkpoint`` saves the exact state to resume from, ``save_result`` writes the adapter (or model) and
+    ``close`` detaches the methods and leaves the process group.  ``run_until`` is the loop around
+    ``train_step``: progress bar, metrics.jsonl, periodic checkpoints, Ctrl-C."""
+
+    def __init__(self, cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> None:
+        """Setup: the accelerator, the output folder (or the resumed run's settings compared), the model with what
+        it trains and the methods attached, the optimizer and schedule, the data; on resume, the latest checkpoint."""
+        from lcx.adapters.peft_bridge import trainable_parameters
+        from lcx.composition import attach
+        from lcx.models import load_model
+
+        cfg.validate()
+        self.cfg, self.out = cfg, Path(cfg.out)
+        self.ckpt_root = self.out / CHECKPOINTS
+        self.accel = accel = _accelerator(cfg)
+        self.rank, self.world = accel.process_index, accel.num_processes
+        if accel.is_main_process:
+            _prepare_out(self.out, cfg, resume, overwrite)
+        accel.wait_for_everyone()
+
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        self.task = synthetic_task(cfg.data)
+        model, self.tok = load_model(cfg.model, require_tokenizer=self.task is None, dtype=cfg.dtype)
+        model.train()
+        self.model = _trainable(model, cfg)  # unwrapped; ``ddp_model`` is what accelerate prepared
+        self.run = attach(self.model, cfg.methods, **cfg.options)
+        self.run.state["seed"] = cfg.seed
+        self.run.state["rank"] = self.rank  # per-process randomness in sampling stages (DDP)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.names = list(trainable_parameters(self.model))
+        # foreach: one fused pass over all tensors (torch picks the slow per-tensor loop on CPU by default)
+        opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
+
+        if self.task is None:
+            from lcx.data import load_documents, token_windows
+
+            with accel.main_process_first():
+                self.windows = token_windows(load_documents(cfg.data, cfg.text_field), self.tok, cfg.seq_len,
+                                             concat=cfg.concat)
+            self.n = len(self.windows)
+        else:
+            self.windows, self.n = None, 0
+        self.order = "streams" if any(m.data_order == "streams" for m in self.run.methods) else "shuffle"
+
+        self.step = 0  # optimizer steps done
+        latest = _latest_checkpoint(self.ckpt_root) if resume else None
+        if latest is not None:
+            self.step = _load_checkpoint(latest, self.model, self.names, opt, self.sched, self.rank, self.run.state,
+                                         self.world)
+            if self.step > cfg.steps:  # it would save the checkpoint's weights as a run of cfg.steps
+                raise LcxError(f"--resume: the latest checkpoint ({str(latest)!r}) is at step {self.step}, past "
+                               f"--steps {cfg.steps}; a run can be extended, not shortened: pass --steps {self.step} "
+                               f"or more")
+            if accel.is_main_process:
+                _trim_metrics(self.out / METRICS, self.step)
+        self.ddp_model, self.opt = accel.prepare(self.model, opt)
+
+    def batch(self, micro: int) -> dict[str, torch.Tensor]:
+        """Micro-batch ``micro`` of the current step, before the sampling stage: a pure function of (seed, step,
+        micro, rank), which makes resuming exact."""
+        cfg = self.cfg
+        if self.task is not None:
+            return self.task(random.Random(f"{cfg.seed}:{self.step}:{micro}:{self.rank}"), cfg.batch_size, cfg.seq_len)
+        rows = rows_for(self.step, micro, self.rank, cfg, self.world, self.n, self.order)
+        ids = self.windows[rows]["input_ids"]
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step over ``grad_accum`` micro-batches (sampling stage, loss terms, backward); returns its
+        metrics record: the loss terms averaged over micro-batches and processes, the learning rate, the time."""
+        cfg, accel, run = self.cfg, self.accel, self.run
+        t0 = time.perf_counter()
+        sums: dict[str, float] = {}
+        for micro in range(cfg.grad_accum):
+            batch = self.batch(micro)
+            batch = run.hook.lcx_sample(run=run, batch=batch, step=self.step) or batch
+            batch = {k: v.to(accel.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+            with accel.autocast():  # bf16 autocast when --bf16 (a no-op otherwise)
+                terms = _loss_terms(run, self.ddp_model, batch)
+            loss = sum(terms.values()) / cfg.grad_accum
+            ctx = accel.no_sync(self.ddp_model) if micro < cfg.grad_accum - 1 else contextlib.nullcontext()
+            with ctx:
+                accel.backward(loss)
+            for k, v in terms.items():
+                sums[k] = sums.get(k, 0.0) + float(v.detach()) / cfg.grad_accum
+        if cfg.max_grad_norm > 0:
+            accel.clip_grad_norm_(self.params, cfg.max_grad_norm)
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step += 1
+        reduced = {k: float(accel.reduce(torch.tensor(v), reduction="mean")) for k, v in sums.items()}
+        return {"step": self.step, "loss": sum(reduced.values()), **{f"loss/{k}": v for k, v in reduced.items()},
+                "lr": self.sched.get_last_lr()[0], "seconds": round(time.perf_counter() - t0, 4),
+                **{f"state/{k}": v for k, v in run.state.get("train_state", {}).items()
+                   if isinstance(v, (int, float, bool, str))}}  # scalars only: histories stay in checkpoints
+
+    def checkpoint(self) -> Path:
+        """Save the state after the current step (trainable weights, optimizer, schedule, random generators, the
+        methods' training state) as ``checkpoints/step-N``, which ``--resume`` continues from exactly."""
+        return _save_checkpoint(self.ckpt_root, self.step, self.model, self.names, self.opt, self.sched, self.cfg,
+                                self.accel, self.run.state)
+
+    def run_until(self, stop_at: int, progress: bool = True) -> bool:
+        """Train up to step ``stop_at``: each step recorded in metrics.jsonl, a checkpoint every ``save_every``
+        steps (the last step's is the caller's).  Returns whether the run was asked to stop: Ctrl-C (SIGINT) or
+        SIGTERM stops at the next step boundary, so the checkpoint is exact; a second Ctrl-C interrupts at once."""
+        from tqdm.auto import tqdm
+
+        cfg, accel = self.cfg, self.accel
+        bar = tqdm(total=cfg.steps, initial=self.step, desc="train", disable=not (progress and accel.is_main_process))
+        metrics_f = open(self.out / METRICS, "a") if accel.is_main_process else None
+        stop = {"requested": False}
+
+        def request_stop(signum, frame):
+            if stop["requested"]:
+                raise KeyboardInterrupt
+            stop["requested"] = True
+            if accel.is_main_process:
+                print(f"\nstopping after step {self.step + 1} (Ctrl-C again to abort without a checkpoint)", flush=True)
+
+        handlers = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                handlers[sig] = signal.signal(sig, request_stop)
+            except ValueError:  # not the main thread
+                pass
+        try:
+            while self.step < stop_at:
+                requested = float(stop["requested"])
+                if self.world > 1:  # every rank stops at the same step
+                    requested = float(accel.reduce(torch.tensor(requested), reduction="sum"))
+                if requested:
+                    return True
+                record = self.train_step()
+                if metrics_f:
+                    metrics_f.write(json.dumps(record) + "\n")
+                    metrics_f.flush()
+                bar.update(1)
+                bar.set_postfix({k.split("/")[-1]: f"{v:.4f}" for k, v in record.items() if k.startswith("loss")})
+                if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
+                    self.checkpoint()
+        finally:
+            bar.close()
+            if metrics_f:
+                metrics_f.close()
+            for sig, h in handlers.items():
+                signal.signal(sig, h)
+        return stop["requested"]
+
+    def save_result(self) -> None:
+        """Write the trained adapter (with ``--full all``, the model folder) to the output folder.  When that
+        fails (a full disk, ...), the trained state is kept in a checkpoint and the error says how to finish."""
+        from lcx.adapters.peft_bridge import save_adapter, save_full_model
+
+        cfg, accel = self.cfg, self.accel
+        accel.wait_for_everyone()
+        failed = None
+        if accel.is_main_process:
+            extra = {"training": dataclasses.asdict(cfg), "steps_done": self.step}
+            try:
+                if cfg.full_model:
+                    save_full_model(accel.unwrap_model(self.ddp_model), self.out,
+                                    methods=self.run.describe()["methods"], extra=extra, tokenizer=self.tok)
+                else:
+                    save_adapter(accel.unwrap_model(self.ddp_model), self.out, methods=self.run.describe()["methods"],
+                                 extra=extra)
+            except Exception as e:  # disk full, ...: the trained state must not go with it
+                if self.world > 1:
+                    raise
+                failed = e
+        if failed is not None:
+            path = self.checkpoint()
+            raise LcxError(f"writing the result to {str(self.out)!r} failed ({failed}); the trained state is kept in "
+                           f"{path}: fix the cause and run the same command plus --resume (it only writes the "
+                           f"result)") from failed
+
+    def close(self) -> None:
+        """Detach the methods and leave the process group."""
+        self.run.detach()
+        self.ddp_model = None  # the DDP wrapper goes before the process group (see _end)
+        _end(self.accel)
+
+
+def _accelerator(cfg: TrainConfig):
+    """An accelerate ``Accelerator`` for the run's precision; refused under FSDP, DeepSpeed and Megatron."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType
-    from tqdm.auto import tqdm
 
-    from lcx.adapters.peft_bridge import add_adapter, save_adapter, save_full_model, trainable_parameters
-    from lcx.composition import attach
-    from lcx.data import load_documents, token_windows
-    from lcx.models import load_model
-    from lcx.registry import registry
-
-    cfg.validate()
-    out = Path(cfg.out)
-    ckpt_root = out / CHECKPOINTS
     # accelerate keeps mixed precision in a process-wide singleton; forget the previous run's choice so
     # train() can be called again with another precision (the process group, if any, is kept).
-    from accelerate.state import AcceleratorState
-
     AcceleratorState._reset_state()
     # half-precision weights compute under autocast, so float32 trained parameters mix with them
     mixed = "bf16" if cfg.bf16 or cfg.dtype == "bfloat16" else "fp16" if cfg.dtype == "float16" else "no"
     accel = Accelerator(gradient_accumulation_steps=1, mixed_precision=mixed, cpu=not torch.cuda.is_available())
-    rank, world = accel.process_index, accel.num_processes
     if accel.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
         sharded = accel.distributed_type.name
         raise LcxError(f"lcx train runs under DDP (configs/accelerate/ddp-2proc.yaml), not {sharded}: its exact "
                        f"checkpoints read and write the trainable parameters and optimizer state whole, on the main "
                        f"process, which {sharded} shards; launch with a DDP (MULTI_GPU) accelerate config")
+    return accel
 
-    if accel.is_main_process:
-        _prepare_out(out, cfg, resume, overwrite)
-    accel.wait_for_everyone()
 
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    task = synthetic_task(cfg.data)
-    model, tok = load_model(cfg.model, require_tokenizer=task is None, dtype=cfg.dtype)
-    model.train()
+def _trainable(model, cfg: TrainConfig):
+    """``model`` with what the run trains: every weight (``--full all``), the ``--init-adapter``'s LoRA, or a fresh
+    LoRA (plus the ``--full`` modules); the trained parameters in float32."""
+    from lcx.adapters.peft_bridge import add_adapter
+    from lcx.registry import registry
+
     if cfg.full_model:  # from scratch / full fine-tuning: no adapter, every weight trains
         peft_model = model.requires_grad_(True)
     elif cfg.init_adapter:
@@ -249,142 +444,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, progr
     for p in peft_model.parameters():
         if p.requires_grad and p.dtype != torch.float32:  # float32 master weights: AdamW's updates need the range
             p.data = p.data.float()
-    run = attach(peft_model, cfg.methods, **cfg.options)
-    run.state["seed"] = cfg.seed
-    run.state["rank"] = rank  # per-process randomness in sampling stages (DDP)
-    params = [p for p in peft_model.parameters() if p.requires_grad]
-    names = list(trainable_parameters(peft_model))
-    # foreach: one fused pass over all tensors (torch picks the slow per-tensor loop on CPU by default)
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
-
-    if task is None:
-        with accel.main_process_first():
-            windows = token_windows(load_documents(cfg.data, cfg.text_field), tok, cfg.seq_len, concat=cfg.concat)
-        n = len(windows)
-    else:
-        windows, n = None, 0
-    order = "streams" if any(m.data_order == "streams" for m in run.methods) else "shuffle"
-
-    start = 0
-    latest = _latest_checkpoint(ckpt_root) if resume else None
-    if latest is not None:
-        start = _load_checkpoint(latest, peft_model, names, opt, sched, rank, run.state, world)
-        if start > cfg.steps:  # it would save the checkpoint's weights as a run of cfg.steps
-            raise LcxError(f"--resume: the latest checkpoint ({str(latest)!r}) is at step {start}, past --steps "
-                           f"{cfg.steps}; a run can be extended, not shortened: pass --steps {start} or more")
-        if accel.is_main_process:
-            _trim_metrics(out / METRICS, start)
-    ddp_model, opt = accel.prepare(peft_model, opt)
-
-    bar = tqdm(total=cfg.steps, initial=start, desc="train", disable=not (progress and accel.is_main_process))
-    metrics_f = open(out / METRICS, "a") if accel.is_main_process else None
-    step = start
-    stop_at = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
-    # Ctrl-C (SIGINT) or SIGTERM asks to stop at the next step boundary, so the checkpoint is exact;
-    # a second Ctrl-C interrupts at once.
-    stop = {"requested": False}
-
-    def request_stop(signum, frame):
-        if stop["requested"]:
-            raise KeyboardInterrupt
-        stop["requested"] = True
-        if accel.is_main_process:
-            print(f"\nstopping after step {step + 1} (Ctrl-C again to abort without a checkpoint)", flush=True)
-
-    handlers = {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            handlers[sig] = signal.signal(sig, request_stop)
-        except ValueError:  # not the main thread
-            pass
-    interrupted = False
-    try:
-        while step < stop_at:
-            requested = float(stop["requested"])
-            if world > 1:  # every rank stops at the same step
-                requested = float(accel.reduce(torch.tensor(requested), reduction="sum"))
-            if requested:
-                interrupted = True
-                break
-            t0 = time.perf_counter()
-            sums: dict[str, float] = {}
-            for micro in range(cfg.grad_accum):
-                if task is not None:  # a pure function of (seed, step, micro, rank): resumable exactly
-                    batch = task(random.Random(f"{cfg.seed}:{step}:{micro}:{rank}"), cfg.batch_size, cfg.seq_len)
-                else:
-                    rows = rows_for(step, micro, rank, cfg, world, n, order)
-                    ids = windows[rows]["input_ids"]
-                    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-                batch = run.hook.lcx_sample(run=run, batch=batch, step=step) or batch
-                batch = {k: v.to(accel.device) if torch.is_tensor(v) else v for k, v in batch.items()}
-                with accel.autocast():  # bf16 autocast when --bf16 (a no-op otherwise)
-                    terms = _loss_terms(run, ddp_model, batch)
-                loss = sum(terms.values()) / cfg.grad_accum
-                ctx = accel.no_sync(ddp_model) if micro < cfg.grad_accum - 1 else contextlib.nullcontext()
-                with ctx:
-                    accel.backward(loss)
-                for k, v in terms.items():
-                    sums[k] = sums.get(k, 0.0) + float(v.detach()) / cfg.grad_accum
-            if cfg.max_grad_norm > 0:
-                accel.clip_grad_norm_(params, cfg.max_grad_norm)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            step += 1
-            reduced = {k: float(accel.reduce(torch.tensor(v), reduction="mean")) for k, v in sums.items()}
-            record = {"step": step, "loss": sum(reduced.values()), **{f"loss/{k}": v for k, v in reduced.items()},
-                      "lr": sched.get_last_lr()[0], "seconds": round(time.perf_counter() - t0, 4),
-                      **{f"state/{k}": v for k, v in run.state.get("train_state", {}).items()
-                         if isinstance(v, (int, float, bool, str))}}  # scalars only: histories stay in checkpoints
-            if metrics_f:
-                metrics_f.write(json.dumps(record) + "\n")
-                metrics_f.flush()
-            bar.update(1)
-            bar.set_postfix({k.split("/")[-1]: f"{v:.4f}" for k, v in record.items() if k.startswith("loss")})
-            if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
-                _save_checkpoint(ckpt_root, step, peft_model, names, opt, sched, cfg, accel, run.state)
-    finally:
-        bar.close()
-        if metrics_f:
-            metrics_f.close()
-        for sig, h in handlers.items():
-            signal.signal(sig, h)
-    if stop["requested"]:
-        interrupted = True
-    if interrupted or step < cfg.steps:
-        path = _save_checkpoint(ckpt_root, step, peft_model, names, opt, sched, cfg, accel, run.state)
-        run.detach()
-        ddp_model = None  # the DDP wrapper goes before the process group (see _end)
-        _end(accel)
-        if interrupted:
-            raise Interrupted(
-                f"training interrupted after step {step}/{cfg.steps}; checkpoint kept in {path}; "
-                f"continue with the same command plus --resume"
-            )
-        return out
-    accel.wait_for_everyone()
-    failed = None
-    if accel.is_main_process:
-        extra = {"training": dataclasses.asdict(cfg), "steps_done": step}
-        try:
-            if cfg.full_model:
-                save_full_model(accel.unwrap_model(ddp_model), out, methods=run.describe()["methods"], extra=extra,
-                                tokenizer=tok)
-            else:
-                save_adapter(accel.unwrap_model(ddp_model), out, methods=run.describe()["methods"], extra=extra)
-        except Exception as e:  # disk full, ...: the trained state must not go with it
-            if world > 1:
-                raise
-            failed = e
-    if failed is not None:
-        path = _save_checkpoint(ckpt_root, step, peft_model, names, opt, sched, cfg, accel, run.state)
-        raise LcxError(f"writing the result to {str(out)!r} failed ({failed}); the trained state is kept in {path}: "
-                       f"fix the cause and run the same command plus --resume (it only writes the result)") from failed
-    run.detach()
-    ddp_model = None  # the DDP wrapper goes before the process group (see _end)
-    _end(accel)
-    return out
+    return peft_model
 
 
 def _end(accel) -> None:
