@@ -2,7 +2,7 @@
 
 Three servers in turn (SmolLM2-135M, float32, prefix caching off): without LoRA, and with one adapter (q/k,
 rank 8) twice: on vLLM's own CPU LoRA ops (``LCX_VLLM_LORA_OPS=vllm``) and on lcx's
-(``lcx.integrations.vllm_lora``: one product per adapter in the batch). Each round sends 8 concurrent
+(``lcx.integrations.vllm.lora``: one product per adapter in the batch). Each round sends 8 concurrent
 1,024-token passkey prompts (12 new tokens) per model name.
 
     .venv/bin/python bench/serve_lora_cost.py [--rounds 2]
@@ -33,7 +33,7 @@ def main() -> None:
     from lcx.adapters.peft_bridge import random_adapter
     from lcx.evals.passkey import build_prompt_ids
     from lcx.integrations.vllm import ServerProcess
-    from lcx.integrations.vllm_lora import OPS_ENV
+    from lcx.integrations.vllm.lora import OPS_ENV
     from lcx.models import load_model, resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(str(resolve_model_path(args.model)))

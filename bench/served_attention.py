@@ -30,7 +30,8 @@ FOT = dict(local=1024, chunk=256, memory_layers="6,7,8,14,15,17,18,19,20,21,22,2
 
 
 def served(method: str):
-    from lcx.integrations.vllm_attention import FoTServed, StreamingServed
+    from lcx.plugins.fot.served import FoTServed
+    from lcx.plugins.streaming.served import StreamingServed
     from lcx.registry import registry
 
     if method == "fot":
@@ -43,7 +44,7 @@ def run(method: str, requests: int, prompt: int, steps: int) -> dict:
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaAttention
 
-    from lcx.integrations.vllm_attention import Seq
+    from lcx.integrations.vllm.attention import Seq
 
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,

@@ -47,7 +47,7 @@ class Method:
     #: plain model, plus the method's LoRA adapter when trained), "config" (the model's config.json
     #: is rewritten by :meth:`vllm_config`), "prompt" (the method only rewrites the prompt's tokens:
     #: :meth:`serve_prompt`, applied by lcx's request middleware in front of vLLM), "attention" (lcx
-    #: answers vLLM's attention: ``lcx.integrations.vllm_attention``), or "" (not servable yet).
+    #: answers vLLM's attention with the class :meth:`served_attention` names), or "" (not servable yet).
     serving: ClassVar[str] = ""
     #: Why a method with ``serving == ""`` is not served, for the error that refuses it.
     not_served_because: ClassVar[str] = ""
@@ -64,10 +64,10 @@ class Method:
         with another model or other options); returns its metadata (``dtype``, ``adapter``, ``documents``)."""
         raise LcxError(f"method {self.name!r} reads no document memory")
 
-    def check_memory(self, path: Any, config: dict[str, Any]) -> dict[str, Any]:
-        """For ``reads_memory`` methods: check the memory at ``path`` before a server loads it, for a model of
-        ``config`` (config.json as a dict): whole files, the layers it holds; returns its metadata (its
-        ``model`` identity is compared by the caller)."""
+    def check_memory(self, path: Any, model: dict[str, Any]) -> dict[str, Any]:
+        """For ``reads_memory`` methods: check the memory at ``path`` before a server loads it, for ``model`` (its
+        identity: config.json's ``model_type``, ``num_hidden_layers``, ``hidden_size``, ``layer_types`` and its
+        ``embedding_sha256``): whole files, built with that model, what this method reads; returns its metadata."""
         raise LcxError(f"method {self.name!r} reads no document memory")
 
     def reusable_prefix(self) -> bool:
@@ -120,12 +120,19 @@ class Method:
         is refused for memory; None: no such option."""
         return None
 
+    def served_attention(self) -> type:
+        """For ``serving == "attention"``: the class that answers vLLM's attention for this method in vLLM's
+        worker, a subclass of ``lcx.integrations.vllm.attention.ServedAttention`` kept in the method's plugin
+        (import it inside this method: only served processes need it).  ``lcx serve`` asks the class for its
+        per-request state bound, memory entries and prefix caching; the worker builds it with ``from_method``."""
+        raise NotImplementedError(f"method {self.name!r} has no served attention (serving={self.serving!r})")
+
     def serves_prefix_kv(self) -> bool:
         """For ``serve_state`` methods: whether the tensors :meth:`serve_request` computes are only a fixed
         prefix of keys and values (``"{layer}.k"``/``"{layer}.v"``, (KV heads, n, head dim), rotated at
         positions ``0..n-1``, standing in for the rewritten prompt's first ``n`` tokens).  Then vLLM serves the
         method on its own model code: lcx's KV connector loads them into its paged cache
-        (``lcx.integrations.vllm_connector``) instead of lcx answering its attention."""
+        (``lcx.integrations.vllm.connector``) instead of lcx answering its attention."""
         return False
 
     def check_serving(self) -> None:

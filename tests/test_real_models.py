@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 #: Prose: the shared novels where a checkout has them beside it, else this repository's own long documents.
 BOOKS = str(ROOT.parent / "shared" / "data" / "books") if (ROOT.parent / "shared" / "data" / "books").is_dir() \
-    else str(ROOT / "results" / "README.md")
+    else str(ROOT / "results" / "fot" / "README.md")
 #: What each model must say next (greedy): a fact the bare model knows.
 FACTS = {"gemma3-270m": ("The Eiffel Tower is in the city of", "Paris"),
          "qwen2.5-0.5b": ("The capital of France is", "Paris")}

@@ -1,4 +1,4 @@
-"""streaming and fot inside vLLM's attention (`lcx.integrations.vllm_attention`), driven the way vLLM
+"""streaming and fot inside vLLM's attention (`lcx.integrations.vllm.attention`), driven the way vLLM
 drives it: every scheduled token of every request flattened into one forward, prompts cut anywhere by
 chunked prefill, generated tokens one per step, requests interleaved.  The logits of every step must
 equal lcx's own path (`lcx.generate`).  tests/serve/ checks the real server."""
@@ -6,6 +6,7 @@ equal lcx's own path (`lcx.generate`).  tests/serve/ checks the real server."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,10 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import lcx
 from lcx.errors import LcxError
-from lcx.integrations.vllm_attention import FocusServed, FoTServed, Seq, StreamingServed
+from lcx.integrations.vllm.attention import Seq
+from lcx.plugins.focusllm.served import FocusServed
+from lcx.plugins.fot.served import FoTServed
+from lcx.plugins.streaming.served import StreamingServed
 from tests.conftest import tiny_model
 
 OPTS = dict(sinks=4, window=24, chunk=16)
@@ -382,7 +386,7 @@ def test_finished_requests_free_their_state_and_unscheduled_ones_keep_it(monkeyp
     this step: only the first may free the request's state (the load test's memory growth)."""
     from types import SimpleNamespace
 
-    from lcx.integrations import vllm_attention as va
+    from lcx.integrations.vllm import attention as va
 
     served = StreamingServed(**OPTS)
     engine = FakeEngine(tiny_model("llama"), served)
@@ -419,15 +423,15 @@ def _unidirectional_move():
 
 
 def test_a_window_buffer_holds_what_cat_and_slicing_would_and_stays_small():
-    """`_Window` (the served local context of fot and streaming) against the torch.cat + slice it replaces, over
+    """`Window` (the served local context of fot and streaming) against the torch.cat + slice it replaces, over
     random appends and front drops that force both in-place compaction and growth, with and without rows kept
     free before the window (streaming's sinks, written there by `with_front`); its buffer never exceeds the
-    bound that `request_state_bytes` assumes."""
-    from lcx.integrations.vllm_attention import WINDOW_SLACK, _Window
+    bound that the served classes' `request_bytes` assume."""
+    from lcx.integrations.vllm.attention import WINDOW_SLACK, Window
 
     for front in (0, 4):
         rng = random.Random(front)
-        ref, win = torch.zeros(3, 0, 4), _Window(torch.zeros(3, 0, 4), front)
+        ref, win = torch.zeros(3, 0, 4), Window(torch.zeros(3, 0, 4), front)
         for step in range(300):
             n = rng.choice([1, 1, 1, 7, 30])
             x = torch.randn(3, n, 4)
@@ -450,7 +454,7 @@ def test_a_heads_store_answers_what_one_torch_store_per_head_answers(cap):
     `torch` backend's stores, one per head, fed the same entries in pieces: the same top-k scores and values
     and the same dense keys, also after its FIFO cap drops the oldest; `memory_attention` gives the same
     output from either."""
-    from lcx.integrations.vllm_attention import HeadsStore
+    from lcx.plugins.fot.served import HeadsStore
     from lcx.memory import make_store
     from lcx.plugins.fot.attention import _memory_scores, memory_attention
 
@@ -475,3 +479,22 @@ def test_a_heads_store_answers_what_one_torch_store_per_head_answers(cap):
         torch.testing.assert_close(a, b)
         assert not torch.equal(a, memory_attention(query, key, value, mask, {0: HeadsStore()}, shift, inv, 0.3, 4,
                                                    dense, 2))
+
+
+def test_a_third_party_served_form_equals_its_lcx_path(monkeypatch):
+    """tests/thirdparty/lcx-band-method (a package outside lcx: a sliding window of `width` tokens) served through
+    this module's machinery, the way vLLM drives it, gives the logits of its own lcx path (tests/serve has the
+    real server); its window is narrower than the prompts, so the check would see a window read wrongly."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent / "thirdparty" / "lcx-band-method"))
+    from lcx_band_method import Band
+    from lcx_band_method.served import BandServed
+
+    model = tiny_model("llama")
+    rng = random.Random(7)
+    prompts = {200 + i: [rng.randrange(3, 120) for _ in range(n)] for i, n in enumerate([5, 40, 90])}
+    want = {k: _hf(model, p, 8, Band(width=12), {}) for k, p in prompts.items()}
+    whole = {k: _hf(model, p, 8, "vanilla", {}) for k, p in prompts.items()}
+    got = _served(FakeEngine(tiny_model("llama"), BandServed(12)), prompts, {k: w[0] for k, w in want.items()}, rng)
+    for k in prompts:
+        torch.testing.assert_close(got[k], want[k][1], atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(want[201][1], whole[201][1], atol=1e-3)  # the window changes what the model reads

@@ -1,4 +1,4 @@
-"""lcx's KV connector (`lcx.integrations.vllm_connector`), driven the way vLLM's scheduler and worker drive it,
+"""lcx's KV connector (`lcx.integrations.vllm.connector`), driven the way vLLM's scheduler and worker drive it,
 with stand-ins for vLLM's requests, scheduler output and attention layers.  tests/serve/test_focusllm.py
 checks it inside a real server (its tokens equal `lcx generate`'s)."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from lcx.integrations.vllm_requests import CHUNK_ARG, MODEL_ENV, STATE_ARG
+from lcx.integrations.vllm.middleware import CHUNK_ARG, MODEL_ENV, STATE_ARG
 
 HKV, D, N, LAYERS, BLOCK = 3, 4, 5, 2, 4
 
@@ -24,7 +24,7 @@ def spool(tmp_path, monkeypatch):
 
 
 def _connector(role: str, block: int = BLOCK):
-    from lcx.integrations.vllm_connector import KVConnectorRole, LcxCandidates
+    from lcx.integrations.vllm.connector import KVConnectorRole, LcxCandidates
 
     config = SimpleNamespace(kv_transfer_config=SimpleNamespace(), cache_config=SimpleNamespace(block_size=block))
     return LcxCandidates(config, getattr(KVConnectorRole, role))
@@ -95,7 +95,7 @@ def test_a_request_resumed_after_a_preemption_loads_its_candidates_again_into_it
 
 def test_a_load_that_misses_a_layer_or_its_file_fails_loudly(spool):
     """A layer left with the placeholders' keys would answer wrongly without a word: refused."""
-    from lcx.integrations.vllm_connector import CandidateLoads, _Load
+    from lcx.integrations.vllm.connector import CandidateLoads, _Load
 
     state, _ = _state(spool)
     worker = _connector("WORKER")
@@ -119,7 +119,7 @@ def test_without_the_spool_folder_the_connector_refuses_to_start(monkeypatch):
 
 
 def test_focusllm_is_served_by_the_connector_unless_topk_picks_candidates_per_head():
-    from lcx.integrations.vllm_requests import prefix_kv
+    from lcx.integrations.vllm.middleware import prefix_kv
 
     assert prefix_kv({"name": "focusllm", "options": {"refresh": 0}})
     assert not prefix_kv({"name": "focusllm", "options": {"refresh": 0, "topk": 4}})
@@ -145,7 +145,7 @@ def _cpu_layer(dtype=torch.float32, blocks: int = 8):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_cache_reader_reads_back_what_the_backends_own_op_wrote(dtype):
-    from lcx.integrations.vllm_connector import _CacheReader
+    from lcx.integrations.vllm.paged_cache import CacheReader
 
     layer = _cpu_layer(dtype)
     slots = [5, 33, 70, 255]
@@ -153,7 +153,7 @@ def test_the_cache_reader_reads_back_what_the_backends_own_op_wrote(dtype):
     layer.impl.do_kv_cache_update(layer, k, v, layer.kv_cache, torch.tensor(slots))
     raw = layer.kv_cache.view(8, HKV, 2 * CPU_BLOCK, CPU_D)[1, :, 1]  # slot 33 read as if stored plainly
     assert not torch.equal(raw, k[1])  # the backend does not store keys plainly: the reader must learn where
-    reader = _CacheReader(layer, layer.kv_cache, CPU_BLOCK)
+    reader = CacheReader(layer, layer.kv_cache, CPU_BLOCK)
     for i, slot in enumerate(slots):
         rk, rv = reader.read(layer.kv_cache, slot)
         assert torch.equal(rk, k[i]) and torch.equal(rv, v[i])
@@ -164,9 +164,9 @@ def test_the_cache_reader_reads_back_what_the_backends_own_op_wrote(dtype):
 def test_served_attention_writes_its_keys_where_a_later_request_with_that_prefix_reads_them():
     """streaming and fot are served with vLLM's prefix cache on: lcx's attention writes each step's keys and
     values into vLLM's paged cache (the backend's own op), and a request that vLLM schedules from a later
-    position, its first blocks found in the cache, reads them back (``_CachedPrefix``); the block size, which
+    position, its first blocks found in the cache, reads them back (``CachedPrefix``); the block size, which
     the attention metadata does not carry, is the one that maps every scheduled token to its slot."""
-    from lcx.integrations.vllm_attention import _CachedPrefix, _write_cache, block_size
+    from lcx.integrations.vllm.paged_cache import CachedPrefix, block_size, write_cache
 
     layer = _cpu_layer()
     keys, values = torch.randn(1, HKV, 40, CPU_D), torch.randn(1, HKV, 40, CPU_D)
@@ -174,11 +174,11 @@ def test_served_attention_writes_its_keys_where_a_later_request_with_that_prefix
     first = SimpleNamespace(num_actual_tokens=40, seq_lens=torch.tensor([40]), query_start_loc=torch.tensor([0, 40]),
                             block_table=torch.tensor([[3, 5]]), slot_mapping=torch.where(pos < 32, 96 + pos, 160 + pos - 32))
     assert block_size(first) == CPU_BLOCK
-    _write_cache(layer, keys, values, first)
+    write_cache(layer, keys, values, first)
     # a request whose first block is the one above: 18 new tokens at positions 32..49, in its own block 6
     later = SimpleNamespace(seq_lens=torch.tensor([50]), query_start_loc=torch.tensor([0, 18]),
                             block_table=torch.tensor([[3, 6]]), slot_mapping=192 + torch.arange(18))
-    k, v = _CachedPrefix(later, 0, 32)(SimpleNamespace(attn=layer))
+    k, v = CachedPrefix(later, 0, 32)(SimpleNamespace(attn=layer))
     assert torch.equal(k, keys[0, :, :32]) and torch.equal(v, values[0, :, :32])
     # block ids that fit two sizes (positions 32..39 in slots 96..103: the start of block 3 of size 32, or the
     # middle of block 1 of size 64): the size the cache's shape suggests decides
@@ -193,12 +193,12 @@ def test_served_attention_writes_its_keys_where_a_later_request_with_that_prefix
 
 
 def test_a_layout_the_reader_cannot_recover_is_refused():
-    from lcx.integrations.vllm_connector import _CacheReader
+    from lcx.integrations.vllm.paged_cache import CacheReader
 
     layer = _cpu_layer()
     layer.impl = SimpleNamespace(do_kv_cache_update=lambda layer, k, v, cache, slots: None)  # writes nothing
     with pytest.raises(RuntimeError, match="cannot read this attention backend's cache layout"):
-        _CacheReader(layer, layer.kv_cache, CPU_BLOCK)
+        CacheReader(layer, layer.kv_cache, CPU_BLOCK)
 
 
 def _chunk_request(rid: str, name: str, prompt: int):
@@ -222,7 +222,7 @@ def test_a_chunk_forward_has_its_last_prompt_position_saved_to_its_file(spool, m
     backend's op wrote it; a chunk missing a layer, or from a cache the reader cannot read, gets no file."""
     import vllm.forward_context
 
-    from lcx.integrations.vllm_requests import chunk_file
+    from lcx.integrations.vllm.middleware import chunk_file
 
     name = uuid.uuid4().hex + "-0"
     sched, worker = _connector("SCHEDULER", CPU_BLOCK), _connector("WORKER", CPU_BLOCK)

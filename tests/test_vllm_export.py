@@ -268,8 +268,8 @@ def test_the_lcx_config_format_refuses_what_it_cannot_serve(model_dir, tmp_path,
 
 def test_attention_methods_serve_through_the_transformers_backend_with_prompt_lengths(model_dir, tmp_path, monkeypatch):
     from lcx.integrations.vllm import vllm_command, vllm_env
-    from lcx.integrations.vllm_attention import PROMPT_LENGTHS_FQCN
-    from lcx.integrations.vllm_requests import MODEL_ENV
+    from lcx.integrations.vllm.attention import PROMPT_LENGTHS_FQCN
+    from lcx.integrations.vllm.middleware import MODEL_ENV
 
     exp = export_for_vllm(str(model_dir), ["fot"], {"fot": {"k": 8}}, out=tmp_path / "x", max_model_len=512)
     cmd = vllm_command(exp, "127.0.0.1", 8000, "m", "float32", None)
@@ -296,7 +296,7 @@ def test_attention_methods_serve_through_the_transformers_backend_with_prompt_le
     env = vllm_env(focus, 1.0)
     spool = json.loads(env[MODEL_ENV])["spool"]  # where the middleware leaves candidates
     assert spool and Path(spool).is_dir() and Path(spool).parent == focus.out
-    from lcx.integrations.vllm_attention import served_from_env
+    from lcx.integrations.vllm.attention import served_from_env
 
     monkeypatch.setenv(MODEL_ENV, env[MODEL_ENV])
     served = served_from_env()  # what vLLM's worker builds: the served attention reads the 3 best candidates
@@ -319,7 +319,7 @@ def test_a_served_document_memory_is_checked_before_the_server_starts(model_dir,
     exp = export_for_vllm(str(model_dir), ["fot"], {"fot": {"local": 16, "memory_layers": "1"}}, out=tmp_path / "x",
                           memory=tmp_path / "mem")
     assert exp.memory == str((tmp_path / "mem").resolve()) and json.loads((tmp_path / "x" / "lcx-export.json").read_text())["memory"]
-    with pytest.raises(LcxError, match="is read by the fot method: add --method fot"):
+    with pytest.raises(LcxError, match=r"needs a method that reads document memories \(fot\); add --method fot"):
         export_for_vllm(str(model_dir), ["streaming"], out=tmp_path / "y", memory=tmp_path / "mem")
     with pytest.raises(LcxError, match="is not an lcx memory folder"):
         export_for_vllm(str(model_dir), ["fot"], out=tmp_path / "y", memory=tmp_path)
@@ -341,10 +341,14 @@ def test_the_state_of_served_memory_methods_bounds_the_requests_run_at_once(mode
     """streaming/fot keep per-request state outside vLLM's KV cache: --state-gib / the per-request bound is
     vLLM's --max-num-seqs, so no number of requests grows the server past it; fot's memory-entry cap holds."""
     from lcx.integrations.vllm import vllm_command
-    from lcx.integrations.vllm_attention import WINDOW_SLACK, request_state_bytes
+    from lcx.integrations.vllm.attention import WINDOW_SLACK, served_class, served_method
 
     config = json.loads((model_dir / "config.json").read_text())
     window = config["max_position_embeddings"]
+
+    def request_state_bytes(spec, config, window, max_model_len):  # what lcx serve asks the method's served class
+        return served_class(spec).request_bytes(served_method(spec), config, window, max_model_len)
+
     per = config["num_key_value_heads"] * (config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]) * 8
     spec = {"name": "streaming", "options": {"sinks": 4, "chunk": 16}}
     # sinks 4 (+ 4 rows kept free before the window for them) + recent (window - 4 - 16) and one update of 16

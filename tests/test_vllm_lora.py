@@ -1,4 +1,4 @@
-"""lcx's multi-LoRA ops for vLLM's CPU path (`lcx.integrations.vllm_lora`) against vLLM's own PyTorch ops:
+"""lcx's multi-LoRA ops for vLLM's CPU path (`lcx.integrations.vllm.lora`) against vLLM's own PyTorch ops:
 the same result for every token that names an adapter, none for a token of slot -1 (vLLM's ops give it
 the last slot's adapter), and installed into the CPU punica wrapper by lcx's plugin."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lcx.integrations import vllm_lora as ours
+from lcx.integrations.vllm import lora as ours
 
 theirs = pytest.importorskip("vllm.lora.ops.torch_ops")
 

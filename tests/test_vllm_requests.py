@@ -1,4 +1,4 @@
-"""Per-request lcx options on the served API (`lcx.integrations.vllm_requests`): refused with a 400
+"""Per-request lcx options on the served API (`lcx.integrations.vllm.middleware`): refused with a 400
 naming the fix when they cannot apply, stripped before vLLM when they restate the server's own.
 An ASGI stand-in for vLLM's app keeps these tests fast; tests/serve/ checks the real server."""
 
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from lcx.adapters.peft_bridge import random_adapter
-from lcx.integrations import vllm_requests as vr
+from lcx.integrations.vllm import middleware as vr
 from lcx.integrations.vllm import Export, served_methods, vllm_command, vllm_env
 from tests.conftest import tiny_model
 

@@ -10,7 +10,7 @@ from lcx.masking import visible_mask
 def topk_keep(query: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
     """Which candidates each query reads: queries (..., Hkv, G, T, D) grouped by KV head, the candidates'
     keys (..., Hkv, n, D); True at each query's ``k`` highest q.k, (..., Hkv, G, T, n).  lcx's attention
-    (``candidate_topk_mask``) and the served one (``vllm_attention._topk_sdpa``) both cut with it."""
+    (``candidate_topk_mask``) and the served one (``served.topk_sdpa``) both cut with it."""
     # float32: bf16 scores would tie and reorder near-equal candidates (and a bf16 bmm of these strided views is slow)
     scores = query.float() @ candidates.float().unsqueeze(-3).transpose(-1, -2)
     keep = torch.zeros(scores.shape, dtype=torch.bool, device=query.device)

@@ -53,7 +53,7 @@ class FocusLLM(CandidateTraining, Method):
     name = "focusllm"
     description = "FocusLLM: one candidate token per memory chunk (decoded in parallel), read by the frozen model"
     requires = frozenset({"rotary"})
-    # served (lcx.integrations.vllm_attention.FocusServed): lcx's request middleware computes a prompt's
+    # served (lcx.integrations.vllm.attention.FocusServed): lcx's request middleware computes a prompt's
     # candidates on lcx's own path and rewrites the prompt to [placeholders ; local tokens]; the served
     # attention stores the candidates' keys/values in the placeholders' stead, as CandidateLayer does
     serving = "attention"
@@ -304,8 +304,13 @@ class FocusLLM(CandidateTraining, Method):
     def serves_prefix_kv(self):
         """The candidates' keys/values are the served state, read by plain attention: vLLM's own model code serves
         them through lcx's KV connector; with ``topk`` each query head picks its candidates, which only lcx's
-        served attention can do (``vllm_attention.FocusServed``)."""
+        served attention can do (``served.FocusServed``)."""
         return not self.topk
+
+    def served_attention(self) -> type:
+        from lcx.plugins.focusllm.served import FocusServed
+
+        return FocusServed
 
     @torch.no_grad()
     def serve_request(self, run, ids, max_new_tokens, forward=None):
@@ -314,7 +319,7 @@ class FocusLLM(CandidateTraining, Method):
         a prompt of at most ``local`` tokens (read as it is).  Served candidates are the prompt's
         (``refresh=0``): vLLM runs no chunk forwards while it generates.
 
-        ``forward`` runs the chunk forwards elsewhere (the server's engine, ``lcx.integrations.vllm_connector``):
+        ``forward`` runs the chunk forwards elsewhere (the server's engine, ``lcx.integrations.vllm.connector``):
         given each chunk's [chunk ; fragment] token ids, it returns per chunk and layer the last position's
         (keys, values), each (H_kv, D), keys rotated at that position -- what ``candidate_kv`` computes
         training-free.  A candidate adapter needs lcx's forwards (its LoRA is open at one position only)."""

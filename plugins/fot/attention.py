@@ -37,7 +37,7 @@ def memory_attention(
     top-``k`` memory keys (``dense``: every memory key).  All KV heads of a row are computed together (the G
     query heads of KV head h are rows g * c + i of a (Hkv, G * c, D) block); the search runs per store, or once
     per row where ``memory[row]`` holds all the row's KV heads (a store with ``search_heads``, as lcx's served
-    fot keeps: ``lcx.integrations.vllm_attention.HeadsStore``)."""
+    fot keeps: ``lcx.integrations.vllm.attention.HeadsStore``)."""
     B, H, T, D = query.shape
     Hkv, S = key.shape[1], key.shape[2]
     G = H // Hkv  # query heads per KV head

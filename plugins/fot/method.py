@@ -42,7 +42,7 @@ class FoT(Method):
     requires = frozenset({"attention_interface", "rotary"})
     data_order = "streams"  # crossbatch: a document stays in its batch row across steps
     fixed_by_training = ("positions", "fixed_distance")  # how memory keys are encoded is learned
-    #: vLLM serves it inside its attention, a memory per request (lcx.integrations.vllm_attention).
+    #: vLLM serves it inside its attention, a memory per request (served.py).
     serving = "attention"
     #: Multi-document mode reads a memory built by `lcx memory build` (commands.py): ``load_memory``.
     reads_memory = True
@@ -126,6 +126,11 @@ class FoT(Method):
             return crossbatch.layout(self.local, self.w, d, self.segments, crossbatch.most_d(self.d_schedule, self.d))
         except LcxError as e:
             raise ValueError(str(e)) from None
+
+    def served_attention(self) -> type:
+        from lcx.plugins.fot.served import FoTServed
+
+        return FoTServed
 
     def check_serving(self) -> None:
         if self.mode == "multi":
@@ -344,14 +349,20 @@ class FoT(Method):
                            f"reads layers {','.join(map(str, here))} (memory_layers={self.memory_layers}); read it "
                            f"with -o fot.memory_layers={','.join(map(str, stored))}, as it was built")
 
-    def check_memory(self, path: str | Path, config: dict) -> dict:
-        """A memory (``lcx memory build``) for a server of a model of ``config``: its files whole, the memory
-        layers fot reads here; returns its metadata (whose ``model`` the caller compares)."""
+    def check_memory(self, path: str | Path, model: dict) -> dict:
+        """A memory (``lcx memory build``) for a server of ``model`` (its identity: config.json's model_type,
+        num_hidden_layers, hidden_size, layer_types and its embedding_sha256): its files whole, built with that
+        model, holding the memory layers fot reads here; returns its metadata."""
         from lcx.memory import check_memory_files
 
         meta = check_memory_files(path)
-        if config.get("num_hidden_layers"):
-            self.check_memory_layers(path, meta, int(config["num_hidden_layers"]), config.get("layer_types"))
+        built = meta.get("model", {})
+        for key in ("model_type", "num_hidden_layers", "hidden_size", "embedding_sha256"):
+            if built.get(key) != model.get(key):
+                raise LcxError(f"memory {str(path)!r} was built with another model ({key}: {built.get(key)!r} vs "
+                               f"{model.get(key)!r}); rebuild it with this model")
+        if model.get("num_hidden_layers"):
+            self.check_memory_layers(path, meta, int(model["num_hidden_layers"]), model.get("layer_types"))
         return meta
 
     def load_memory(self, path: str | Path, model) -> dict:

@@ -19,14 +19,15 @@ def methods_cmd(verbose: bool, as_json: bool) -> None:
     for name, cls in sorted(reg.methods.items()):
         rows.append({
             "name": name, "plugin": reg.plugin_of(name), "stages": cls.stages(), "description": cls.description,
-            "requires": sorted(cls.requires),
+            "requires": sorted(cls.requires), "served": cls.serving or None,
             "options": [{"name": f.name, "default": f.default, "help": f.metadata.get("help", "")} for f in cls.options()],
         })
     if as_json:
         return _echo_json(rows)
     for r in rows:
         click.echo(f"{r['name']:<12} {r['description']}")
-        click.echo(f"{'':<12} stages: {', '.join(r['stages']) or '-'}   plugin: {r['plugin']}")
+        click.echo(f"{'':<12} stages: {', '.join(r['stages']) or '-'}   served: {r['served'] or 'no'}   "
+                   f"plugin: {r['plugin']}")
         if verbose:
             for o in r["options"]:
                 click.echo(f"{'':<14}{o['name']}={o['default']!r}  {o['help']}")

@@ -30,8 +30,8 @@ def serve_options(f):
     f = click.option("--option", "-o", "options", multiple=True, metavar="KEY=VALUE",
                      help="Method option, e.g. -o rope.factor=4 (see `lcx methods -v`).")(f)
     f = click.option("--method", "methods", multiple=True, metavar="NAME",
-                     help="Method applied to the served model (servable: rope, smt, vanilla, streaming, fot, "
-                          "focusllm); adapters add their own.")(f)
+                     help="Method applied to the served model (`lcx methods` says which are served, and how); "
+                          "adapters add their own.")(f)
     f = click.option("--adapter", "adapters", multiple=True, metavar="[NAME=]DIR",
                      help="lcx LoRA adapter, served under NAME (default: the folder name); repeat for several.")(f)
     f = click.option("--max-model-len", type=click.IntRange(1), default=None,
@@ -99,10 +99,10 @@ def export_cmd(model, options, methods, adapters, max_model_len, target, out, ov
 @click.option("--start-timeout", type=click.FloatRange(min=1), default=600, show_default=True,
               help="Seconds to wait for the engine to answer.")
 @click.option("--memory", "memory_dir", type=click.Path(path_type=Path), default=None,
-              help="A document memory built by `lcx memory build` (fot): loaded once by the server, read by every "
+              help="A document memory built by `lcx memory build`: loaded once by the server, read by every "
                    "request, never changed by one (each request's own tokens go to its own memory on top).")
 @click.option("--state-gib", type=click.FloatRange(min=0.01), default=2.0, show_default=True,
-              help="Memory for the per-request state of streaming/fot (outside vLLM's KV cache): the server runs "
+              help="Memory for the per-request state of a method served inside vLLM's attention (outside its KV cache): the server runs "
                    "at most as many requests at once as fit (vLLM --max-num-seqs).")
 @click.option("--json", "as_json", is_flag=True, help="Print the ready line as one JSON object.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- VLLM_ARGS...]")

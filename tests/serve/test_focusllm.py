@@ -1,7 +1,7 @@
 """`focusllm` with its prompt's candidates (refresh=0): lcx's middleware has vLLM's engine run the chunk forwards
 (lcx's path when a candidate adapter is applied) and vLLM reads [placeholders ; local tokens] on its own model
 code, the candidates' keys/values loaded into its KV cache in the placeholders' stead by lcx's KV connector
-(lcx.integrations.vllm_connector)."""
+(lcx.integrations.vllm.connector)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`fot` inside vLLM's attention (lcx.integrations.vllm_attention), reading a document memory built by
+"""`fot` inside vLLM's attention (lcx.integrations.vllm.attention), reading a document memory built by
 `lcx memory build` (loaded once by the server) plus a kNN memory of its own per request."""
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ LONG_KEY = 71234
 def adapters(tmp_path_factory):
     d = tmp_path_factory.mktemp("adapters")
     # a2 changes short answers (scale 0.5): it sits in vLLM's last LoRA slot, which vLLM's CPU ops gave
-    # base-model tokens batched with adapter requests (lcx.integrations.vllm_lora)
+    # base-model tokens batched with adapter requests (lcx.integrations.vllm.lora)
     return {"a1": smt_adapter(d / "a1", 1), "a2": smt_adapter(d / "a2", 2, scale=0.5)}
 
 
@@ -104,7 +104,7 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(lora_server, tok):
     assert status == 404 and "no-such-adapter" in out["error"]["message"]
     status, out = lora_server.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -3})
     assert 400 <= status < 500, out
-    # per-request lcx options (lcx.integrations.vllm_requests): malformed or not applicable -> 400
+    # per-request lcx options (lcx.integrations.vllm.middleware): malformed or not applicable -> 400
     status, out = lora_server.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4, "lcx": "fast"})
     assert status == 400 and "'lcx' must map method names to their options" in out["error"]["message"]
     status, out = lora_server.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4,

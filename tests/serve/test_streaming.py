@@ -1,4 +1,4 @@
-"""`streaming` runs inside vLLM's attention (lcx.integrations.vllm_attention)."""
+"""`streaming` runs inside vLLM's attention (lcx.integrations.vllm.attention)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ model code and attention kernel.
 lcx's request middleware computes a request's candidates (``FocusLLM.serve_request``; training-free, their
 chunk forwards run on vLLM's engine, see below), spools their per-layer keys/values (already rotated at
 positions ``0..n-1``) and rewrites the prompt to [``n`` placeholders ; local tokens]
-(``lcx.integrations.vllm_requests``).  The candidates are a fixed prefix
+(``lcx.integrations.vllm.middleware``).  The candidates are a fixed prefix
 of keys and values, which is what vLLM's KV connectors load: this one tells vLLM's scheduler that the first
 ``n`` prompt tokens of such a request are already computed, and its worker half writes the spooled keys and
 values into the blocks vLLM allocated for them, with the attention backend's own cache-update op, before
@@ -12,7 +12,7 @@ the forward that computes the local tokens.  From there on vLLM's attention read
 tokens ; generated tokens] from its paged cache: the same keys lcx's ``CandidateLayer`` gives its frozen
 decoder, so the tokens equal ``lcx generate -o focusllm.refresh=0``'s (tests/serve/test_focusllm.py).
 
-Why this and not lcx's served attention (``vllm_attention.FocusServed``, which still serves focusllm with
+Why this and not lcx's served attention (``lcx.plugins.focusllm.served``, which still serves focusllm with
 ``topk``): vLLM's native model code decodes these requests about twice as fast as its Transformers backend
 under lcx's attention (BENCHMARKS.md, focusllm).
 
@@ -28,7 +28,7 @@ each chunk's [chunk ; fragment] tokens to the engine as a one-token request whos
 (``CHUNK_ARG``), and this connector saves the keys/values its last prompt position leaves in vLLM's cache,
 per layer, to a file the middleware reads (``save_kv_layer``): the candidate ``candidate_kv`` computes, at the
 engine's speed (vLLM's prefill is faster than the Hugging Face forward: BENCHMARKS.md).  The slot is read
-through the backend's own cache-update op: ``_CacheReader`` learns, once per cache shape, where that op puts
+through the backend's own cache-update op: ``CacheReader`` learns, once per cache shape, where that op puts
 each key and value element (the CPU backend stores a block's keys transposed).
 """
 
@@ -45,7 +45,8 @@ from typing import Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
-from lcx.integrations.vllm_requests import CHUNK_ARG, MODEL_ENV, STATE_ARG, chunk_file, state_file
+from lcx.integrations.vllm.paged_cache import CacheReader
+from lcx.integrations.vllm.middleware import CHUNK_ARG, MODEL_ENV, STATE_ARG, chunk_file, state_file
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -71,57 +72,9 @@ class CandidateLoads(KVConnectorMetadata):
     saves: list[_Save] = field(default_factory=list)
 
 
-class _CacheReader:
-    """Reads one slot's keys and values back from an attention layer's paged cache, whatever the backend's
-    layout: it writes numbered probes into a one-block scratch copy with the backend's own cache-update op and
-    records where each element lands (the CPU backend's blocks come first; a layout this does not recover is
-    refused, not guessed)."""
-
-    def __init__(self, layer: Any, cache: torch.Tensor, block_size: int) -> None:
-        heads, dim = int(layer.num_kv_heads), int(layer.head_size)
-        n = block_size * heads * dim
-        if not cache.is_floating_point() or cache.element_size() < 2 or n > 255 * 256:
-            raise RuntimeError(f"lcx's KV connector reads float caches of up to {255 * 256} elements a block; this one "
-                               f"is {cache.dtype} with {n}")
-        where = {}
-        slots = torch.arange(block_size, dtype=torch.long, device=cache.device)
-        for part in ("k", "v"):
-            found = []
-            for code in (torch.arange(n) % 255 + 1, torch.arange(n) // 255 + 1):  # exact in bf16/fp16 too
-                probe = code.view(block_size, heads, dim).to(cache.device, cache.dtype)
-                zero = torch.zeros_like(probe)
-                scratch = torch.zeros_like(cache[:1])
-                layer.impl.do_kv_cache_update(layer, *((probe, zero) if part == "k" else (zero, probe)), scratch, slots)
-                found.append(scratch.flatten().long().cpu())
-            low, high = found
-            hit = low.nonzero().flatten()
-            index = (low[hit] - 1) + 255 * (high[hit] - 1)
-            if len(hit) != n or not torch.equal(index.sort().values, torch.arange(n)):
-                raise RuntimeError(f"lcx's KV connector cannot read this attention backend's cache layout "
-                                   f"({type(layer.impl).__name__}, cache {tuple(cache.shape)})")
-            at = torch.empty(n, dtype=torch.long)
-            at[index] = hit
-            where[part] = at.view(block_size, heads, dim)
-        self.where, self.block_size = where, block_size
-
-    def read(self, cache: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        block = cache[slot // self.block_size].flatten()
-        off = slot % self.block_size
-        return (block[self.where["k"][off].to(block.device)].clone(),
-                block[self.where["v"][off].to(block.device)].clone())
-
-    def read_many(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``read`` of every slot in ``slots`` (n,): keys, values (n, H_kv, D)."""
-        flat, per_block = cache.view(-1), cache[0].numel()
-        slots = slots.to(cache.device)
-        first = (slots // self.block_size * per_block)[:, None, None]  # each slot's block, as a flat offset
-        off = slots % self.block_size
-        return tuple(flat[first + self.where[part].to(cache.device)[off]] for part in ("k", "v"))
-
-
 class LcxCandidates(KVConnectorBase_V1):
     """``--kv-transfer-config '{"kv_connector": "LcxCandidates", "kv_connector_module_path":
-    "lcx.integrations.vllm_connector", "kv_role": "kv_both"}'`` (``lcx serve`` passes it for focusllm)."""
+    "lcx.integrations.vllm.connector", "kv_role": "kv_both"}'`` (``lcx serve`` passes it for focusllm)."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -134,7 +87,7 @@ class LcxCandidates(KVConnectorBase_V1):
         self._known: dict[str, tuple[str, int]] = {}  # request id -> (state, n), from its first query to its end
         self._pending: set[str] = set()  # request ids allocated, not yet loaded
         self._chunks: dict[str, tuple[str, int, list[int]]] = {}  # chunk request id -> (name, prompt length, blocks)
-        self._readers: dict[tuple, _CacheReader] = {}  # worker: per cache shape
+        self._readers: dict[tuple, CacheReader] = {}  # worker: per cache shape
         self._saved: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}  # worker: chunk -> layer -> (k, v)
         if role == KVConnectorRole.WORKER:
             print(f"lcx: focusllm's candidates reach vLLM's KV cache through lcx's KV connector, process "
@@ -266,7 +219,7 @@ class LcxCandidates(KVConnectorBase_V1):
         key = (tuple(kv_layer.shape[1:]), kv_layer.dtype, type(layer.impl).__name__)
         if key not in self._readers:
             try:
-                self._readers[key] = _CacheReader(layer, kv_layer, self.block_size)
+                self._readers[key] = CacheReader(layer, kv_layer, self.block_size)
                 print(f"lcx: focusllm's chunk forwards run on vLLM's engine; lcx's KV connector saves their "
                       f"candidates (cache {tuple(kv_layer.shape)}, {type(layer.impl).__name__})", file=sys.stderr, flush=True)
             except Exception as e:  # noqa: BLE001 -- the engine serves on; the middleware computes them itself
@@ -281,7 +234,7 @@ class LcxCandidates(KVConnectorBase_V1):
         """Writes each chunk request's keys/values (saved layer by layer in this step's forward) to its file,
         ``"{layer}.k"``/``"{layer}.v"`` of shape (H_kv, D), atomically: the middleware waits for the request to
         end, then reads it.  A chunk not saved from every layer gets no file (logged): the middleware then
-        computes the candidates itself (``vllm_requests.EngineSavedNothing``) and the engine serves on."""
+        computes the candidates itself (``middleware.EngineSavedNothing``) and the engine serves on."""
         meta = self._get_connector_metadata()
         if not isinstance(meta, CandidateLoads) or not meta.saves:
             return

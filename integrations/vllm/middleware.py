@@ -38,7 +38,7 @@ lcx's own path (loaded on the first such request, one request at a time), and fo
 prompt runs the method's ``serve_request`` (a method served through lcx's KV connector without an adapter has
 its forwards run by vLLM's engine: ``engine_forward``), writes the tensors it returns to the server's spool folder
 (``LCX_SERVED_MODEL``'s ``spool``) under a random id, and hands vLLM the rewritten token ids with that id in
-``vllm_xargs`` (``lcx_state``), which the served attention reads (``lcx.integrations.vllm_attention``) and
+``vllm_xargs`` (``lcx_state``), which the served attention reads (``lcx.integrations.vllm.attention``) and
 deletes when the request ends (here when vLLM refuses the rewritten request).  The whole prompt is read here,
 so lcx's own request limits apply (``lcx.limits``: prompt tokens, RAM).  A request that sets ``lcx_state``
 itself is refused (on such a server every JSON body is decoded to check it, whatever the path or the key's
@@ -72,7 +72,7 @@ MODEL_ENV = "LCX_SERVED_MODEL"
 #: vLLM's ``max_tokens`` for a completion request that does not say.
 DEFAULT_MAX_TOKENS = 16
 FIELD = "lcx"
-#: The request ``extra_args`` key that carries a request's state id (``lcx.integrations.vllm_attention``).
+#: The request ``extra_args`` key that carries a request's state id (``lcx.integrations.vllm.attention``).
 STATE_ARG = "lcx_state"
 #: What such an id looks like (a random uuid4 hex, ``RequestStates.rewrite``): nothing else is turned into a file name.
 STATE_ID = re.compile(r"[0-9a-f]{32}")

@@ -82,7 +82,7 @@ class Streaming(Method):
     name = "streaming"
     description = "attention sinks + recent window with re-rotated keys (StreamingLLM)"
     requires = frozenset({"attention_interface", "rotary"})
-    #: vLLM serves it inside its attention (lcx.integrations.vllm_attention), same answers as this path.
+    #: vLLM serves it inside its attention (lcx.integrations.vllm.attention), same answers as this path.
     serving = "attention"
 
     sinks: int = option(4, "number of initial tokens always kept (attention sinks)")
@@ -95,6 +95,11 @@ class Streaming(Method):
                 raise ValueError(f"{k} must be >= 0, got {getattr(self, k)}")
         if self.chunk <= 0:
             raise ValueError(f"chunk must be > 0, got {self.chunk}")
+
+    def served_attention(self) -> type:
+        from lcx.plugins.streaming.served import StreamingServed
+
+        return StreamingServed
 
     def recent(self, run) -> int:
         return self.recent_for(run.window)
@@ -158,8 +163,3 @@ class Streaming(Method):
         idx = torch.cat([torch.arange(ns), torch.arange(recent_start, recent_start + S - ns)]).to(query.device)
         mask = visible_mask(attention_mask, idx, recent_start + S - ns, T, run.base_impl, query.dtype)
         return run.base_attention(module, query, key, value, mask, **kwargs)
-
-
-@hookimpl
-def lcx_register_methods(register):
-    register(Streaming)
