@@ -191,7 +191,7 @@ class SMT(Method):
         ids = ids[:, N - R:]  # the range in use: the window's last R tokens, positions 0..R-1
         target = self.target_tokens
         memory = R - target
-        rng = random.Random(f"smt:{run.state.get('seed', 0)}:{step}:{run.state.get('rank', 0)}")
+        rng = random.Random(f"smt:{run.seed}:{step}:{run.rank}")
         gen = torch.Generator().manual_seed(rng.getrandbits(63))
         rows = []
         for _ in range(B):

@@ -68,7 +68,23 @@ class Run:
         self.patches = contextlib.ExitStack()
         self.base_impl: str = "sdpa"
         self.attached = False
-        #: Free-form per-run state methods may keep (e.g. the current plan).
+        #: The current input's plan (``lcx.plan.Plan``), set by ``lcx.generation`` before its forwards.
+        self.plan: Any = None
+        #: The current input's memory: the ``transformers.Cache`` its forwards use (``lcx_memory``'s or a
+        #: DynamicCache); None between requests.
+        self.memory: Any = None
+        #: While ``generate`` plans with a ``lcx.generation.PrefixReuse``: that object (a method's chunking stage
+        #: may keep work later prompts share in its ``memo``).
+        self.reuse: Any = None
+        #: While ``tail_logits`` plans: how many trailing tokens are scored (a plan must not let the logits read
+        #: the tokens they predict).
+        self.scored: int = 0
+        #: Training: the run's seed and this process's rank (per-process randomness in sampling stages).
+        self.seed: int = 0
+        self.rank: int = 0
+        #: Training: the methods' values that metrics.jsonl logs (``state/NAME``) and checkpoints keep.
+        self.train_state: dict[str, Any] = {}
+        #: Each method's own per-run values, under keys it prefixes with its name (lcx never reads them).
         self.state: dict[str, Any] = {}
         #: Per-request resource limits (``lcx.limits.Limits``); None = defaults and LCX_* variables.
         self.limits: Any = None

@@ -22,14 +22,10 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def new_memory(run: Run, plan: Plan) -> Any:
     """Record the plan and create the run's memory for it (the method's Cache, or a DynamicCache)."""
-    run.state["plan"] = plan
+    run.plan = plan
     cache = run.hook.lcx_memory(run=run, batch_size=plan.input_ids.shape[0]) or DynamicCache(config=run.model.config)
-    run.state["memory"] = cache
+    run.memory = cache
     return cache
-
-
-#: ``run.state`` key set while ``generate`` plans with a :class:`PrefixReuse`: that object.
-REUSE = "prefix_reuse"
 
 
 class PrefixReuse:
@@ -45,7 +41,7 @@ class PrefixReuse:
 
     A method whose chunking stage computes per-prompt state before any window is fed (focusllm's
     candidates) may keep what later prompts can take from it in :meth:`memo` (its ``lcx_plan`` finds
-    this object in ``run.state[REUSE]`` while ``generate`` plans)."""
+    this object in ``run.reuse`` while ``generate`` plans)."""
 
     def __init__(self) -> None:
         self.run: Run | None = None
@@ -76,8 +72,8 @@ class PrefixReuse:
                 or not torch.equal(plan.input_ids[:, : self.ids.shape[1]], self.ids)
                 or not bool(plan.attention_mask[:, : self.ids.shape[1]].all())):
             return 0, new_memory(run, plan)
-        run.state["plan"] = plan
-        run.state["memory"] = cache = copy.deepcopy(self.cache)
+        run.plan = plan
+        run.memory = cache = copy.deepcopy(self.cache)
         self.reused += n
         return n, cache
 
@@ -129,8 +125,8 @@ def prefill(run: Run, plan: Plan, include_last: bool = False,
 def release_last_request(run: Run) -> None:
     """A new request starts: the last one's memory and the methods' state for it go now, so that the limits
     check sees the memory they held as free (a long focusllm prompt's chunk caches are gigabytes)."""
-    held = run.state.pop("memory", None) is not None
-    run.state.pop("plan", None)
+    held = run.memory is not None
+    run.memory = run.plan = None
     for m in run.methods:
         m.release(run)
     if held:  # what it held is in the process's heap still, where the check would not see it as free
@@ -180,11 +176,11 @@ def generate(
     ``reuse``/``shared``: feed leading windows other prompts share once (:class:`PrefixReuse`);
     ``progress``: a bar while the prompt's windows are read (methods that read it window by window)."""
     if reuse is not None:
-        run.state[REUSE] = reuse
+        run.reuse = reuse
     try:
         plan = make_plan(run, input_ids, attention_mask, max_new_tokens)
     finally:
-        run.state.pop(REUSE, None)
+        run.reuse = None
     cache = prefill(run, plan, reuse=reuse, shared=shared, progress=progress)
     kwargs = dict(do_sample=False, pad_token_id=_pad_id(run.model))
     kwargs.update(generate_kwargs)
@@ -207,23 +203,17 @@ def _pad_id(model: Any) -> int | None:
     return pad
 
 
-#: ``run.state`` key set while ``tail_logits`` plans: how many trailing tokens are scored.  A method whose plan
-#: reads later tokens for earlier positions (focusllm's fragment: the prompt's last tokens, read by every
-#: candidate) must keep the scored ones out of that, or each logit would see what it predicts.
-SCORED = "scored_tokens"
-
-
 @torch.no_grad()
 def tail_logits(run: Run, input_ids: torch.Tensor, n_target: int) -> torch.Tensor:
     """Logits (n_target, V) predicting the last ``n_target`` tokens of ``input_ids`` (1, T), computed
     through the run's plan and memory; each window's logits are kept only where they predict a target."""
     if input_ids.shape[1] <= n_target:
         raise LcxError(f"input of {input_ids.shape[1]} tokens is too short to score its last {n_target}")
-    run.state[SCORED] = n_target  # a plan must not let the logits read the tokens they predict
+    run.scored = n_target  # a plan that reads later tokens for earlier positions must keep these out of that
     try:
         plan = make_plan(run, input_ids, None, 0)
     finally:
-        run.state.pop(SCORED, None)
+        run.scored = 0
     ids = plan.input_ids
     T = ids.shape[1]
     if not torch.equal(ids[0, T - n_target - 1:].cpu(), input_ids[0, -n_target - 1:].cpu()):

@@ -24,6 +24,31 @@ that both implement one are refused by ``attach`` with a message naming both.
 
 Hook implementations must not give their arguments default values (pluggy 1.6 and
 1.7 treat them differently).
+
+Besides the stages, a method answers questions lcx asks it at other times: the
+attributes and methods of ``lcx.method.Method`` (defaults there), by when they are
+asked:
+
+    attach        requires, idle_stages                   families it needs; stages its options leave idle
+    each request  release                                 drop the last request's own state (``run.state``)
+                  memory_entries, generation_entries,     ``lcx.limits``: its memory's entries and bytes,
+                  memory_bytes, memory_device,            where they live, the cache it keeps, its largest
+                  cache_tokens, forward_shapes,           forward passes, and the option that makes them
+                  forward_hint                            smaller (said when a request is refused)
+                  reusable_prefix                         whether prompts sharing a start share its memory
+    documents     reads_memory, load_memory,              ``lcx generate|serve --memory``: a document memory
+                  check_memory                            it reads, checked before it is trusted
+    training      lora_roles, lora_gated, data_order,     what ``lcx train`` adapts, how its data is ordered,
+                  fixed_by_training                       the options a trained adapter fixes
+    serving       serving, not_served_because,            how vLLM serves it (``lcx serve``, ``lcx export``):
+                  check_serving, vllm_config,             as the plain model, a rewritten config, rewritten
+                  serve_prompt, serve_state,              prompts, per-request state computed by lcx's
+                  serve_request, serves_prefix_kv,        middleware, or inside vLLM's attention through the
+                  served_attention                        ``ServedAttention`` class its plugin names
+
+What lcx shares with methods while it runs is on the ``Run`` (``lcx.composition``):
+``plan``, ``memory``, ``reuse``, ``scored``, ``seed``, ``rank``, ``train_state``;
+``run.state`` holds each method's own values, under keys it prefixes with its name.
 """
 
 from __future__ import annotations

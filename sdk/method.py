@@ -78,7 +78,7 @@ class Method:
 
     def release(self, run: Any) -> None:
         """A new request starts on ``run``: drop what this method keeps in ``run.state`` for the last one (its
-        memory, ``run.state["memory"]``, is dropped by lcx), before the limits check measures free memory."""
+        memory, ``run.memory``, is dropped by lcx), before the limits check measures free memory."""
 
     def memory_entries(self, run: Any, input_tokens: int) -> int:
         """Entries per memory layer and KV head this method's own memory holds after a request of

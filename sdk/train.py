@@ -249,8 +249,8 @@ class Trainer:
         model.train()
         self.model = _trainable(model, cfg)  # unwrapped; ``ddp_model`` is what accelerate prepared
         self.run = attach(self.model, cfg.methods, **cfg.options)
-        self.run.state["seed"] = cfg.seed
-        self.run.state["rank"] = self.rank  # per-process randomness in sampling stages (DDP)
+        self.run.seed = cfg.seed
+        self.run.rank = self.rank  # per-process randomness in sampling stages (DDP)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.names = list(trainable_parameters(self.model))
         # foreach: one fused pass over all tensors (torch picks the slow per-tensor loop on CPU by default)
@@ -271,7 +271,7 @@ class Trainer:
         self.step = 0  # optimizer steps done
         latest = _latest_checkpoint(self.ckpt_root) if resume else None
         if latest is not None:
-            self.step = _load_checkpoint(latest, self.model, self.names, opt, self.sched, self.rank, self.run.state,
+            self.step = _load_checkpoint(latest, self.model, self.names, opt, self.sched, self.rank, self.run.train_state,
                                          self.world)
             if self.step > cfg.steps:  # it would save the checkpoint's weights as a run of cfg.steps
                 raise LcxError(f"--resume: the latest checkpoint ({str(latest)!r}) is at step {self.step}, past "
@@ -318,14 +318,14 @@ class Trainer:
         reduced = {k: float(accel.reduce(torch.tensor(v), reduction="mean")) for k, v in sums.items()}
         return {"step": self.step, "loss": sum(reduced.values()), **{f"loss/{k}": v for k, v in reduced.items()},
                 "lr": self.sched.get_last_lr()[0], "seconds": round(time.perf_counter() - t0, 4),
-                **{f"state/{k}": v for k, v in run.state.get("train_state", {}).items()
+                **{f"state/{k}": v for k, v in run.train_state.items()
                    if isinstance(v, (int, float, bool, str))}}  # scalars only: histories stay in checkpoints
 
     def checkpoint(self) -> Path:
         """Save the state after the current step (trainable weights, optimizer, schedule, random generators, the
         methods' training state) as ``checkpoints/step-N``, which ``--resume`` continues from exactly."""
         return _save_checkpoint(self.ckpt_root, self.step, self.model, self.names, self.opt, self.sched, self.cfg,
-                                self.accel, self.run.state)
+                                self.accel, self.run.train_state)
 
     def run_until(self, stop_at: int, progress: bool = True) -> bool:
         """Train up to step ``stop_at``: each step recorded in metrics.jsonl, a checkpoint every ``save_every``
@@ -602,7 +602,7 @@ def _trim_metrics(path: Path, step: int) -> None:
 
 
 def _save_checkpoint(root: Path, step: int, model, names: list[str], opt, sched, cfg: TrainConfig, accel,
-                     state: dict | None = None) -> Path:
+                     method_state: dict | None = None) -> Path:
     dest = root / f"step-{step}"
     rank = accel.process_index
     accel.wait_for_everyone()
@@ -618,7 +618,7 @@ def _save_checkpoint(root: Path, step: int, model, names: list[str], opt, sched,
             sd = {k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"}
             (d / "meta.json").write_text(json.dumps(
                 {"step": step, "optimizer": opt_meta, "scheduler": sd, "rng": {str(rank): rng_meta},
-                 "world_size": accel.num_processes, "method_state": (state or {}).get("train_state", {})}, indent=2))
+                 "world_size": accel.num_processes, "method_state": method_state or {}}, indent=2))
 
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob("step-*.*"):  # a killed run's half-written (.tmp) or replaced (.old) folders
@@ -632,7 +632,7 @@ def _save_checkpoint(root: Path, step: int, model, names: list[str], opt, sched,
     return dest
 
 
-def _load_checkpoint(path: Path, model, names: list[str], opt, sched, rank: int, state: dict | None = None,
+def _load_checkpoint(path: Path, model, names: list[str], opt, sched, rank: int, method_state: dict | None = None,
                      world: int = 1) -> int:
     from lcx.io import load_safetensors, read_json_file
 
@@ -640,8 +640,8 @@ def _load_checkpoint(path: Path, model, names: list[str], opt, sched, rank: int,
     fix = (f"delete the folder {str(path)!r} to resume from {older[-1]}" if older else
            "start the run again without --resume")
     meta = read_json_file(path / "meta.json", fix)
-    if state is not None and meta.get("method_state"):
-        state["train_state"] = dict(meta["method_state"])  # e.g. where a sampling stage's schedule stands
+    if method_state is not None and meta.get("method_state"):
+        method_state.update(meta["method_state"])  # e.g. where a sampling stage's schedule stands
     weights = load_safetensors(path / "trainable.safetensors", fix)
     missing = set(names) - set(weights)
     if missing:

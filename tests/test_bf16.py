@@ -132,7 +132,7 @@ def test_training_losses_are_float32_and_as_close_as_the_bare_models_logits(meth
         x = ids(TRAIN_T, rows=2)
         batch = {"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()}
         with lcx.attach(model, [method], **{method: options}) as run, torch.no_grad():
-            run.state["seed"] = 0
+            run.seed = 0
             batch = run.hook.lcx_sample(run=run, batch=batch, step=0)
             results = run.hook.lcx_loss(run=run, model=model, batch=batch)
             losses.append({term: loss for r in results if r for term, loss in r.items()})

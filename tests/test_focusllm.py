@@ -273,7 +273,7 @@ def _slots_after_generation(model, ids, n_new, **opts):
     """Generate n_new greedy tokens; return them and the decoder's candidate slots at the end."""
     with lcx.attach(model, ["focusllm"], focusllm={**OPTS, **opts}) as run:
         new = generate(run, ids, max_new_tokens=n_new)
-        cache = run.state["memory"]
+        cache = run.memory
         gen = run.state.get("focusllm_generation")  # before the next plan, which lets it go
         n = make_plan(run, ids, None, 0).info["candidates"]
         slots = [(l.keys[:, :, :n].clone(), l.values[:, :, :n].clone()) for l in cache.layers]
@@ -345,7 +345,7 @@ def test_prompts_sharing_chunks_take_them_from_the_last_prompt_and_generate_the_
         memo_slots = []
         for ids in (a, b, c, c):
             new = generate(run, ids, max_new_tokens=6, reuse=reuse)
-            memo_slots.append((new, [(l.keys[:, :, :6].clone(), l.values[:, :, :6].clone()) for l in run.state["memory"].layers]))
+            memo_slots.append((new, [(l.keys[:, :, :6].clone(), l.values[:, :, :6].clone()) for l in run.memory.layers]))
         memo = reuse.memo(run, "focusllm_chunks", None)
     assert memo.hits == 5 + 5 + 6  # b: all but chunk 2; c: all but chunk 4; c again: every chunk
     for ids, (new, slots) in zip((a, b, c, c), memo_slots):
@@ -363,12 +363,17 @@ def test_a_new_request_lets_the_last_ones_state_go_before_the_limits_check(monke
     import lcx.generation as g
 
     seen, check, trims = [], g.check_request, []
+
+    def held(run):
+        return sorted(k for k, v in (("focusllm_generation", run.state.get("focusllm_generation")),
+                                     ("memory", run.memory), ("plan", run.plan)) if v is not None)
+
     monkeypatch.setattr(g, "check_request", lambda run, *a, **kw: seen.append(
-        sorted(k for k in ("memory", "plan", "focusllm_generation") if run.state.get(k) is not None)) or check(run, *a, **kw))
+        held(run)) or check(run, *a, **kw))
     monkeypatch.setattr(g, "trim_heap", lambda: trims.append(len(seen)))  # freed pages go back to the OS first
     with lcx.attach(_trained_peft(), ["focusllm"], focusllm={**OPTS, "refresh": 1}) as run:
         generate(run, _ids(T=110), max_new_tokens=4)
-        assert all(run.state.get(k) is not None for k in ("memory", "plan", "focusllm_generation"))
+        assert held(run) == ["focusllm_generation", "memory", "plan"]
         generate(run, _ids(T=110, seed=1), max_new_tokens=4)
         assert run.state.get("focusllm_generation") is not None
     assert seen == [[], []] and trims == [1]  # trimmed before the second check, and only when something was held
@@ -400,7 +405,7 @@ def _explicit_loss(model, ids, d):
 
 def _train_run(peft, **opts):
     run = lcx.attach(peft, ["focusllm"], focusllm={**TRAIN_OPTS, **opts})
-    run.state["seed"] = 0
+    run.seed = 0
     return run
 
 
@@ -410,7 +415,7 @@ def test_training_draws_follow_the_options_and_are_seeded():
     with _train_run(peft) as run:
         draws = [run.hook.lcx_sample(run=run, batch={"input_ids": ids}, step=s)["focusllm"] for s in range(40)]
         again = run.hook.lcx_sample(run=run, batch={"input_ids": ids}, step=7)["focusllm"]
-        run.state["rank"] = 1
+        run.rank = 1
         other_process = run.hook.lcx_sample(run=run, batch={"input_ids": ids}, step=7)["focusllm"]
     assert again == draws[7]  # a pure function of (seed, step): resumed runs draw the same
     assert other_process == draws[7]  # and so does every DDP process (as many forwards on each)

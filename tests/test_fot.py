@@ -20,7 +20,7 @@ def _ids(n=N, seed=0):
 def _logits(model, ids, n=40, **opts):
     with lcx.attach(model, ["fot"], **opts) as run:
         out = tail_logits(run, ids, n)
-        stores = run.state["memory"].lcx_stores
+        stores = run.memory.lcx_stores
     return out, stores
 
 
@@ -121,7 +121,7 @@ def test_generate_batch_and_long_inputs_keep_memory_per_row():
     mask[1, :30] = 0
     with lcx.attach(model, ["fot"], local=32) as run:
         new = lcx.generate(run, ids, mask, max_new_tokens=5)
-        stores = run.state["memory"].lcx_stores
+        stores = run.memory.lcx_stores
     assert new.shape == (2, 5)
     layer = min(stores)
     # row 1's 30 padding tokens never enter memory; its positions start at 0
@@ -233,8 +233,8 @@ def test_chunk_slides_the_local_window():
     model = tiny_model("llama")
     with lcx.attach(model, ["fot"], local=32, chunk=8, memory_layers="0") as run:
         tail_logits(run, _ids(), 40)
-        cache = run.state["memory"]
-        assert [e - s for s, e in run.state["plan"].windows] == [8] * (N // 8)
+        cache = run.memory
+        assert [e - s for s, e in run.plan.windows] == [8] * (N // 8)
     assert all(layer.keys.shape[-2] == 32 for layer in cache.layers)
     store = cache.lcx_stores[0][(0, 0)]
     assert torch.equal(store.positions, torch.arange(N - 32))

@@ -189,7 +189,7 @@ def test_focusllm_estimate_bounds_its_chunk_caches():
         estimate = check_request(run, T, new)["kv_bytes"] // kv_bytes_per_token(model)
         generate(run, ids, max_new_tokens=new)
         held = sum(g.cache.layers[0].keys.shape[0] * g.cache.layers[0].keys.shape[2]
-                   for g in run.state["focusllm_generation"]["groups"]) + run.state["memory"].layers[0].keys.shape[2]
+                   for g in run.state["focusllm_generation"]["groups"]) + run.memory.layers[0].keys.shape[2]
     assert held == 3763 and held <= estimate <= held + 8  # the decoder's cache: at most the window (128), not T + new
 
 

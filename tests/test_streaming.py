@@ -65,7 +65,7 @@ def test_streaming_generates_far_beyond_the_window_with_bounded_cache():
     mask = torch.ones_like(ids)  # rows of equal length: a padded batch that evicts is refused (test below)
     with lcx.attach(model, ["streaming"], chunk=32) as run:
         new = lcx.generate(run, ids, mask, max_new_tokens=5)
-        cache = run.state["memory"]
+        cache = run.memory
         assert new.shape == (2, 5)
         kept = cache.layers[0].sink_k.shape[-2] + cache.layers[0].keys.shape[-2]
         assert kept <= run.window

@@ -181,8 +181,6 @@ class FocusLLM(CandidateTraining, Method):
 
     def _plan(self, run, input_ids, attention_mask, max_new_tokens, forward=None):
         """``lcx_plan``; with ``forward`` (``serve_request``'s), the chunks' candidates are computed by it."""
-        from lcx.generation import REUSE, SCORED
-
         # an earlier plan's candidates that never reached lcx_memory (its caller failed in between) must not
         # reach this prompt's cache, nor the last prompt's chunk caches live on while this one's are made
         # (make_plan has done this already; serve_request plans directly)
@@ -202,7 +200,7 @@ class FocusLLM(CandidateTraining, Method):
                            f"exceed the model's window ({run.window}); raise -o focusllm.chunk or lower -o focusllm.local")
         # the fragment: the last local tokens, or when scoring, the last ones before the scored tokens (every
         # local token reads the candidates, so they may only have read what the first scored logit reads)
-        scored = int(run.state.get(SCORED, 0))
+        scored = run.scored
         if scored >= self.local:
             raise LcxError(f"focusllm scores at most its local tokens minus one ({self.local - 1}), got {scored}; "
                            f"score fewer tokens or raise -o focusllm.local")
@@ -225,7 +223,7 @@ class FocusLLM(CandidateTraining, Method):
         if forward is not None:
             cand = self._forwarded(run, forward, memory, fragment, spans)
         else:
-            reuse = run.state.get(REUSE)  # a caller that expects prompts sharing chunks (a passkey grid)
+            reuse = run.reuse  # a caller that expects prompts sharing chunks (a passkey grid)
             memo = reuse.memo(run, "focusllm_chunks", ChunkMemo) if reuse is not None else None
             cand = candidate_kv(run.model, memory, fragment, spans, self.parallel, run.state.get("focusllm_gate"),
                                 groups, memo=memo)
@@ -344,7 +342,7 @@ class FocusLLM(CandidateTraining, Method):
             return None
         cache = Cache(layers=[CandidateLayer(k, v) for k, v in cand])
         if groups is not None:
-            plan = run.state.get("plan")
+            plan = run.plan
             run.state["focusllm_generation"] = {"cache": cache, "groups": groups, "pending": [], "refreshes": 0,
                                                 "prompt": int(plan.input_ids.shape[1]) if plan is not None else 0}
         return cache
@@ -357,7 +355,7 @@ class FocusLLM(CandidateTraining, Method):
     @hookimpl
     def lcx_attention(self, run, module, query, key, value, attention_mask, kwargs):
         """``topk``: the decoder's queries read their ``topk`` best-scoring candidates only (per head)."""
-        cache = run.state.get("memory")
+        cache = run.memory
         layers = cache.layers if isinstance(cache, Cache) else []
         layer = layers[module.layer_idx] if module.layer_idx < len(layers) else None
         # the decoder's forward only (the chunk forwards that refresh candidates read their own caches)

@@ -68,7 +68,7 @@ class CandidateTraining:
         wrapped model is a collective); the processes differ by their data."""
         self._check_trainable(run)
         ids = batch["input_ids"]
-        rng = random.Random(f"focusllm:{run.state.get('seed', 0)}:{step}")
+        rng = random.Random(f"focusllm:{run.seed}:{step}")
         return {"input_ids": ids, "focusllm": {t: self._draw(run.window, ids.shape[1], t, rng) for t in self._terms}}
 
     def _draw(self, window: int, N: int, term: str, rng: random.Random) -> TrainDraw:

@@ -49,7 +49,7 @@ def measure(run: Any, documents: list[tuple[str, list[int]]], ds: list[int], n_b
         raise LcxError(f"d={max(ds)} needs at least {max(ds)} documents (one per batch row), got {n}; "
                        f"give more documents or smaller --ds")
     layers = fot.layer_indices(run)
-    run.state.pop("memory", None)  # a training-style forward: no inference memory
+    run.memory = None  # a training-style forward: no inference memory
     device = model_device(run.model)
     data = [ids.to(device) for ids in batches(documents, fot.local, n_batches)]
     per_d: dict[str, dict[str, float]] = {}

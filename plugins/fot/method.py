@@ -151,7 +151,7 @@ class FoT(Method):
     def lcx_memory(self, run, batch_size):
         from lcx.generation import model_device
 
-        plan = run.state.get("plan")
+        plan = run.plan
         pad = ((plan.attention_mask == 0).sum(-1) if plan is not None else torch.zeros(batch_size)).long()
         pad = pad.to(model_device(run.model))  # shifts the model's query positions
         cfg = run.model.config
@@ -187,12 +187,12 @@ class FoT(Method):
             raise LcxError(f"fot crossbatch training attends over whole {self.local}-token contexts, but this model's "
                            f"sliding-window layers see {sliding} tokens (it would train them otherwise than they "
                            f"run); set -o fot.local={sliding} or less")
-        ts = run.state.setdefault("train_state", {})
+        ts = run.train_state
         if run.state.get("fot_d_step") != step:  # d is decided once per optimizer step (this runs per micro-batch)
             done = ts.pop("step_accuracy", None)  # the previous step's micro-batches: one entry of the history
             if done:
                 ts["accuracy_history"] = (ts.get("accuracy_history", []) + [sum(done) / len(done)])[-100:]
-            d, switched = crossbatch.d_for_step(self.d_schedule, self.d, step, run.state.get("seed", 0),
+            d, switched = crossbatch.d_for_step(self.d_schedule, self.d, step, run.seed,
                                                 ts.get("accuracy_history"), ts.get("d_switched", False))
             ts.update(d=d, d_switched=switched)
             run.state["fot_d_step"] = step
@@ -214,7 +214,7 @@ class FoT(Method):
             pred, gold = out.logits[:, :-1].argmax(-1), batch["labels"][:, 1:]
             seen = gold != -100
             acc = float((pred == gold)[seen].float().mean()) if seen.any() else 0.0
-        ts = run.state["train_state"]
+        ts = run.train_state
         ts["accuracy"] = acc
         # this step's micro-batches; lcx_sample folds them into one entry of the per-step history (acc:A:D:N,
         # N <= 100) when the next step starts
@@ -224,7 +224,7 @@ class FoT(Method):
     @hookimpl
     def lcx_attention(self, run, module, query, key, value, attention_mask, kwargs):
         lay = run.state.get("crossbatch")
-        if lay is not None and run.state.get("memory") is None:  # training forward
+        if lay is not None and run.memory is None:  # training forward
             scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
             if module.layer_idx not in self.layer_indices(run):
                 return crossbatch.local_attention(query, key, value, lay, scaling), None
@@ -238,7 +238,7 @@ class FoT(Method):
                 banks[module.layer_idx] = crossbatch.bank_update(banks.get(module.layer_idx), key, value, lay, inv,
                                                                  self.bank)
             return out, None
-        cache = run.state.get("memory")
+        cache = run.memory
         layer = cache.layers[module.layer_idx] if cache is not None and hasattr(cache, "layers") else None
         if not isinstance(layer, FoTLayer):
             return None

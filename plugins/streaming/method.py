@@ -152,7 +152,7 @@ class Streaming(Method):
 
     @hookimpl
     def lcx_attention(self, run, module, query, key, value, attention_mask, kwargs):
-        cache = run.state.get("memory")
+        cache = run.memory
         layer = cache.layers[module.layer_idx] if isinstance(cache, Cache) else None
         if not isinstance(layer, SinkWindowLayer):
             return None

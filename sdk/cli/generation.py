@@ -71,7 +71,7 @@ def generate_cmd(model, methods, options, adapter, trust_remote_code, input_file
         t0 = time.perf_counter()
         new = generate(s.run, ids, max_new_tokens=max_new_tokens, progress=not as_json, **kwargs)
         dt = time.perf_counter() - t0
-        plan = s.run.state.get("plan")
+        plan = s.run.plan
         if as_json:
             _echo_json({
                 "model": model, **s.run.describe(), "prompt_tokens": int(ids.shape[1]),
