@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lcx.memory import StoreConfig, make_store, recall_at_k
+from lcx.plugins.fot.memory import StoreConfig, make_store, recall_at_k
 
 OUT = Path(__file__).parent / "results" / "knn.json"
 

@@ -20,7 +20,7 @@ import lcx
 from lcx.adapters.peft_bridge import add_adapter
 from lcx.adapters.rotary import rotate
 from lcx.generation import tail_logits
-from lcx.memory import make_store
+from lcx.plugins.fot.memory import make_store
 from lcx.plugins.fot.attention import memory_attention
 from lcx.plugins.fot.cache import add_to_memory
 from lcx.registry import BUILTIN_PLUGINS, registry

@@ -20,7 +20,7 @@ import torch
 
 from lcx.adapters.peft_bridge import add_adapter, load_adapter, read_sidecar, save_adapter
 from lcx.io import COMMIT, STAGING, commit_files, recover
-from lcx.memory import load_memory, make_store, save_memory
+from lcx.plugins.fot.memory import load_memory, make_store, save_memory
 from tests.conftest import tiny_model
 
 TRIALS = 24

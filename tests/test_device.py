@@ -19,7 +19,7 @@ import lcx
 from lcx.cli import main
 from lcx.errors import LcxError
 from lcx.generation import generate, tail_logits
-from lcx.memory import faiss_gpu_available
+from lcx.plugins.fot.memory import faiss_gpu_available
 from lcx.models import load_model, resolve_device
 from tests.conftest import tiny_model
 from tests.helpers import make_tiny_model_dir, make_word_documents
@@ -124,7 +124,7 @@ def test_a_method_on_the_gpu_gives_the_cpu_logits_and_tokens(stack, opts):
 @needs_cuda
 def test_a_fot_memory_built_on_the_gpu_answers_like_the_cpu_and_a_saved_one_serves_a_gpu_model(tmp_path):
     from lcx.adapters.peft_bridge import base_identity
-    from lcx.memory import save_memory
+    from lcx.plugins.fot.memory import save_memory
 
     g = torch.Generator().manual_seed(1)
     doc, prompt = torch.randint(3, 250, (1, 200), generator=g), torch.randint(3, 250, (1, 40), generator=g)

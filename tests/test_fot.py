@@ -7,7 +7,7 @@ import torch
 
 import lcx
 from lcx.generation import tail_logits
-from lcx.memory import save_memory
+from lcx.plugins.fot.memory import save_memory
 from tests.conftest import tiny_model
 
 N = 200  # tokens: longer than the tiny window (128) and many local windows of 32
@@ -70,7 +70,7 @@ def test_memory_attention_equals_an_explicit_softmax_per_query_head(dense):
     """GQA, query blocks, batch rows, and KV heads whose stores hold the same number of entries or not (fewer
     than k, none at all: the heads are computed together, padded): each query head's output is one softmax
     over its local keys (under the mask) and its KV head's top-k memory keys (dense: all of them)."""
-    from lcx.memory import make_store
+    from lcx.plugins.fot.memory import make_store
     from lcx.plugins.fot.attention import memory_attention
 
     g = torch.Generator().manual_seed(0)
@@ -180,7 +180,7 @@ def test_bad_options():
 
 def test_memory_from_another_model_is_refused(tmp_path):
     from lcx.adapters.peft_bridge import base_identity
-    from lcx.memory import make_store
+    from lcx.plugins.fot.memory import make_store
 
     a, b = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
     store = make_store(kind="torch")
@@ -211,7 +211,7 @@ def test_memory_build_then_generate_with_it(tmp_path):
     meta = json.loads((tmp_path / "mem" / "memory.json").read_text())
     assert [d["doc_id"] for d in meta["documents"]] == [0, 1]
     total = sum(d["tokens"] for d in meta["documents"])
-    from lcx.memory import load_memory
+    from lcx.plugins.fot.memory import load_memory
 
     stores, _ = load_memory(tmp_path / "mem")
     assert all(len(s) == total for s in stores.values())  # every token of both documents is in memory

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lcx.errors import LcxError
-from lcx.memory import StoreConfig, faiss_gpu_available, load_memory, make_store, recall_at_k, save_memory
+from lcx.plugins.fot.memory import StoreConfig, faiss_gpu_available, load_memory, make_store, recall_at_k, save_memory
 
 
 def _data(n=600, d=32, seed=0):
@@ -40,7 +40,7 @@ def test_approximate_backends_have_high_recall(kind, extra):
 
 
 def test_ivf_probing_every_list_is_exact_inner_product_search_also_for_keys_added_after_training():
-    """faiss-ivf searches extended keys by L2 (lcx.memory.FaissStore): probing every list must give exact
+    """faiss-ivf searches extended keys by L2 (lcx.plugins.fot.memory.FaissStore): probing every list must give exact
     inner-product results and scores, including for keys added after training with larger norms."""
     keys, values, q = _data(1200)
     keys[600:] *= 1.8  # later keys: norms beyond the training ones (within the R margin of 2)
@@ -129,7 +129,7 @@ def test_faiss_gpu_without_cuda_says_which_install_step_is_missing(monkeypatch):
     from importlib import metadata
     from types import SimpleNamespace
 
-    from lcx.memory import _faiss_gpu_missing
+    from lcx.plugins.fot.memory import _faiss_gpu_missing
 
     def version(installed):
         def v(name):
@@ -202,7 +202,7 @@ def test_capped_index_evicts_in_place_and_stays_exact_against_torch(kind, extra)
 
 def test_a_union_store_reads_as_the_shared_store_with_the_own_entries_appended():
     """What a served request sees of a document memory: search and values equal one store holding both."""
-    from lcx.memory import UnionStore
+    from lcx.plugins.fot.memory import UnionStore
 
     g = torch.Generator().manual_seed(0)
     shared, own, both = make_store(kind="torch"), make_store(kind="torch"), make_store(kind="torch")

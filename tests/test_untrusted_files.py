@@ -13,7 +13,7 @@ import torch
 
 from lcx.adapters.peft_bridge import load_adapter
 from lcx.errors import LcxError
-from lcx.memory import load_memory, make_store, save_memory
+from lcx.plugins.fot.memory import load_memory, make_store, save_memory
 from lcx.models import load_model
 from lcx.train import TrainConfig, train
 from tests.helpers import make_tiny_model_dir

@@ -285,7 +285,7 @@ def test_served_fot_reads_a_shared_document_memory_and_never_writes_it(tmp_path,
     """`lcx serve --memory`: every request reads the memory `lcx memory build` wrote, plus its own tokens on
     top, and answers as `lcx generate --memory` (memory loaded afresh) does; the shared memory is unchanged."""
     from lcx.adapters.peft_bridge import base_identity
-    from lcx.memory import load_memory, save_memory
+    from lcx.plugins.fot.memory import load_memory, save_memory
     from lcx.registry import registry
 
     opts = dict(FOT, memory_layers="1", dense=dense)
@@ -455,7 +455,7 @@ def test_a_heads_store_answers_what_one_torch_store_per_head_answers(cap):
     and the same dense keys, also after its FIFO cap drops the oldest; `memory_attention` gives the same
     output from either."""
     from lcx.plugins.fot.served import HeadsStore
-    from lcx.memory import make_store
+    from lcx.plugins.fot.memory import make_store
     from lcx.plugins.fot.attention import _memory_scores, memory_attention
 
     torch.manual_seed(cap)

@@ -125,8 +125,8 @@ class ServedAttention:
         raise NotImplementedError(f"{cls.__name__} does not bound its per-request state")
 
     @classmethod
-    def memory_entries(cls, method: Any, max_model_len: int, memory: dict[str, Any] | None) -> int:
-        """The most entries per layer and KV head a request's memory may hold (``memory``: the metadata of a
+    def memory_entries(cls, method: Any, max_model_len: int, memory: Any) -> int:
+        """The most entries per layer and KV head a request's memory may hold (``memory``: the folder of a
         document memory the server loads, or None), checked against ``LCX_MAX_MEMORY_ENTRIES``; 0: none."""
         return 0
 

@@ -137,16 +137,10 @@ def served_state_budget(insts: list, config: dict[str, Any], window: int, max_mo
         raise LcxError(f"--state-gib must be > 0, got {state_gib}")
     served = served_class(spec)
     cap = Limits.from_env().max_memory_entries
-    meta = None
-    if memory is not None:
-        from lcx.io import read_json_file
-        from lcx.memory import MEMORY_META
-
-        meta = read_json_file(Path(memory) / MEMORY_META, "rebuild the memory")
-    entries = served.memory_entries(method, max_model_len, meta)
+    entries = served.memory_entries(method, max_model_len, memory)
     if entries > cap:
         held = f" ({entries - max_model_len:,} of the document memory + up to --max-model-len {max_model_len:,} of its own)" \
-            if meta else ""
+            if memory is not None else ""
         raise LcxError(f"{method.name}: a request's memory could hold {entries:,} entries per layer and KV head{held}, "
                        f"over the limit of {cap:,}; lower --max-model-len or raise LCX_MAX_MEMORY_ENTRIES")
     per_request = served.request_bytes(method, config, window, max_model_len)

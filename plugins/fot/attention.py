@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from lcx.adapters.rotary import rotate
-from lcx.memory import MemoryStore
+from lcx.plugins.fot.memory import MemoryStore
 
 
 def memory_attention(

@@ -16,7 +16,7 @@ from transformers.cache_utils import Cache
 
 from lcx.adapters.rotary import rotate
 from lcx.masking import SubsetCacheLayer
-from lcx.memory import MemoryStore
+from lcx.plugins.fot.memory import MemoryStore
 
 
 class FoTLayer(SubsetCacheLayer):

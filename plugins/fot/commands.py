@@ -44,7 +44,7 @@ def memory_build(model, methods, options, adapter, out, overwrite, text_field, a
 
     from lcx.adapters.peft_bridge import adapter_digest, base_identity
     from lcx.data import iter_documents
-    from lcx.memory import save_memory
+    from lcx.plugins.fot.memory import save_memory
     from lcx.session import open_session, parse_options
 
     if list(methods) != ["fot"]:

@@ -27,7 +27,7 @@ from lcx.errors import LcxError
 from lcx.hookspecs import hookimpl
 from lcx.limits import kv_dims
 from lcx.masking import to_additive, visible_mask
-from lcx.memory import KINDS, MemoryStore, StoreConfig, bytes_per_store, load_memory, make_store
+from lcx.plugins.fot.memory import KINDS, MemoryStore, StoreConfig, bytes_per_store, load_memory, make_store
 from lcx.method import Method, option
 from lcx.plan import Plan
 from lcx.plugins.fot import crossbatch
@@ -353,7 +353,7 @@ class FoT(Method):
         """A memory (``lcx memory build``) for a server of ``model`` (its identity: config.json's model_type,
         num_hidden_layers, hidden_size, layer_types and its embedding_sha256): its files whole, built with that
         model, holding the memory layers fot reads here; returns its metadata."""
-        from lcx.memory import check_memory_files
+        from lcx.plugins.fot.memory import check_memory_files
 
         meta = check_memory_files(path)
         built = meta.get("model", {})

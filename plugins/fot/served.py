@@ -6,6 +6,7 @@ under one softmax (``memory_attention``), with the query re-rotated per the posi
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -138,7 +139,7 @@ class FoTServed(ServedAttention):
     def from_method(cls, method, context):
         shared = None
         if context.memory:
-            from lcx.memory import load_memory
+            from lcx.plugins.fot.memory import load_memory
 
             shared = load_memory(context.memory, method.store_config())[0]
         return cls(method, shared)
@@ -158,7 +159,13 @@ class FoTServed(ServedAttention):
     @classmethod
     def memory_entries(cls, method, max_model_len, memory):
         """A request's own memory (up to every token it reads) on top of the document memory's entries."""
-        return sum(int(d.get("tokens", 0)) for d in (memory or {}).get("documents") or []) + max_model_len
+        if memory is None:
+            return max_model_len
+        from lcx.io import read_json_file
+        from lcx.plugins.fot.memory import MEMORY_META
+
+        documents = read_json_file(Path(memory) / MEMORY_META, "rebuild the memory").get("documents") or []
+        return sum(int(d.get("tokens", 0)) for d in documents) + max_model_len
 
     def start_request(self, req, s):
         if "slot" in req.info:  # a request recomputed from its start keeps its slot
@@ -185,7 +192,7 @@ class FoTServed(ServedAttention):
                 self.memory_layers = set(self.m.layers_of(int(module.config.num_hidden_layers),
                                                           getattr(module.config, "layer_types", None)))
             if layer in self.memory_layers:
-                from lcx.memory import UnionStore, make_store
+                from lcx.plugins.fot.memory import UnionStore, make_store
 
                 config = self.m.store_config()
                 if config.kind == "torch" and not any(key[0] == layer for key in self.shared):

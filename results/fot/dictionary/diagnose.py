@@ -22,7 +22,7 @@ import lcx.plugins.fot.method as fot_method
 from lcx.evals import dictionary
 from lcx.generation import tail_logits
 from lcx.io import token_counts
-from lcx.memory import make_store
+from lcx.plugins.fot.memory import make_store
 from lcx.session import open_session, parse_options
 
 OPTIONS = ("fot.w=1", "fot.memory_layers=all", "fot.local=256", "fot.k=32")

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 
 def ivf_ip(keys: np.ndarray, nlist: int, nprobe: int, train: int):
-    """fot's faiss-ivf: inner-product quantizer and lists (lcx.memory.FaissStore)."""
+    """fot's faiss-ivf: inner-product quantizer and lists (lcx.plugins.fot.memory.FaissStore)."""
     q = faiss.IndexFlatIP(keys.shape[1])
     index = faiss.IndexIVFFlat(q, keys.shape[1], nlist, faiss.METRIC_INNER_PRODUCT)
     index.train(keys[:train])
