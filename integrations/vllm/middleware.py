@@ -447,7 +447,7 @@ class LcxRequestOptions:
         """``_rewrite`` off the event loop.  A request whose state it computed is then held until every state
         request that arrived before it finished is computed too: requests that arrive together reach vLLM
         together, so vLLM's forwards do not share the CPU with the middleware's (one request at a time) while
-        it computes the rest.  Measured: bench/results/focusllm-connector-checks/ (BENCHMARKS.md, focusllm).
+        it computes the rest (benchmarks/focusllm.md).
         Not when the forwards run on vLLM's engine (``RequestStates.uses_engine``): it shares nothing with itself."""
         spec = self.stateful.get(data.get("model"))  # type: ignore[arg-type]
         if spec is None or self.states().uses_engine(spec, engine):

@@ -32,7 +32,7 @@ def vllm_command(exp: Export, host: str, port: int, served_name: str, dtype: str
     cmd = [sys.executable, "-m", "lcx.integrations.vllm", "serve", str(exp.model_dir), "--host", host, "--port", str(port),
            "--served-model-name", served_name, *exp.middleware_adapters,  # the latter: names of the base model
            "--dtype", dtype, "--max-model-len", str(exp.max_model_len),
-           "--enforce-eager",  # see below; on the native model code it saves torch.compile's ~50 s at start
+           "--enforce-eager",  # see below; on the native model code it saves torch.compile's start-up time
            "--disable-log-stats", "--middleware", REQUEST_CHECK]
     attention = attention_method(exp)
     if attention and not prefix_kv(attention) and "--no-enforce-eager" in extra:
@@ -121,7 +121,6 @@ def vllm_env(exp: Export, kv_cache_gib: float | None = None, served_name: str = 
     env[API_KEYS_ENV] = json.dumps(api_keys(extra))  # vLLM checks them after lcx's middleware: it checks them first
     if (os.cpu_count() or 1) <= 4:
         # vLLM keeps one CPU for its API server by default; on a 2-core machine that halves the compute
-        # (bench/serve_throughput.py: 9.0 vs 4.6-5.6 tokens/s for 8 concurrent 2K-token passkey requests).
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     # config.json already says how far the positions go (see export_for_vllm); vLLM's own derivation
     # reads max_position_embeddings only.
@@ -215,7 +214,7 @@ def start(exp: Export, host: str = "127.0.0.1", port: int = 8000, served_name: s
 class ServerProcess:
     """``lcx serve`` in a subprocess, for tests, benchmarks and scripts: start, wait for the ready
     line, post JSON, stop with SIGINT (as Ctrl-C).  vLLM's log goes to ``log_path``.  With ``wait=False`` the
-    caller works while the server starts (~25 s, a core idle about half of it), then calls ``wait_ready``."""
+    caller works while the server starts, then calls ``wait_ready``."""
 
     def __init__(self, model: str, args: list[str], log_path: str | Path, port: int | None = None,
                  wait: bool = True) -> None:

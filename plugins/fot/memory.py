@@ -254,10 +254,9 @@ class FaissStore(MemoryStore):
 
     faiss-ivf does not cluster raw keys under inner product: an inner-product quantizer assigns each key
     to the centroid of largest norm along it, so rare keys (a passkey among 64K filler keys) land in lists
-    that their queries do not probe (results/fot/passkey-64k/recall: 65% of the needle's top-32 entries
-    found at nprobe 8, 76% at nprobe 64).  Keys become ``[k, sqrt(R^2 - |k|^2)]`` and queries ``[q, 0]``,
-    so ``|q' - k'|^2 = |q|^2 + R^2 - 2 q.k``: the nearest key is the largest inner product, and the lists
-    are plain L2 k-means cells (95% at nprobe 8, 97% at 32).  R is twice the largest norm seen at
+    that their queries do not probe (recall measured in results/fot/passkey-64k/recall).  Keys become
+    ``[k, sqrt(R^2 - |k|^2)]`` and queries ``[q, 0]``, so ``|q' - k'|^2 = |q|^2 + R^2 - 2 q.k``: the nearest
+    key is the largest inner product, and the lists are plain L2 k-means cells.  R is twice the largest norm seen at
     training, so later keys up to that norm keep the identity; scores are recomputed exactly."""
 
     IVF_NORM_MARGIN = 2.0
