@@ -13,6 +13,9 @@ Backends (``make_store(kind, ...)``):
                 (Bachrach et al. 2014), which IVF's k-means clusters well; see FaissStore
     faiss-hnsw  approximate: HNSW graph (M, ef_search)
     faiss-gpu   faiss-flat on a GPU, when faiss was built with CUDA and a GPU is present
+    ray         the entries dealt round-robin over ``shards`` Ray actors, each holding a store of
+                ``shard_kind`` (one of the above but faiss-gpu); a search asks every shard and merges the
+                top-k (ray_memory.py)
 
 An entry cap (``max_entries``) evicts the oldest entries first (FIFO: FoT's
 memory is a sliding history; the oldest context is the least relevant).  Eviction
@@ -29,11 +32,12 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib.util
 import json
 import os
 import re
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +48,8 @@ from safetensors.torch import load_file, save_file
 from lcx.errors import LcxError
 from lcx.io import commit_files, read_json_file, recover
 
-KINDS = ("torch", "faiss-flat", "faiss-ivf", "faiss-hnsw", "faiss-gpu")
+KINDS = ("torch", "faiss-flat", "faiss-ivf", "faiss-hnsw", "faiss-gpu", "ray")
+SHARD_KINDS = ("torch", "faiss-flat", "faiss-ivf", "faiss-hnsw")  # what a Ray shard can hold
 
 
 @dataclass
@@ -57,21 +62,47 @@ class StoreConfig:
     hnsw_m: int = 32  # faiss-hnsw: graph degree
     ef_search: int = 128  # faiss-hnsw: search breadth
     ef_construction: int = 200  # faiss-hnsw: build breadth
+    shards: int = 1  # ray: actors the entries are dealt over
+    shard_kind: str = "faiss-flat"  # ray: the store each shard holds
+    ray_address: str = ""  # ray: a running cluster (host:port, ray://host:port, auto); "" = $RAY_ADDRESS, else local
 
     def validate(self) -> None:
         if self.kind not in KINDS:
             raise LcxError(f"unknown memory backend {self.kind!r}; choose one of {', '.join(KINDS)}")
+        if self.kind == "ray":
+            if self.shards < 1:
+                raise LcxError(f"a Ray memory needs shards >= 1 (one actor each), got {self.shards}")
+            if self.shard_kind not in SHARD_KINDS:
+                raise LcxError(f"a Ray memory's shards hold a {', '.join(SHARD_KINDS)} store, got {self.shard_kind!r}")
+            if not ray_installed():
+                raise LcxError("memory backend 'ray' needs Ray: pip install 'lcx[dist]' (or pick a one-process "
+                               f"backend: {', '.join(k for k in KINDS if k != 'ray')})")
         if min(self.nlist, self.nprobe) < 1 or self.ivf_train < 0:
             raise LcxError(f"faiss-ivf needs nlist >= 1, nprobe >= 1, ivf_train >= 0; got {self.nlist}, {self.nprobe}, {self.ivf_train}")
         if self.max_entries < 0:
             raise LcxError(f"max_entries must be >= 0 (0 = unbounded), got {self.max_entries}")
+
+    def in_process(self) -> "StoreConfig":
+        """This configuration held by one process: a Ray memory's shard store (with the cap), else itself."""
+        return replace(self, kind=self.shard_kind, shards=1) if self.kind == "ray" else self
+
+
+def ray_installed() -> bool:
+    """Whether Ray can be imported here (it is imported only when a Ray memory is made)."""
+    try:
+        return importlib.util.find_spec("ray") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def bytes_per_store(config: StoreConfig, entries: int, key_dim: int, value_dim: int, value_size: int) -> int:
     """An upper bound on the bytes one store of ``config`` holding ``entries`` takes: float32 keys, values
     (``value_size`` bytes each), positions and document ids in ``_Rows`` (capacity doubles: up to as much
     again spare, 256 rows at least), plus the FAISS index's own copy of the keys (faiss-ivf: extended by one
-    coordinate, with ids; faiss-hnsw: with ~2 x hnsw_m graph links each; faiss-gpu: on the GPU)."""
+    coordinate, with ids; faiss-hnsw: with ~2 x hnsw_m graph links each; faiss-gpu: on the GPU; ray: its shards'
+    stores together, counted as one)."""
+    if config.kind == "ray":
+        return bytes_per_store(config.in_process(), entries, key_dim, value_dim, value_size)
     rows = (2 * entries + 256) * (4 * key_dim + value_size * value_dim + 16)
     index = {"torch": 0, "faiss-gpu": 0, "faiss-flat": 4 * key_dim, "faiss-ivf": 4 * (key_dim + 1) + 8,
              "faiss-hnsw": 4 * key_dim + 3 * config.hnsw_m * 4}[config.kind]
@@ -155,6 +186,16 @@ class MemoryStore(ABC):
             self._evict_front(drop, k)
         else:
             self._index_add(k)
+
+    def drop_oldest(self, n: int) -> None:
+        """Forget the ``n`` oldest entries, as the cap does (a Ray memory's shards are told so by their owner)."""
+        n = min(n, len(self))
+        if n <= 0:
+            return
+        self.evicted += n
+        for r in self._rows.values():
+            r.drop_front(n)
+        self._evict_front(n, self.keys[:0])
 
     def clear(self, doc_id: int | None = None) -> None:
         """Forget everything, or only the entries of one document."""
@@ -428,7 +469,7 @@ class _UnionRows:
         if self.first is None:
             return self.second[idx.to(self.second.device)]
         n = self.first.shape[0]
-        out = self.first.new_empty(*idx.shape, self.first.shape[1], device=idx.device)
+        out = torch.empty(*idx.shape, self.first.shape[1], dtype=self.first.dtype, device=idx.device)
         low = idx < n
         out[low] = self.first[idx[low].to(self.first.device)].to(idx.device)
         out[~low] = self.second[(idx[~low] - n).to(self.second.device)].to(idx.device)
@@ -442,6 +483,10 @@ class _UnionRows:
 def make_store(config: StoreConfig | None = None, **kwargs: Any) -> MemoryStore:
     config = config or StoreConfig(**kwargs)
     config.validate()
+    if config.kind == "ray":
+        from lcx.plugins.fot.ray_memory import RayStore
+
+        return RayStore(config)  # type: ignore[return-value]  # the same interface, entries held by Ray actors
     return TorchStore(config) if config.kind == "torch" else FaissStore(config)
 
 
@@ -452,11 +497,16 @@ MEMORY_META = "memory.json"
 
 def save_memory(stores: dict[tuple[int, int], MemoryStore], path: str | os.PathLike, meta: dict[str, Any]) -> Path:
     """Write every (layer, head) store: tensors to safetensors, metadata + sha256 to JSON, as one atomic
-    update (a crash leaves the previous memory, or the new one once committed; never a mix)."""
+    update (a crash leaves the previous memory, or the new one once committed; never a mix).  A Ray memory
+    writes a tensor file per shard instead, each with its sha256 (``ray_memory.save_sharded``)."""
+    any_store = next(iter(stores.values()), None)
+    if any_store is not None and any_store.config.kind == "ray":
+        from lcx.plugins.fot.ray_memory import save_sharded
+
+        return save_sharded(stores, path, meta)  # type: ignore[arg-type]
     tensors: dict[str, torch.Tensor] = {}
     for (layer, head), store in stores.items():
         tensors.update(store.tensors(f"{layer}.{head}."))
-    any_store = next(iter(stores.values()), None)
 
     def write(d: Path) -> None:
         save_file(tensors, str(d / MEMORY_TENSORS))
@@ -468,10 +518,21 @@ def save_memory(stores: dict[tuple[int, int], MemoryStore], path: str | os.PathL
 
 
 def load_memory(path: str | os.PathLike, config: StoreConfig | None = None) -> tuple[dict[tuple[int, int], MemoryStore], dict]:
-    """Read a memory written by ``save_memory``; the tensor file must match its recorded sha256."""
-    meta = check_memory_files(path)
-    tensors = load_file(str(Path(path) / MEMORY_TENSORS))
+    """Read a memory written by ``save_memory`` into stores of ``config`` (default: as it was saved); every
+    tensor file must match its recorded sha256.  A one-file memory can be read into a Ray memory (dealt over
+    its shards); a sharded one only into a Ray memory of as many shards (each reads its own file)."""
+    meta = check_memory_files(path, checksums=False)
     cfg = config or StoreConfig(**(meta.get("store_config") or {}))
+    sharded = meta.get("shards")
+    if sharded is not None:
+        if cfg.kind != "ray":
+            raise LcxError(f"memory {str(path)!r} is sharded over {len(sharded)} Ray actors; read it with "
+                           f"-o fot.backend=ray -o fot.shards={len(sharded)}")
+        from lcx.plugins.fot.ray_memory import load_sharded
+
+        return load_sharded(path, meta, cfg), meta  # type: ignore[return-value]
+    _check_sha256(Path(path) / MEMORY_TENSORS, meta.get("sha256"))
+    tensors = load_file(str(Path(path) / MEMORY_TENSORS))
     stores = {}
     for name in meta["stores"]:
         layer, head = map(int, name.split("."))
@@ -481,21 +542,39 @@ def load_memory(path: str | os.PathLike, config: StoreConfig | None = None) -> t
     return stores, meta
 
 
-def check_memory_files(path: str | os.PathLike) -> dict:
+def check_memory_files(path: str | os.PathLike, checksums: bool = True) -> dict:
     """A memory folder's metadata, once its files are whole: an interrupted save finished (``recover``),
-    memory.json of the shape ``save_memory`` writes, the tensor file matching its recorded sha256."""
+    memory.json of the shape ``save_memory`` writes, the tensor file (a Ray memory's: one per shard) there
+    and, with ``checksums``, matching its recorded sha256."""
     d = Path(path)
     if d.is_dir():
         recover(d)  # finish a save that a crash interrupted after its commit point
-    meta_path, tensor_path = d / MEMORY_META, d / MEMORY_TENSORS
-    if not meta_path.exists() or not tensor_path.exists():
+    meta_path = d / MEMORY_META
+    if not meta_path.exists() or (not (d / MEMORY_TENSORS).exists() and not _lists_shards(meta_path)):
         raise LcxError(f"{str(d)!r} is not an lcx memory folder (needs {MEMORY_META} and {MEMORY_TENSORS}); "
                        f"build one with `lcx memory build`")
     meta = read_json_file(meta_path, "rebuild the memory")
     _check_memory_meta(meta, meta_path)
-    if _sha256(tensor_path) != meta.get("sha256"):
-        raise LcxError(f"memory file {str(tensor_path)!r} is corrupted or truncated (checksum mismatch); rebuild it")
+    files = [(d / s["file"], s["sha256"]) for s in meta["shards"]] if "shards" in meta \
+        else [(d / MEMORY_TENSORS, meta.get("sha256"))]
+    for f, sha in files:
+        if not f.exists():
+            raise LcxError(f"memory file {str(f)!r} is missing (its {MEMORY_META} lists it); rebuild the memory")
+        if checksums:
+            _check_sha256(f, sha)
     return meta
+
+
+def _lists_shards(meta_path: Path) -> bool:
+    try:
+        return "shards" in json.loads(meta_path.read_text())
+    except (ValueError, TypeError, OSError):
+        return False
+
+
+def _check_sha256(path: Path, sha256: Any) -> None:
+    if _sha256(path) != sha256:
+        raise LcxError(f"memory file {str(path)!r} is corrupted or truncated (checksum mismatch); rebuild it")
 
 
 def _check_memory_meta(meta: Any, path: Path) -> None:
@@ -513,8 +592,22 @@ def _check_memory_meta(meta: Any, path: Path) -> None:
         problem = f"store name {bad!r} is not \"layer.head\""
     elif not isinstance(meta.get("model", {}), dict):
         problem = "'model' must be an object (the model it was built with)"
+    elif "shards" in meta and not _shard_list(meta["shards"]):
+        problem = "'shards' must be a non-empty list of {\"file\": \"memory-shard-I-of-N.safetensors\", \"sha256\": ...}"
     if problem:
         raise LcxError(f"memory file {str(path)!r} is damaged: {problem}; rebuild the memory with `lcx memory build`")
+
+
+def shard_file(i: int, n: int) -> str:
+    """The tensor file of shard ``i`` of ``n`` in a Ray memory's folder."""
+    return f"memory-shard-{i}-of-{n}.safetensors"
+
+
+def _shard_list(shards: Any) -> bool:
+    """A Ray memory's list of shard files: shard i of n named ``shard_file(i, n)`` (no other path), a sha256 each."""
+    return isinstance(shards, list) and bool(shards) and all(
+        isinstance(s, dict) and s.get("file") == shard_file(i, len(shards)) and isinstance(s.get("sha256"), str)
+        for i, s in enumerate(shards))
 
 
 def _sha256(path: Path) -> str:

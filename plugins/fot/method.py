@@ -16,6 +16,7 @@ differentiably, to earlier contexts of their own document and of ``d - 1`` other
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -27,7 +28,7 @@ from lcx.errors import LcxError
 from lcx.hookspecs import hookimpl
 from lcx.limits import kv_dims
 from lcx.masking import to_additive, visible_mask
-from lcx.plugins.fot.memory import KINDS, MemoryStore, StoreConfig, bytes_per_store, load_memory, make_store
+from lcx.plugins.fot.memory import KINDS, SHARD_KINDS, MemoryStore, StoreConfig, bytes_per_store, load_memory, make_store
 from lcx.method import Method, option
 from lcx.plan import Plan
 from lcx.plugins.fot import crossbatch
@@ -55,7 +56,12 @@ class FoT(Method):
     positions: Literal["first", "fixed", "none"] = option("first", "memory key positions: first (as if at the local window's start, LongLLaMA), fixed (one distance), none")
     fixed_distance: int = option(0, "distance of every memory key in positions=fixed; 0 = local")
     dense: bool = option(False, "attend to all of memory (no kNN); exact but linear in memory size")
-    backend: str = option("torch", f"kNN backend: {', '.join(KINDS)}")
+    backend: str = option("torch", f"kNN backend: {', '.join(KINDS)} (ray: the memory dealt over Ray actors, "
+                                   f"see shards; pip install 'lcx[dist]')")
+    shards: int = option(1, "backend=ray: shards, one Ray actor each; entries are dealt round-robin, a search asks all")
+    shard_backend: str = option("faiss-flat", f"backend=ray: the store each shard holds: {', '.join(SHARD_KINDS)}")
+    ray_address: str = option("", "backend=ray: a running Ray cluster (host:port, ray://host:port, auto); empty: "
+                                  "$RAY_ADDRESS, else a local Ray for this process")
     nlist: int = option(1024, "faiss-ivf: inverted lists per memory (layer, head)")
     nprobe: int = option(8, "faiss-ivf: lists searched per query (recall vs speed)")
     ivf_train: int = option(32768, "faiss-ivf: entries searched exactly before the lists are trained on them")
@@ -88,6 +94,11 @@ class FoT(Method):
             raise ValueError(f"positions must be first, fixed or none, got {self.positions!r}")
         if self.fixed_distance < 0:
             raise ValueError(f"fixed_distance must be >= 0 (0 = local), got {self.fixed_distance}")
+        if self.shards < 1:
+            raise ValueError(f"shards must be >= 1 (one Ray actor each), got {self.shards}")
+        if self.backend != "ray" and (self.shards != 1 or self.ray_address):
+            raise ValueError(f"{'shards' if self.shards != 1 else 'ray_address'} is an option of backend=ray (the "
+                             f"memory on Ray actors); add -o fot.backend=ray, or drop it for backend={self.backend}")
         self.store_config().validate()
         crossbatch.parse_d_schedule(self.d_schedule)  # validates every field of the schedule
         self.crossbatch_layout(self.d)  # validates d, w and segments (against the largest d the schedule reaches)
@@ -119,7 +130,8 @@ class FoT(Method):
 
     def store_config(self) -> StoreConfig:
         return StoreConfig(kind=self.backend, max_entries=self.max_entries, nlist=self.nlist, nprobe=self.nprobe,
-                           ivf_train=self.ivf_train)
+                           ivf_train=self.ivf_train, shards=self.shards, shard_kind=self.shard_backend,
+                           ray_address=self.ray_address)
 
     def crossbatch_layout(self, d: int) -> crossbatch.Layout:
         try:
@@ -165,9 +177,12 @@ class FoT(Method):
         else:
             stores = {}
         doc_ids = [int(x) for x in run.state.get("doc_ids", [0] * batch_size)]
+        # a document being added (``ingest``) is encoded in stores of this process: its entries join the memory
+        # at its end, in one add per store
+        config = self.store_config() if self._shared is None else self.store_config().in_process()
         return fot_cache(
             families.num_layers(run.model, run.family), self.layer_indices(run), self.local, batch_size, kv_heads,
-            lambda: make_store(self.store_config()),
+            lambda: make_store(config),
             lambda i: families.rotary_inv_freq(run.model, run.family, i), pad, doc_ids, stores,
         )
 
@@ -325,14 +340,17 @@ class FoT(Method):
         return [(1, q, keys, 3 * 4 * heads * min(q, self.block) * (keys + self.k))]
 
     def memory_bytes(self, run, entries: int) -> int:
-        """One store per memory layer and KV head (``bytes_per_store``)."""
+        """One store per memory layer and KV head (``bytes_per_store``); none here for a Ray memory on a cluster
+        elsewhere (its actors hold the entries)."""
+        if self.backend == "ray" and (self.ray_address or os.environ.get("RAY_ADDRESS", "")) not in ("", "local"):
+            return 0
         _, kv_heads, head_dim, size = kv_dims(run.model)
         return len(self.layer_indices(run)) * kv_heads * bytes_per_store(self.store_config(), entries, head_dim,
                                                                           head_dim, size)
 
     def memory_device(self, run) -> str | None:
-        """FAISS stores keep their entries in host arrays (faiss-gpu's index copy is counted there too);
-        the torch backend's live with the model."""
+        """FAISS stores (and a local Ray's actors) keep their entries in host arrays (faiss-gpu's index copy is
+        counted there too); the torch backend's live with the model."""
         return None if self.store_config().kind == "torch" else "cpu"
 
     def stores_for_saving(self) -> dict[tuple[int, int], MemoryStore]:

@@ -152,7 +152,8 @@ class FoTServed(ServedAttention):
         layers = int(config["num_hidden_layers"])
         ring = int(max(method.local, method.chunk or method.local) * (1 + WINDOW_SLACK))
         entries = max_model_len
-        memory = entries + max(16, int(entries * WINDOW_SLACK)) if method.store_config().kind == "torch" else 2 * entries
+        torch_own = method.store_config().in_process().kind == "torch"  # a request's own memory (begin)
+        memory = entries + max(16, int(entries * WINDOW_SLACK)) if torch_own else 2 * entries
         memory_layers = len(method.layers_of(layers, config.get("layer_types")))
         return (layers * ring + memory_layers * memory) * kv_bytes(config)
 
@@ -194,7 +195,7 @@ class FoTServed(ServedAttention):
             if layer in self.memory_layers:
                 from lcx.plugins.fot.memory import UnionStore, make_store
 
-                config = self.m.store_config()
+                config = self.m.store_config().in_process()  # a request's own memory: here, even by a Ray one
                 if config.kind == "torch" and not any(key[0] == layer for key in self.shared):
                     d["memory"] = {0: HeadsStore(config.max_entries)}  # exact search, every head at once
                 else:
