@@ -5,7 +5,9 @@ that matter to users: resumption is exact by construction (the rows of step s
 are a pure function of (seed, s), and every piece of state is restored), and
 checkpoints are safetensors + JSON only (no pickle).  Scaling out is
 accelerate's job: ``accelerate launch --config_file configs/accelerate/ddp-2proc.yaml -m lcx.cli train ...``
-(DDP; FSDP and DeepSpeed shard what the checkpoints read whole, and are refused at start).
+(DDP) or ``configs/accelerate/fsdp2-2proc.yaml`` (FSDP2: torch's ``fully_shard``, one unit per transformer
+block; each process checkpoints its shards through torch.distributed.checkpoint, and the result is gathered
+once, at the end).  DeepSpeed and FSDP version 1 are refused at start.
 
 ``train`` strings together the parts of a ``Trainer``: setup (its constructor), ``train_step`` (one
 optimizer step), ``checkpoint``, ``save_result``.  Per optimizer step, for each gradient-accumulation micro-batch:
@@ -146,6 +148,11 @@ def _atomic_dir_write(dest: Path, write: Callable[[Path], None]) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     write(tmp)
+    _commit_dir(tmp, dest)
+
+
+def _commit_dir(tmp: Path, dest: Path) -> None:
+    """``tmp`` becomes ``dest`` (replacing it) by renames: a crash leaves the old or the new folder."""
     if dest.exists():
         old = dest.with_name(dest.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
@@ -251,6 +258,10 @@ class Trainer:
         self.run = attach(self.model, cfg.methods, **cfg.options)
         self.run.seed = cfg.seed
         self.run.rank = self.rank  # per-process randomness in sampling stages (DDP)
+        # FSDP2 (one process: nothing to shard): each process holds a shard of every parameter
+        self.sharded = self.world > 1 and _fsdp_version(accel) == 2
+        if self.sharded:
+            _shard(self.model, accel)  # in place: its parameters become DTensors, this process's shards of them
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.names = list(trainable_parameters(self.model))
         # foreach: one fused pass over all tensors (torch picks the slow per-tensor loop on CPU by default)
@@ -271,15 +282,16 @@ class Trainer:
         self.step = 0  # optimizer steps done
         latest = _latest_checkpoint(self.ckpt_root) if resume else None
         if latest is not None:
-            self.step = _load_checkpoint(latest, self.model, self.names, opt, self.sched, self.rank, self.run.train_state,
-                                         self.world)
+            load = _load_sharded_checkpoint if self.sharded else _load_checkpoint
+            self.step = load(latest, self.model, self.names, opt, self.sched, self.rank, self.run.train_state, self.world)
             if self.step > cfg.steps:  # it would save the checkpoint's weights as a run of cfg.steps
                 raise LcxError(f"--resume: the latest checkpoint ({str(latest)!r}) is at step {self.step}, past "
                                f"--steps {cfg.steps}; a run can be extended, not shortened: pass --steps {self.step} "
                                f"or more")
             if accel.is_main_process:
                 _trim_metrics(self.out / METRICS, self.step)
-        self.ddp_model, self.opt = accel.prepare(self.model, opt)
+        # FSDP2's model is sharded already, and its optimizer steps on the shards: nothing for accelerate to wrap
+        self.ddp_model, self.opt = (self.model, opt) if self.sharded else accel.prepare(self.model, opt)
 
     def batch(self, micro: int) -> dict[str, torch.Tensor]:
         """Micro-batch ``micro`` of the current step, before the sampling stage: a pure function of (seed, step,
@@ -304,11 +316,16 @@ class Trainer:
             with accel.autocast():  # bf16 autocast when --bf16 (a no-op otherwise)
                 terms = _loss_terms(run, self.ddp_model, batch)
             loss = sum(terms.values()) / cfg.grad_accum
-            ctx = accel.no_sync(self.ddp_model) if micro < cfg.grad_accum - 1 else contextlib.nullcontext()
+            # FSDP2 reduce-scatters each micro-batch's gradients into the sharded ones (its no_sync would hold them
+            # unsharded until the last micro-batch)
+            last = micro == cfg.grad_accum - 1
+            ctx = contextlib.nullcontext() if last or self.sharded else accel.no_sync(self.ddp_model)
             with ctx:
                 accel.backward(loss)
             for k, v in terms.items():
                 sums[k] = sums.get(k, 0.0) + float(v.detach()) / cfg.grad_accum
+        if self.sharded:
+            _reshard(self.model)
         if cfg.max_grad_norm > 0:
             accel.clip_grad_norm_(self.params, cfg.max_grad_norm)
         self.opt.step()
@@ -324,8 +341,9 @@ class Trainer:
     def checkpoint(self) -> Path:
         """Save the state after the current step (trainable weights, optimizer, schedule, random generators, the
         methods' training state) as ``checkpoints/step-N``, which ``--resume`` continues from exactly."""
-        return _save_checkpoint(self.ckpt_root, self.step, self.model, self.names, self.opt, self.sched, self.cfg,
-                                self.accel, self.run.train_state)
+        save = _save_sharded_checkpoint if self.sharded else _save_checkpoint
+        return save(self.ckpt_root, self.step, self.model, self.names, self.opt, self.sched, self.cfg, self.accel,
+                    self.run.train_state)
 
     def run_until(self, stop_at: int, progress: bool = True) -> bool:
         """Train up to step ``stop_at``: each step recorded in metrics.jsonl, a checkpoint every ``save_every``
@@ -382,15 +400,15 @@ class Trainer:
         cfg, accel = self.cfg, self.accel
         accel.wait_for_everyone()
         failed = None
+        model = self._gathered() if self.sharded else accel.unwrap_model(self.ddp_model)
         if accel.is_main_process:
             extra = {"training": dataclasses.asdict(cfg), "steps_done": self.step}
             try:
                 if cfg.full_model:
-                    save_full_model(accel.unwrap_model(self.ddp_model), self.out,
-                                    methods=self.run.describe()["methods"], extra=extra, tokenizer=self.tok)
+                    save_full_model(model, self.out, methods=self.run.describe()["methods"], extra=extra,
+                                    tokenizer=self.tok)
                 else:
-                    save_adapter(accel.unwrap_model(self.ddp_model), self.out, methods=self.run.describe()["methods"],
-                                 extra=extra)
+                    save_adapter(model, self.out, methods=self.run.describe()["methods"], extra=extra)
             except Exception as e:  # disk full, ...: the trained state must not go with it
                 if self.world > 1:
                     raise
@@ -401,6 +419,32 @@ class Trainer:
                            f"{path}: fix the cause and run the same command plus --resume (it only writes the "
                            f"result)") from failed
 
+    def _gathered(self):
+        """FSDP2: the trained model whole, on the main process (None on the others): the base model loaded again
+        with the run's trainable modules (as the run set it up), each trained parameter all-gathered into it in
+        turn, so no process ever holds more than one whole parameter besides it.  A collective: every process
+        calls it."""
+        from lcx.models import load_model
+
+        whole = None
+        if self.accel.is_main_process:
+            base, _ = load_model(self.cfg.model, require_tokenizer=False, dtype=self.cfg.dtype)
+            whole = _trainable(base, self.cfg)
+            mine = dict(whole.named_parameters())
+            missing = [n for n in self.names if n not in mine]
+            if missing:  # every process must still take part in the gathers below: report after them
+                whole = LcxError(f"the trained parameter {missing[0]!r} has no place in the model loaded again to "
+                                 f"write the result; this is a bug in lcx, please report it")
+        shards = dict(self.model.named_parameters())
+        for n in self.names:
+            full = shards[n].full_tensor()  # (all-gather)
+            if isinstance(whole, torch.nn.Module):
+                with torch.no_grad():
+                    mine[n].copy_(full)
+        if isinstance(whole, LcxError):
+            raise whole
+        return whole
+
     def close(self) -> None:
         """Detach the methods and leave the process group."""
         self.run.detach()
@@ -409,7 +453,7 @@ class Trainer:
 
 
 def _accelerator(cfg: TrainConfig):
-    """An accelerate ``Accelerator`` for the run's precision; refused under FSDP, DeepSpeed and Megatron."""
+    """An accelerate ``Accelerator`` for the run's precision; refused under FSDP version 1, DeepSpeed and Megatron."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType
@@ -420,12 +464,72 @@ def _accelerator(cfg: TrainConfig):
     # half-precision weights compute under autocast, so float32 trained parameters mix with them
     mixed = "bf16" if cfg.bf16 or cfg.dtype == "bfloat16" else "fp16" if cfg.dtype == "float16" else "no"
     accel = Accelerator(gradient_accumulation_steps=1, mixed_precision=mixed, cpu=not torch.cuda.is_available())
-    if accel.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
-        sharded = accel.distributed_type.name
-        raise LcxError(f"lcx train runs under DDP (configs/accelerate/ddp-2proc.yaml), not {sharded}: its exact "
-                       f"checkpoints read and write the trainable parameters and optimizer state whole, on the main "
-                       f"process, which {sharded} shards; launch with a DDP (MULTI_GPU) accelerate config")
+    runs_under = ("lcx train runs under DDP (configs/accelerate/ddp-2proc.yaml) or FSDP2 "
+                  "(configs/accelerate/fsdp2-2proc.yaml)")
+    if accel.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+        engine = accel.distributed_type.name
+        raise LcxError(f"{runs_under}, not {engine}: {engine}'s engine owns the model and optimizer and writes "
+                       f"checkpoints of its own, which lcx's exact resume does not read; to shard the parameters and "
+                       f"optimizer state, launch with the FSDP2 config")
+    version = _fsdp_version(accel)
+    if version not in (None, 2):
+        raise LcxError(f"{runs_under}, not FSDP version {version}: lcx shards with FSDP2 (torch's fully_shard), whose "
+                       f"parameters keep their names and shapes for its checkpoints; set fsdp_version: 2 in the "
+                       f"accelerate config's fsdp_config")
     return accel
+
+
+def _fsdp_version(accel) -> int | None:
+    """The FSDP version the launch asked for (accelerate config ``distributed_type: FSDP``), None without FSDP.
+    On a machine without GPUs accelerate runs such a config as plain data parallelism (its FSDP wants a GPU), so
+    the request is read from the settings ``accelerate launch`` passes in the environment."""
+    from accelerate.utils import DistributedType
+
+    plugin = getattr(getattr(accel, "state", None), "fsdp_plugin", None)
+    if plugin is not None:
+        return int(plugin.fsdp_version)
+    if accel.distributed_type == DistributedType.FSDP or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        return int(os.environ.get("FSDP_VERSION", "1"))  # accelerate's default
+    return None
+
+
+def _shard(model, accel) -> None:
+    """FSDP2, in place: every transformer block one unit (its parameters all-gathered for its forward and again
+    for its backward, its gradients reduce-scattered), the rest (embeddings, final norm, head) the root's unit.
+    The blocks are the accelerate config's ``fsdp_transformer_layer_cls_to_wrap``, else the model's own
+    ``_no_split_modules``; ``fsdp_reshard_after_forward`` is honoured.  Every process must hold the same weights
+    before (the same seed made them).
+
+    A block's parameters, once gathered in the backward pass, stay gathered until the step's backward passes
+    end (``_reshard`` frees them before the optimizer steps): a method's loss may reach a block's weights through
+    the keys and values an earlier forward left in a cache (focusllm's candidates), a path FSDP2's hooks, on each
+    block's inputs and outputs, do not see, so it would free the weights after the block's own backward and
+    that later gradient would read freed memory.  Parameters are sharded at rest and in the forward pass, the
+    gradients and optimizer state always."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    plugin = getattr(accel.state, "fsdp_plugin", None) or FullyShardedDataParallelPlugin()  # from the environment
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = plugin.transformer_cls_names_to_wrap or getattr(base, "_no_split_modules", None) or []
+    blocks = [m for m in model.modules() if type(m).__name__ in set(names)]
+    mesh = init_device_mesh(accel.device.type, (accel.num_processes,))
+    reshard = plugin.reshard_after_forward if isinstance(plugin.reshard_after_forward, bool) else True
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh)  # the root keeps its parameters gathered between forward and backward
+    model.set_reshard_after_backward(False)  # every unit (see above)
+
+
+def _reshard(model) -> None:
+    """Free the parameters FSDP2 gathered for the backward passes (``_shard``): before the optimizer steps, which
+    updates the shards, so the next forward gathers the new values."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def _trainable(model, cfg: TrainConfig):
@@ -640,6 +744,10 @@ def _load_checkpoint(path: Path, model, names: list[str], opt, sched, rank: int,
     fix = (f"delete the folder {str(path)!r} to resume from {older[-1]}" if older else
            "start the run again without --resume")
     meta = read_json_file(path / "meta.json", fix)
+    if meta.get("sharded"):
+        raise LcxError(f"checkpoint {str(path)!r} was written sharded, by an FSDP2 run of {meta.get('world_size')} "
+                       f"processes, and this run is not sharded; resume it with the launch that wrote it "
+                       f"(configs/accelerate/fsdp2-2proc.yaml)")
     if method_state is not None and meta.get("method_state"):
         method_state.update(meta["method_state"])  # e.g. where a sampling stage's schedule stands
     weights = load_safetensors(path / "trainable.safetensors", fix)
@@ -665,4 +773,111 @@ def _load_checkpoint(path: Path, model, names: list[str], opt, sched, rank: int,
     rng_file = path / f"rng-{rank}.safetensors"
     if rng_file.exists() and str(rank) in meta["rng"]:
         _set_rng_state(load_safetensors(rng_file, fix), meta["rng"][str(rank)])
+    return int(meta["step"])
+
+
+# ---------------------------------------------------------------------- FSDP2: sharded checkpoints (DCP)
+#: A sharded checkpoint's folder of shards: ``shard-0000R-model-00001-of-00001.safetensors``, one per process
+#: R (1-based), written by torch.distributed.checkpoint; each file's header says where its pieces sit in the
+#: whole tensors, so a run can load them onto another sharding.
+SHARDS = "shards"
+
+
+def _sharded_state(model, names: list[str], opt) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """What a sharded checkpoint holds: ``model.<name>`` for each trainable parameter and ``optim.<name>.<key>``
+    for its optimizer state (DTensors: this process's shards; AdamW's step is a plain tensor, the same
+    everywhere, written once), keyed by parameter name (torch's ``get_optimizer_state_dict``, returned too: its
+    parameter groups go to meta.json).  An optimizer that has not stepped has no state (None): torch's
+    ``get_optimizer_state_dict`` would make a zero one, one step old, and the resumed run would differ."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    params = dict(model.named_parameters())
+    state = {f"model.{n}": params[n] for n in names}
+    if not opt.state:
+        return state, None
+    osd = get_optimizer_state_dict(model, opt)
+    for n, st in osd["state"].items():
+        for k, v in st.items():
+            state[f"optim.{n}.{k}"] = v
+    return state, osd
+
+
+def _save_sharded_checkpoint(root: Path, step: int, model, names: list[str], opt, sched, cfg: TrainConfig, accel,
+                             method_state: dict | None = None) -> Path:
+    """A checkpoint of an FSDP2 run, as ``step-N`` of a whole one (the same meta.json, written last, and atomic
+    rename), but every process writes its own shards: ``shards/`` (see ``SHARDS``) and ``rng-R.safetensors``
+    (each process's generators; meta.json keeps their Python and NumPy parts)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    dest = root / f"step-{step}"
+    tmp = dest.with_name(dest.name + ".tmp")
+    rank = accel.process_index
+    accel.wait_for_everyone()
+    if accel.is_main_process:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob("step-*.*"):  # a killed run's half-written (.tmp) or replaced (.old) folders
+            if stale.suffix in (".tmp", ".old") and stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    accel.wait_for_everyone()
+    state, osd = _sharded_state(model, names, opt)
+    dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(tmp / SHARDS), save_distributed=True))
+    rng_t, rng_meta = _rng_state()
+    save_file(rng_t, str(tmp / f"rng-{rank}.safetensors"))
+    rng_metas: list = [None] * accel.num_processes
+    torch.distributed.all_gather_object(rng_metas, rng_meta)  # every process's, in rank order
+    if accel.is_main_process:
+        sd = {k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"}
+        optimizer = {"param_groups": osd["param_groups"] if osd else None}
+        (tmp / "meta.json").write_text(json.dumps(
+            {"step": step, "sharded": True, "optimizer": optimizer, "scheduler": sd,
+             "rng": {str(r): m for r, m in enumerate(rng_metas)}, "world_size": accel.num_processes,
+             "method_state": method_state or {}}, indent=2))
+        _commit_dir(tmp, dest)
+        ckpts = _checkpoints(root)
+        for old in ckpts[:-cfg.keep_checkpoints] if cfg.keep_checkpoints > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    accel.wait_for_everyone()
+    return dest
+
+
+def _load_sharded_checkpoint(path: Path, model, names: list[str], opt, sched, rank: int,
+                             method_state: dict | None = None, world: int = 1) -> int:
+    """Restore ``_save_sharded_checkpoint``'s state into the sharded model and its optimizer; returns its step.
+    A collective: every process calls it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    from lcx.io import load_safetensors, read_json_file
+
+    older = [p.name for p in _checkpoints(path.parent) if p != path]
+    fix = (f"delete the folder {str(path)!r} to resume from {older[-1]}" if older else
+           "start the run again without --resume")
+    meta = read_json_file(path / "meta.json", fix)
+    if not meta.get("sharded"):
+        raise LcxError(f"checkpoint {str(path)!r} was written whole (DDP or one process), and this run is sharded "
+                       f"(FSDP2); resume it with the launch that wrote it")
+    saved_world = meta.get("world_size")
+    if saved_world != world:
+        raise LcxError(f"checkpoint {str(path)!r} was written by {saved_world} processes, and this run has {world}: the "
+                       f"batches would differ; resume with {saved_world} (accelerate launch --num_processes {saved_world})")
+    if method_state is not None and meta.get("method_state"):
+        method_state.update(meta["method_state"])
+    if meta["optimizer"]["param_groups"] is not None:  # the saved run had stepped: make the state to load into
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        get_optimizer_state_dict(model, opt)
+    state, osd = _sharded_state(model, names, opt)
+    try:
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path / SHARDS)))
+    except Exception as e:  # a missing or cut shard, another setup's parameter names (DCP wraps them in its own error)
+        raise LcxError(f"checkpoint {str(path)!r}: its shards do not load ({str(e).splitlines()[0][:300]}); {fix}") from None
+    if osd is not None:
+        set_optimizer_state_dict(model, opt, {"state": osd["state"], "param_groups": meta["optimizer"]["param_groups"]})
+    sd = sched.state_dict()
+    sd.update(meta["scheduler"])
+    sched.load_state_dict(sd)
+    _set_rng_state(load_safetensors(path / f"rng-{rank}.safetensors", fix), meta["rng"][str(rank)])
     return int(meta["step"])

@@ -53,8 +53,9 @@ def train_cmd(model, methods, options, data, out, seq_len, steps, batch_size, gr
     \b
     Example (tiny budget, books as data):
       lcx train -m smollm2-135m --method vanilla -d ../shared/data/books --seq-len 1024 --steps 50 --out out/vanilla
-    Scale out with accelerate (same command):
-      accelerate launch --cpu --num_processes 2 -m lcx.cli train ...
+    Scale out with accelerate (same command; DDP, or FSDP2 with sharded checkpoints):
+      accelerate launch --config_file configs/accelerate/ddp-2proc.yaml -m lcx.cli train ...
+      accelerate launch --config_file configs/accelerate/fsdp2-2proc.yaml -m lcx.cli train ...
     Ctrl-C stops after the current step and keeps a checkpoint; rerun with --resume.
     """
     from lcx.registry import DEFAULT_METHOD
