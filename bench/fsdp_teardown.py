@@ -6,6 +6,7 @@ matrices, as lcx's LoRA training) started N times per way of ending it; prints h
 
 Endings (what a rank does after its last optimizer step):
   exit             nothing: the process exits with its process group and the sharded model alive
+  exit-skewed      the same, rank 1 half a second after rank 0 (its peer's sockets close under a live group)
   destroy          destroy_process_group(), the model still alive (freed at interpreter exit)
   free-destroy     the model and optimizer dropped and collected, a barrier, then destroy_process_group()
                    (what lcx train does)
@@ -25,7 +26,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-ENDINGS = ("exit", "destroy", "free-destroy")
+ENDINGS = ("exit", "exit-skewed", "destroy", "free-destroy")
 
 
 def worker(ending: str) -> None:
@@ -60,6 +61,8 @@ def worker(ending: str) -> None:
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+    if ending == "exit-skewed" and dist.get_rank() == 1:
+        time.sleep(0.5)
     if ending == "destroy":
         dist.destroy_process_group()
     elif ending == "free-destroy":
@@ -70,7 +73,7 @@ def worker(ending: str) -> None:
 
 
 def run_once(ending: str, args) -> tuple[int, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
     if ending == "lcx":
         out = Path(args.tmp) / f"lcx-{time.time_ns()}"
         cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
@@ -90,6 +93,7 @@ def main() -> None:
     ap.add_argument("--ending", action="append", choices=(*ENDINGS, "lcx"))
     ap.add_argument("--model", help="lcx: a tiny model folder")
     ap.add_argument("--data", help="lcx: a text folder")
+    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each rank")
     ap.add_argument("--tmp", default="/tmp/fsdp_teardown")
     ap.add_argument("--json", dest="json_out", help="write the tallies and failing outputs here")
     args = ap.parse_args()

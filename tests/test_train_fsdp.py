@@ -152,6 +152,8 @@ METHODS = {
     "smt": (["--method", "smt", "-o", "smt.budget=32", "-o", "smt.window=8"], 96),
     "focusllm": (["--method", "focusllm", "-o", "chunk=16", "-o", "local=24", "-o", "fragment=8",
                   "-o", "train_chunks=16,32"], 64),
+    # the default dtype on CPUs with AMX: bfloat16 frozen weights, float32 LoRA in the same FSDP2 units
+    "vanilla-bf16": (["--dtype", "bfloat16"], 64),
 }
 
 
