@@ -145,6 +145,25 @@ def test_fsdp2_killed_and_resumed_ends_with_the_uninterrupted_weights(model_dir,
     assert shards == [f"shard-0000{r}-model-00001-of-00001.safetensors" for r in (1, 2)], shards
 
 
+@pytest.mark.slow
+def test_fsdp2_full_training_resumed_from_a_checkpoint_redoes_the_same_steps(model_dir, corpus, tmp_path):
+    """--full all (every weight sharded, and its optimizer state): a copy of a finished run resumed from its step-2
+    checkpoint redoes steps 3 and 4 and writes the same model, bit for bit."""
+    import shutil
+
+    args = ("--steps", "4", "--batch-size", "1", "--save-every", "2", "--full", "all")
+    rc, out = _two(*_train_args(model_dir, corpus, tmp_path / "run", *args))
+    assert rc == 0, out
+    shutil.copytree(tmp_path / "run", tmp_path / "again")
+    rc, out = _two(*_train_args(model_dir, corpus, tmp_path / "again", *args), "--resume")
+    assert rc == 0, out
+    a, b = load_file(str(tmp_path / "run" / "model.safetensors")), load_file(str(tmp_path / "again" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert [m["loss"] for m in _metrics(tmp_path / "run")] == [m["loss"] for m in _metrics(tmp_path / "again")]
+
+
 #: Each method's training path, small: (options, seq_len).
 METHODS = {
     "vanilla": ([], 64),
