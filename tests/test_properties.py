@@ -178,7 +178,7 @@ def test_smt_rows_keep_original_positions_and_the_contiguous_target(N, budget, t
     if N < target + 1:
         return
     method = smt.SMT(budget=budget, target=target, window=window, grow_every=7 if grow else 0, grow_by=64, start=96)
-    run = SimpleNamespace(window=WINDOW, state={"seed": seed, "rank": 0})
+    run = SimpleNamespace(window=WINDOW, seed=seed, rank=0, state={})
     ids = torch.arange(N).expand(rows, N).contiguous()  # a token's id is its position in the window
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     if grow and min(N, 96) < target + 1:  # the first range in use leaves no memory: refused, at any step

@@ -28,9 +28,9 @@ def test_plain_vllm_serve_applies_the_sidecar_through_the_plugin(tmp_path, tok):
         (d / f.name).symlink_to(f.resolve())
     rope = ROPE["rope"]
     (d / "lcx.json").write_text(json.dumps({"methods": [{"name": "rope", "options": rope}]}))
-    # 1,000 tokens of lcx's own source: an open continuation, which YaRN's changes show in (the bare model
+    # 1,000 tokens of lcx's source (sdk/composition.py as of f30c367: edits to the live file changed the answers): an open continuation, which YaRN's changes show in (the bare model
     # answers a short passkey prompt the same way)
-    text = (Path(__file__).resolve().parents[2] / "sdk" / "composition.py").read_text()
+    text = (Path(__file__).resolve().parent / "rope_prompt.txt").read_text()  # a frozen copy, not the live file
     ids = tok(text, return_tensors="pt")["input_ids"][0, :1000]
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
