@@ -707,6 +707,20 @@ def _trim_metrics(path: Path, step: int) -> None:
     write_text("".join(k + "\n" for k in keep), path)
 
 
+def _clear_stale_checkpoints(root: Path) -> None:
+    """Create ``root``; remove a killed run's half-written (.tmp) or replaced (.old) checkpoint folders."""
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob("step-*.*"):
+        if stale.suffix in (".tmp", ".old") and stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _prune_checkpoints(root: Path, keep: int) -> None:
+    """Keep the newest ``keep`` checkpoints (all of them when ``keep`` <= 0)."""
+    for old in _checkpoints(root)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def _save_checkpoint(root: Path, step: int, model, names: list[str], opt, sched, cfg: TrainConfig, accel,
                      method_state: dict | None = None) -> Path:
     dest = root / f"step-{step}"
@@ -726,14 +740,9 @@ def _save_checkpoint(root: Path, step: int, model, names: list[str], opt, sched,
                 {"step": step, "optimizer": opt_meta, "scheduler": sd, "rng": {str(rank): rng_meta},
                  "world_size": accel.num_processes, "method_state": method_state or {}}, indent=2))
 
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob("step-*.*"):  # a killed run's half-written (.tmp) or replaced (.old) folders
-            if stale.suffix in (".tmp", ".old") and stale.is_dir():
-                shutil.rmtree(stale, ignore_errors=True)
+        _clear_stale_checkpoints(root)
         _atomic_dir_write(dest, write)
-        ckpts = _checkpoints(root)
-        for old in ckpts[:-cfg.keep_checkpoints] if cfg.keep_checkpoints > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        _prune_checkpoints(root, cfg.keep_checkpoints)
     accel.wait_for_everyone()
     return dest
 
@@ -817,10 +826,7 @@ def _save_sharded_checkpoint(root: Path, step: int, model, names: list[str], opt
     rank = accel.process_index
     accel.wait_for_everyone()
     if accel.is_main_process:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob("step-*.*"):  # a killed run's half-written (.tmp) or replaced (.old) folders
-            if stale.suffix in (".tmp", ".old") and stale.is_dir():
-                shutil.rmtree(stale, ignore_errors=True)
+        _clear_stale_checkpoints(root)
         tmp.mkdir()
     accel.wait_for_everyone()
     state, osd = _sharded_state(model, names, opt)
@@ -837,9 +843,7 @@ def _save_sharded_checkpoint(root: Path, step: int, model, names: list[str], opt
              "rng": {str(r): m for r, m in enumerate(rng_metas)}, "world_size": accel.num_processes,
              "method_state": method_state or {}}, indent=2))
         _commit_dir(tmp, dest)
-        ckpts = _checkpoints(root)
-        for old in ckpts[:-cfg.keep_checkpoints] if cfg.keep_checkpoints > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        _prune_checkpoints(root, cfg.keep_checkpoints)
     accel.wait_for_everyone()
     return dest
 
