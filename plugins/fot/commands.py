@@ -25,32 +25,44 @@ from lcx.errors import LcxError
               help="Index with this adapter applied (e.g. a crossbatch-trained fot adapter): its projections make "
                    "the memory's keys and values, as they do when `lcx generate --adapter` reads them.")
 @click.option("--out", required=True, type=OUT_DIR, help="Folder for memory.safetensors + memory.json.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing memory folder.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing memory folder, or an unfinished build in it.")
+@click.option("--workers", type=click.IntRange(0), default=0, show_default=True,
+              help="Ray workers indexing documents in parallel, each loading the model and taking one CPU "
+                   "(pip install 'lcx[dist]'; the cluster: -o fot.ray_address, $RAY_ADDRESS, else a local Ray); "
+                   "0 indexes in this process.")
 @limit_options
 @device_option
 @text_field_option
 @click.option("--json", "as_json", is_flag=True, help="Print what was indexed as JSON (no progress bars).")
 @click.argument("docs", nargs=-1, required=True, type=click.Path(path_type=Path))
-def memory_build(model, methods, options, adapter, out, overwrite, text_field, as_json, docs):
+def memory_build(model, methods, options, adapter, out, overwrite, workers, text_field, as_json, docs):
     """Index DOCS (text files or folders) into a kNN memory saved to --out.
+
+    Each finished document is kept under OUT/.build, so a build that is killed resumes where it stopped
+    when its command is run again (--overwrite starts over).  With -o fot.backend=ray -o fot.shards=N the
+    memory is written sharded, a file per Ray actor.
 
     \b
     Example:
       lcx memory build -m smollm2-135m --out out/mem ../shared/data/books/wells_invisible_man.txt
       lcx generate -m smollm2-135m --method fot --memory out/mem -p "Who is Griffin?"
+      lcx memory build -m smollm2-135m --workers 2 --out out/mem-books ../shared/data/books
       lcx memory build -m smollm2-135m --adapter out/fot-xb --out out/mem-xb BOOKS...   # read with --adapter out/fot-xb
     """
-    from tqdm.auto import tqdm
-
     from lcx.adapters.peft_bridge import adapter_digest, base_identity
     from lcx.data import iter_documents
-    from lcx.plugins.fot.memory import save_memory
+    from lcx.plugins.fot import build
+    from lcx.plugins.fot.memory import MEMORY_META, ray_installed, save_memory
     from lcx.session import open_session, parse_options
 
     if list(methods) != ["fot"]:
         raise LcxError(f"memory build supports the fot method, got {', '.join(methods)}")
-    if out.exists() and any(out.iterdir()) and not overwrite:
+    if workers and not ray_installed():
+        raise LcxError(f"--workers {workers} runs on Ray: pip install 'lcx[dist]', or pass --workers 0 to index here")
+    if (out / MEMORY_META).exists() and not overwrite:
         raise LcxError(f"memory folder {str(out)!r} exists; pass --overwrite to replace it")
+    if out.exists() and any(p.name != build.BUILD_DIR for p in out.iterdir()) and not overwrite:
+        raise LcxError(f"folder {str(out)!r} is not empty; pass --overwrite to build a memory into it anyway")
     documents = list(iter_documents([str(p) for p in docs], text_field))
     if not documents:
         raise LcxError(f"no documents in {', '.join(map(str, docs))}; give text files, folders of them or .jsonl "
@@ -61,22 +73,30 @@ def memory_build(model, methods, options, adapter, out, overwrite, text_field, a
                        f"{' ...' if len(blank) > 3 else ''}; leave them out")
     s = _with_limits(open_session(model, ["fot"], parse_options(options), adapter, device=_device(),
                                   dtype=_dtype()))
+    note = (lambda m: None) if as_json else (lambda m: click.echo(m, err=True))
     try:
         fot = s.run.method("fot")
-        listed = []
-        for i, d in enumerate(tqdm(documents, desc="indexing", unit="doc", disable=as_json)):
-            ids = s.tokenizer(d["text"], add_special_tokens=False, return_tensors="pt")["input_ids"]
-            listed.append({"doc_id": i, "source": d["source"], "tokens": fot.ingest(s.run, ids, i, progress=not as_json)})
-        stores = fot.stores_for_saving()
+        lengths = [len(s.tokenizer(d["text"], add_special_tokens=False)["input_ids"]) for d in documents]
+        build.check_fits(s.run, fot, sum(lengths))
         built_with = {"path": str(adapter), "sha256": adapter_digest(adapter)} if adapter else None
+        journal = build.Journal(out, build.identity(s, fot, documents, built_with))
+        if overwrite:
+            journal.remove()
+        journal.open(note)
+        build.index_documents(s, fot, documents, lengths, journal, workers, model=model, adapter=adapter,
+                              device=_device(), progress=not as_json)
+        stores = build.assemble(journal, len(documents), fot.store_config())
+        listed = [{"doc_id": i, "source": d["source"], "tokens": journal.done[i]["tokens"]}
+                  for i, d in enumerate(documents)]
         save_memory(stores, out, {"model": base_identity(s.model), "method": s.run.describe()["methods"][0],
                                   "adapter": built_with, "documents": listed, "dtype": s.run.dtype})
+        journal.remove()
     finally:
         s.close()
     entries = len(next(iter(stores.values()))) if stores else 0
     if as_json:
         _echo_json({"out": str(out), "documents": listed, "entries_per_layer_and_head": entries,
-                    "memory_layers": sorted({layer for layer, _ in stores})})
+                    "memory_layers": sorted({layer for layer, _ in stores}), "workers": workers})
         return
     click.echo(f"indexed {len(listed)} document(s), {entries} entries per layer and head, into {out}")
 
