@@ -39,7 +39,8 @@ asked:
     documents     reads_memory, load_memory,              ``lcx generate|serve --memory``: a document memory
                   check_memory                            it reads, checked before it is trusted
     training      lora_roles, lora_gated, data_order,     what ``lcx train`` adapts, how its data is ordered,
-                  fixed_by_training                       the options a trained adapter fixes
+                  fixed_by_training, grads_through_cache  the options a trained adapter fixes, whether FSDP2
+                                                          keeps blocks gathered through backward
     serving       serving, not_served_because,            how vLLM serves it (``lcx serve``, ``lcx export``):
                   check_serving, vllm_config,             as the plain model, a rewritten config, rewritten
                   serve_prompt, serve_state,              prompts, per-request state computed by lcx's

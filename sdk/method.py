@@ -38,6 +38,10 @@ class Method:
     #: per-token gate): an adapter trained with it acts as trained only under it, and another method's adapter
     #: would be read at those positions only (``lcx.session.apply_adapter`` refuses both).
     lora_gated: ClassVar[bool] = False
+    #: Whether the method's training loss reaches a block's weights through keys and values an earlier forward
+    #: left in a cache (focusllm's candidates): under FSDP2 every block's parameters then stay gathered until
+    #: the step's backward passes end, since FSDP2's hooks would free them after the block's own backward.
+    grads_through_cache: ClassVar[bool] = False
     #: Training data order this method needs: "shuffle" (windows in a seeded random order) or
     #: "streams" (every batch row continues its own stretch of the corpus, step after step).
     data_order: ClassVar[str] = "shuffle"

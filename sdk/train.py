@@ -261,7 +261,8 @@ class Trainer:
         # FSDP2 (one process: nothing to shard): each process holds a shard of every parameter
         self.sharded = self.world > 1 and _fsdp_version(accel) == 2
         if self.sharded:
-            _shard(self.model, accel)  # in place: its parameters become DTensors, this process's shards of them
+            # in place: its parameters become DTensors, this process's shards of them
+            _shard(self.model, accel, keep_gathered=any(m.grads_through_cache for m in self.run.methods))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.names = list(trainable_parameters(self.model))
         # foreach: one fused pass over all tensors (torch picks the slow per-tensor loop on CPU by default)
@@ -495,19 +496,20 @@ def _fsdp_version(accel) -> int | None:
     return None
 
 
-def _shard(model, accel) -> None:
+def _shard(model, accel, keep_gathered: bool = False) -> None:
     """FSDP2, in place: every transformer block one unit (its parameters all-gathered for its forward and again
     for its backward, its gradients reduce-scattered), the rest (embeddings, final norm, head) the root's unit.
     The blocks are the accelerate config's ``fsdp_transformer_layer_cls_to_wrap``, else the model's own
     ``_no_split_modules``; ``fsdp_reshard_after_forward`` is honoured.  Every process must hold the same weights
     before (the same seed made them).
 
-    A block's parameters, once gathered in the backward pass, stay gathered until the step's backward passes
-    end (``_reshard`` frees them before the optimizer steps): a method's loss may reach a block's weights through
-    the keys and values an earlier forward left in a cache (focusllm's candidates), a path FSDP2's hooks, on each
-    block's inputs and outputs, do not see, so it would free the weights after the block's own backward and
-    that later gradient would read freed memory.  Parameters are sharded at rest and in the forward pass, the
-    gradients and optimizer state always."""
+    With ``keep_gathered`` (a method with ``grads_through_cache``), a block's parameters, once gathered in the
+    backward pass, stay gathered until the step's backward passes end (``_reshard`` frees them before the
+    optimizer steps): its loss reaches a block's weights through the keys and values an earlier forward left in
+    a cache (focusllm's candidates), a path FSDP2's hooks, on each block's inputs and outputs, do not see, so they
+    would free the weights after the block's own backward and that later gradient would read freed memory.
+    Otherwise each block is freed after its own backward, as FSDP2 does.  Gradients and optimizer state are
+    always sharded."""
     from accelerate.utils import FullyShardedDataParallelPlugin
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -521,7 +523,8 @@ def _shard(model, accel) -> None:
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh)  # the root keeps its parameters gathered between forward and backward
-    model.set_reshard_after_backward(False)  # every unit (see above)
+    if keep_gathered:
+        model.set_reshard_after_backward(False)  # every unit (see above)
 
 
 def _reshard(model) -> None:

@@ -59,6 +59,7 @@ class FocusLLM(CandidateTraining, Method):
     serving = "attention"
     serve_state = True
     lora_gated = True  # the candidate adapter is open at candidate positions only
+    grads_through_cache = True  # its loss reaches the blocks through the candidates' cached keys and values
 
     chunk: int = option(2048, "memory chunk size in tokens (at most the model's window); each chunk makes one "
                               "candidate, and a decoder reading too many loses keys: SmolLM2's passkey at 128K found "
