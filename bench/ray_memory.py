@@ -13,11 +13,9 @@ first.  Memory: resident set (RSS) of the process holding the entries: here for 
 (its pid from the actor) for Ray; peaks sampled while building and searching.
 
     .venv/bin/python bench/ray_memory.py [--n 10000000] [--shards 1,2,4] [--kinds faiss-flat,faiss-ivf]
-        [--queries 3,768 --repeats 20,3] [--k 32] [--shard-threads 0] [--out FILE]
+        [--queries 3,768 --repeats 20,3] [--k 32] [--out FILE]
 
-Ray gives an actor started without ``num_cpus`` (as RayStore starts its shards) OMP_NUM_THREADS=1, so each
-shard searches on one thread while one process uses every core; ``--shard-threads N`` gives the shard actors N
-(a local Ray started here only).  Run it on an otherwise idle machine.
+Each shard searches with the cluster's CPUs divided by the shard count as threads (as RayStore starts them).  Run it on an otherwise idle machine.
 """
 
 from __future__ import annotations
@@ -173,11 +171,10 @@ def start_ray(args: argparse.Namespace) -> Any:
 
     import ray
 
-    env = {"env_vars": {"OMP_NUM_THREADS": str(args.shard_threads)}} if args.shard_threads else None
     if args.ray_address:
-        ray.init(address=args.ray_address, runtime_env=env, log_to_driver=False, logging_level=logging.WARNING)
+        ray.init(address=args.ray_address, log_to_driver=False, logging_level=logging.WARNING)
     else:
-        ray.init(num_cpus=os.cpu_count(), runtime_env=env, include_dashboard=False, log_to_driver=False,
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
                  logging_level=logging.WARNING)
     return ray
 
@@ -231,8 +228,6 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1_000_000, help="entries per add (Ray: per round of puts)")
     ap.add_argument("--nlist", type=int, default=4096, help="faiss-ivf: inverted lists per store (each shard's too)")
     ap.add_argument("--nprobe", type=int, default=FOT["nprobe"], help="faiss-ivf: lists visited (default: fot's)")
-    ap.add_argument("--shard-threads", type=int, default=0,
-                    help="OMP_NUM_THREADS of the shard actors; 0: Ray's default for actors (one thread)")
     ap.add_argument("--ray-address", default="", help="a running Ray cluster; default: a local Ray started here")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=OUT, help=f"where the JSON goes (default {OUT})")
@@ -289,7 +284,7 @@ def main() -> None:
             print(f"  building {kind} on {n_shards} Ray shard(s) ...", flush=True)
             ray = start_ray(args)
             row, idx = run_one(kind, n_shards, args, c, queries, ray)
-            row["shard_threads"] = args.shard_threads or (None if args.ray_address else 1)
+            row["shard_threads"] = None if args.ray_address else max(1, (os.cpu_count() or 1) // n_shards)
             record(row, idx)
     print()
     print(table(report["rows"], args.queries, args.k))

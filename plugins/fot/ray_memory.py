@@ -103,8 +103,15 @@ def _probe(address: str) -> None:
 class _Shard:
     """One shard (a Ray actor): a store per name, each holding the entries dealt to this shard."""
 
-    def __init__(self, index: int, config: dict[str, Any]) -> None:
+    def __init__(self, index: int, config: dict[str, Any], threads: int = 1) -> None:
         self.index, self.config, self.stores = index, StoreConfig(**config), {}
+        torch.set_num_threads(threads)  # Ray starts an actor with one thread (OMP_NUM_THREADS=1)
+        try:
+            import faiss
+
+            faiss.omp_set_num_threads(threads)
+        except ImportError:
+            pass
 
     def ready(self) -> int:
         return os.getpid()
@@ -173,7 +180,8 @@ class _Shards:
         # max_restarts=0: a restarted shard would come back empty and answer searches without its entries
         actor = ray.remote(max_restarts=0)(_Shard)
         shard = asdict(replace(config.in_process(), max_entries=0))  # the cap counts all shards' entries: here
-        self.actors = [actor.options(scheduling_strategy="SPREAD").remote(i, shard) for i in range(self.n)]
+        threads = max(1, int(ray.cluster_resources().get("CPU", 1)) // self.n)  # the cluster's cores, shared out
+        self.actors = [actor.options(scheduling_strategy="SPREAD").remote(i, shard, threads) for i in range(self.n)]
         self.broken: int | None = None  # a shard whose actor died
         self.call("ready", [()] * self.n, "starting", timeout=START_TIMEOUT_S)
 
