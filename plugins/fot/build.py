@@ -12,7 +12,9 @@ fot's Ray memory joins (``-o fot.ray_address``, $RAY_ADDRESS, else a local Ray).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +29,9 @@ from lcx.plugins.fot.memory import _sha256, make_store
 
 BUILD_DIR = ".build"
 JOURNAL = "build.json"
-#: Options that say where a memory's entries are held, not what they are: a build resumed with other values
-#: of these produces the same entries.
-_PLACEMENT = ("shards", "ray_address")
+#: Options that do not change a memory's entries (where they are held; training only): a build resumed with
+#: other values of these produces the same entries.
+_NOT_ENTRIES = ("shards", "ray_address", "mode", "d", "w", "segments", "train_k", "bank", "bank_k", "d_schedule")
 
 
 @dataclass
@@ -62,15 +64,32 @@ def index_one(session, fot, text: str, doc_id: int, progress: bool = False) -> I
     return Indexed(doc_id, tokens, tensors)
 
 
+@contextlib.contextmanager
+def _held_here(fot):
+    """fot with a Ray memory's shard store held in this process (as a worker indexes): a document's own entries
+    need no round trips."""
+    saved = fot.backend, fot.shards, fot.ray_address
+    fot.backend, fot.shards, fot.ray_address = fot.store_config().in_process().kind, 1, ""
+    try:
+        yield
+    finally:
+        fot.backend, fot.shards, fot.ray_address = saved
+
+
 class _Indexer:
     """A Ray worker: the model loaded once, documents indexed one per call."""
 
     def __init__(self, model: str, options: dict[str, Any], adapter: str | None, device: str | None,
-                 dtype: str | None) -> None:
+                 dtype: str | None, limits: Any, threads: int) -> None:
         from lcx.session import open_session
 
+        torch.set_num_threads(max(1, min(threads, len(os.sched_getaffinity(0)))))  # Ray starts an actor with one
         self.session = open_session(model, ["fot"], {"fot": options}, adapter, device=device, dtype=dtype)
+        self.session.run.limits = limits  # the command's, not this worker's environment's
         self.fot = self.session.run.method("fot")
+
+    def ready(self) -> int:
+        return os.getpid()
 
     def index(self, text: str, doc_id: int) -> Indexed:
         return index_one(self.session, self.fot, text, doc_id)
@@ -135,14 +154,25 @@ def _first_difference(old: Any, new: dict[str, Any]) -> str:
 
 
 def identity(session, fot, documents: list[dict[str, str]], adapter: dict | None) -> dict[str, Any]:
-    """What a build's entries depend on: the model, fot's options (not where the memory is held), the adapter,
-    the dtype and every document's text."""
+    """What a build's entries depend on: the model's weights, fot's inference options (not where the memory is
+    held), the adapter's weights, the dtype and every document's text, in order (not the paths they came by)."""
     from lcx.adapters.peft_bridge import base_identity
 
-    options = {k: v for k, v in worker_options(fot).items() if k not in _PLACEMENT}
-    return {"model": base_identity(session.model), "options": options, "adapter": adapter, "dtype": session.run.dtype,
-            "documents": [{"source": d["source"], "sha256": hashlib.sha256(d["text"].encode()).hexdigest()}
-                          for d in documents]}
+    model = {k: v for k, v in base_identity(session.model).items() if k != "name_or_path"}
+    options = {k: v for k, v in worker_options(fot).items() if k not in _NOT_ENTRIES}
+    return {"model": {**model, "weights_sample_sha256": _weights_sample(session.model)}, "options": options,
+            "adapter": adapter and adapter.get("sha256"), "dtype": session.run.dtype,
+            "documents": [hashlib.sha256(d["text"].encode()).hexdigest() for d in documents]}
+
+
+def _weights_sample(model) -> str:
+    """sha256 over the first values of every weight tensor: another checkpoint of the same architecture differs
+    here (the embedding fingerprint alone misses a fine-tune that kept the embeddings)."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().flatten()[:64].float().cpu().numpy().tobytes())
+    return h.hexdigest()
 
 
 def index_documents(session, fot, documents: list[dict[str, str]], lengths: list[int], journal: Journal,
@@ -165,16 +195,17 @@ def index_documents(session, fot, documents: list[dict[str, str]], lengths: list
 
     try:
         if workers == 0:
-            for i in todo:
-                finished(index_one(session, fot, documents[i]["text"], i, progress=progress))
+            with _held_here(fot):
+                for i in todo:
+                    finished(index_one(session, fot, documents[i]["text"], i, progress=progress))
         else:
             _on_ray(fot, documents, todo, workers, finished, model=model, adapter=adapter, device=device,
-                    dtype=session.run.dtype)
+                    dtype=session.run.dtype, limits=session.run.limits)
     finally:
         bar.close()
 
 
-def _on_ray(fot, documents, todo, workers, finished, *, model, adapter, device, dtype) -> None:
+def _on_ray(fot, documents, todo, workers, finished, *, model, adapter, device, dtype, limits) -> None:
     """Deal documents to ``workers`` Ray actors, a new one to each actor as it finishes one (longest first)."""
     from lcx.plugins.fot.ray_memory import START_TIMEOUT_S, connect
 
@@ -184,9 +215,16 @@ def _on_ray(fot, documents, todo, workers, finished, *, model, adapter, device, 
         raise LcxError(f"--workers {workers}: the Ray cluster has {free} CPU(s), one per worker; use --workers "
                        f"{max(free, 1)} or a larger cluster")
     actor = ray.remote(num_cpus=1, max_restarts=0)(_Indexer)
-    options = worker_options(fot)
-    pool = [actor.remote(model, options, str(adapter) if adapter else None, device, dtype) for _ in range(workers)]
+    options, threads = worker_options(fot), max(1, free // workers)  # the cluster's cores, shared out
+    pool = [actor.remote(model, options, str(adapter) if adapter else None, device, dtype, limits, threads)
+            for _ in range(workers)]
     try:
+        started, _ = ray.wait([a.ready.remote() for a in pool], num_returns=workers, timeout=START_TIMEOUT_S)
+        if len(started) < workers:
+            raise LcxError(f"{workers - len(started)} of {workers} Ray worker(s) did not start within "
+                           f"{START_TIMEOUT_S} s (no free CPU for them, or a node without lcx: `ray status`)")
+        for ref in started:
+            _get(ray, ref, "starting", "")
         queue = sorted(todo, key=lambda i: -len(documents[i]["text"]))
         running: dict[Any, tuple[int, int]] = {}  # ref -> (worker, doc)
 
@@ -198,17 +236,9 @@ def _on_ray(fot, documents, todo, workers, finished, *, model, adapter, device, 
         for w in range(workers):
             give(w)
         while running:
-            ready, _ = ray.wait(list(running), num_returns=1, timeout=START_TIMEOUT_S)
-            if not ready:
-                raise LcxError(f"no Ray worker finished a document in {START_TIMEOUT_S} s (workers not started, or "
-                               f"a document too long for one); what was indexed is kept: run the command again")
+            ready, _ = ray.wait(list(running), num_returns=1)
             w, i = running.pop(ready[0])
-            try:
-                item = ray.get(ready[0])
-            except ray.exceptions.RayError as e:
-                raise LcxError(f"Ray worker {w} failed indexing document {i} ({documents[i]['source']!r}): "
-                               f"{str(e).splitlines()[0]}; what was indexed is kept: run the command again") from None
-            finished(item)
+            finished(_get(ray, ready[0], f"indexing document {i} ({documents[i]['source']!r})", f" {w}"))
             give(w)
     finally:
         for a in pool:
@@ -217,7 +247,7 @@ def _on_ray(fot, documents, todo, workers, finished, *, model, adapter, device, 
 
 def check_fits(run, fot, entries: int) -> None:
     """Refuse, before indexing, a memory over the entry limit or larger than the free memory where it is held."""
-    from lcx.limits import LimitError, _gib, _model_device, _where, available_memory
+    from lcx.limits import LimitError, _gib, _where, available_memory
 
     limits = run.limits
     n = min(entries, fot.max_entries) if fot.max_entries else entries
@@ -226,13 +256,28 @@ def check_fits(run, fot, entries: int) -> None:
                          f"KV head, over the limit of {limits.max_memory_entries:,}; cap it with -o fot.max_entries=N "
                          f"(the oldest are evicted), or raise the limit with --max-memory-entries "
                          f"(or LCX_MAX_MEMORY_ENTRIES)")
-    need = fot.memory_bytes(run, n)
-    device = torch.device(fot.memory_device(run) or _model_device(run.model))
-    have = available_memory(device)
+    need = fot.memory_bytes(run, n)  # none for a Ray memory on a cluster elsewhere
+    cpu = torch.device("cpu")  # the documents' entries are assembled in this machine's RAM
+    have = available_memory(cpu)
     if need > limits.ram_fraction * have:
-        raise LimitError(f"the memory of {n:,} entries per layer and KV head needs {_gib(need)} on {_where(device)}, "
+        raise LimitError(f"the memory of {n:,} entries per layer and KV head needs {_gib(need)} on {_where(cpu)}, "
                          f"more than the {_gib(limits.ram_fraction * have)} it has free; index fewer documents, cap "
-                         f"it with -o fot.max_entries=N, or hold it on Ray shards (-o fot.backend=ray)")
+                         f"it with -o fot.max_entries=N, or hold it on the shards of a Ray cluster (-o fot.backend=ray "
+                         f"-o fot.shards=N -o fot.ray_address=HOST:PORT)")
+
+
+def _get(ray, ref, what: str, worker: str) -> Any:
+    """A worker's answer; its own error (an ``LcxError``: a limit, a bad document) as it is, a worker that died
+    as an error saying the finished documents are kept."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, LcxError):
+            raise LcxError(str(e.cause)) from None
+        raise LcxError(f"Ray worker{worker} failed {what}: {type(e.cause).__name__}: {e.cause}") from None
+    except ray.exceptions.RayError as e:
+        raise LcxError(f"Ray worker{worker} died {what} ({type(e).__name__}); the documents finished are kept: "
+                       f"run the command again to index the rest") from None
 
 
 def assemble(journal: Journal, n_documents: int, config) -> dict[tuple[int, int], Any]:

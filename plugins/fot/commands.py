@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -51,6 +52,7 @@ def memory_build(model, methods, options, adapter, out, overwrite, workers, text
     """
     from lcx.adapters.peft_bridge import adapter_digest, base_identity
     from lcx.data import iter_documents
+    from lcx.io import recover
     from lcx.plugins.fot import build
     from lcx.plugins.fot.memory import MEMORY_META, ray_installed, save_memory
     from lcx.session import open_session, parse_options
@@ -59,6 +61,10 @@ def memory_build(model, methods, options, adapter, out, overwrite, workers, text
         raise LcxError(f"memory build supports the fot method, got {', '.join(methods)}")
     if workers and not ray_installed():
         raise LcxError(f"--workers {workers} runs on Ray: pip install 'lcx[dist]', or pass --workers 0 to index here")
+    if out.is_dir():
+        recover(out, drop_staging=True)  # a save the last build was killed in: finished, or dropped
+        if (out / MEMORY_META).exists():
+            shutil.rmtree(out / build.BUILD_DIR, ignore_errors=True)  # killed after its memory was saved
     if (out / MEMORY_META).exists() and not overwrite:
         raise LcxError(f"memory folder {str(out)!r} exists; pass --overwrite to replace it")
     if out.exists() and any(p.name != build.BUILD_DIR for p in out.iterdir()) and not overwrite:

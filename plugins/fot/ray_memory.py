@@ -105,6 +105,7 @@ class _Shard:
 
     def __init__(self, index: int, config: dict[str, Any], threads: int = 1) -> None:
         self.index, self.config, self.stores = index, StoreConfig(**config), {}
+        threads = max(1, min(threads, len(os.sched_getaffinity(0))))  # at most this node's cores
         torch.set_num_threads(threads)  # Ray starts an actor with one thread (OMP_NUM_THREADS=1)
         try:
             import faiss
