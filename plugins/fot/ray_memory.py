@@ -177,7 +177,7 @@ class _Shards:
     def __init__(self, config: StoreConfig) -> None:
         ray = connect(config.ray_address)
         self.n = config.shards
-        self.job = ray.get_runtime_context().get_job_id()
+        self.job = _session(ray)
         # max_restarts=0: a restarted shard would come back empty and answer searches without its entries
         actor = ray.remote(max_restarts=0)(_Shard)
         shard = asdict(replace(config.in_process(), max_entries=0))  # the cap counts all shards' entries: here
@@ -216,10 +216,17 @@ def _shards(config: StoreConfig) -> _Shards:
     if group is not None:
         import ray
 
-        if ray.is_initialized() and ray.get_runtime_context().get_job_id() == group.job:
+        if ray.is_initialized() and _session(ray) == group.job:
             return group
     _groups[key] = group = _Shards(config)
     return group
+
+
+def _session(ray) -> tuple[str, str]:
+    """This process's Ray session: its job and node (a Ray started again here numbers its jobs from 1 again, on
+    a new node), so actors of a Ray that was shut down are never taken for live ones."""
+    context = ray.get_runtime_context()
+    return context.get_job_id(), context.get_node_id()
 
 
 def _forget(shards: _Shards, name: str) -> None:
