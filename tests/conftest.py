@@ -69,3 +69,14 @@ def isolated_registry(monkeypatch):
         yield reg._REGISTRY
     finally:
         reg._REGISTRY = saved
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray of 2 CPUs shared by a module's tests, shut down after them."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()

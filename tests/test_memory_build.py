@@ -131,16 +131,6 @@ def test_a_build_over_the_entry_limit_is_refused_before_indexing(tiny_dir, docs,
 
 
 # ---------------------------------------------------------------------- on Ray workers
-@pytest.fixture(scope="module")
-def local_ray():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-
-
 def _answer(tiny_dir, mem, *extra):
     r = lcx("generate", "-m", tiny_dir, "--method", "fot", *FOT, *extra, *(["--memory", mem] if mem else []), "-p",
             "seven silver", "-n", "6", "--json")

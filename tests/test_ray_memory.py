@@ -22,16 +22,6 @@ from lcx.errors import LcxError
 from lcx.plugins.fot.memory import StoreConfig, UnionStore, check_memory_files, load_memory, make_store, save_memory
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-
-
 def _data(n=600, d=32, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, d, generator=g), torch.randn(n, 16, generator=g), torch.randn(20, d, generator=g)
