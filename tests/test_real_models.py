@@ -7,8 +7,10 @@ and with a window that holds the prompt, each method that claims identity gives 
 
 from __future__ import annotations
 
-import gc
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -84,50 +86,30 @@ def test_a_window_that_holds_the_prompt_gives_the_bare_logits(real, method):
     assert new.tolist() == bare.tolist(), method
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _peak() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-
-
-#: Paths whose request outgrew its estimate in a CI run (figures in the commit that lists them): open defects.
-OPEN_ESTIMATE_DEFECTS = {
-    ("qwen2.5-0.5b", "streaming"): "Qwen2.5 streaming's growth varies with threads and allocator state, past its estimate",
-    ("qwen2.5-0.5b", "fot"): "fot's growth on Qwen2.5 reached its estimate",
-    ("gemma3-270m", "fot"): "fot's growth on Gemma 3 reached its estimate",
-}
+@pytest.fixture(scope="module", params=sorted(FACTS))
+def measured(request, tmp_path_factory):
+    """bench/memory_estimate.py's one request per path, in a fresh process: what the request itself adds, not
+    what the allocator's state after this suite's earlier tests adds to it (docs/limits.md)."""
+    name, out = request.param, tmp_path_factory.mktemp("estimate") / "rows.json"
+    pull(name, log=lambda *_: None)
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "memory_estimate.py"), "--models", name,
+                        "--repeats", "1", "--out", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return name, {row["method"]: row for row in json.loads(out.read_text())["rows"]}
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's resettable peak RSS")
 @pytest.mark.parametrize("method", ["none", "vanilla", "rope", "streaming", "fot", "focusllm"])
-def test_the_memory_estimate_bounds_the_measured_peak(real, method, request):
+def test_the_memory_estimate_bounds_the_measured_peak(measured, method):
     """Each path's estimate (cache, methods' memories, largest forward pass) is at least what the request
     really adds to the process's peak resident memory, on a prompt longer than one prefill window.  Measured on
     the path's second request: the first forward of a shape also grows the process once (allocator and
     kernel warm-up), which no later request repeats."""
-    if (real[0], method) in OPEN_ESTIMATE_DEFECTS:  # kept visible rather than loosened
-        request.applymarker(pytest.mark.xfail(reason=OPEN_ESTIMATE_DEFECTS[real[0], method], strict=False))
-    from lcx.limits import check_request, trim_heap
-
-    name, model, tok = real
-    ids, _ = prompt_and_needle(tok, 5120, 0.5, 48213)
-    with lcx.attach(model, [] if method == "none" else [method]) as run:
-        est = check_request(run, ids.shape[0], 4)
-        lcx.generate(run, ids[None], max_new_tokens=4)  # warm-up
-        gc.collect()
-        trim_heap()
-        before = _rss()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets the peak (VmHWM) to the current resident size
-        lcx.generate(run, ids[None], max_new_tokens=4)
-        grew = _peak() - before
-    bound = est["kv_bytes"] + est["forward_bytes"]
-    assert grew <= bound, f"{name} {method}: the request grew the peak by {grew / 2**20:.0f} MiB, " \
-                          f"over its estimate of {bound / 2**20:.0f} MiB"
+    name, rows = measured
+    row = rows[method]
+    bound = row["kv_mib"] + row["forward_mib"]
+    assert row["grew_mib"] <= bound, f"{name} {method}: the request grew the peak by {row['grew_mib']:.0f} MiB, " \
+                                     f"over its estimate of {bound:.0f} MiB"
 
 
 #: One training step of each method's training path, held small (windows of 256-512 tokens).
