@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 from click.testing import CliRunner
 
@@ -16,8 +15,9 @@ from .harness import MODEL, NEW, SERVING, hf_tokens, method_args, server_startin
 pytestmark = SERVING
 
 
-def test_fot_server_reads_a_ray_sharded_document_memory_as_the_one_process_one(tmp_path_factory, tok):
-    pytest.importorskip("ray")
+def test_fot_server_reads_a_ray_sharded_document_memory_as_the_one_process_one(local_ray, tmp_path_factory, tok):
+    """(The build joins this module's local Ray, which is shut down after it: a Ray left running would be the
+    later modules' ``ray.init`` called twice.)"""
     from lcx.cli import main
 
     tmp = tmp_path_factory.mktemp("fot-ray")
