@@ -86,20 +86,24 @@ def test_a_window_that_holds_the_prompt_gives_the_bare_logits(real, method):
     assert new.tolist() == bare.tolist(), method
 
 
+#: The paths whose estimate is checked: the bare model and each method at its defaults.
+ESTIMATED = ["none", "vanilla", "rope", "streaming", "fot", "focusllm"]
+
+
 @pytest.fixture(scope="module", params=sorted(FACTS))
 def measured(request, tmp_path_factory):
     """bench/memory_estimate.py's one request per path, in a fresh process: what the request itself adds, not
     what the allocator's state after this suite's earlier tests adds to it (docs/limits.md)."""
     name, out = request.param, tmp_path_factory.mktemp("estimate") / "rows.json"
     pull(name, log=lambda *_: None)
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "memory_estimate.py"), "--models", name,
-                        "--repeats", "1", "--out", str(out)], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "memory_estimate.py"), "--models", name, "--methods",
+                        ",".join(ESTIMATED), "--repeats", "1", "--out", str(out)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     return name, {row["method"]: row for row in json.loads(out.read_text())["rows"]}
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's resettable peak RSS")
-@pytest.mark.parametrize("method", ["none", "vanilla", "rope", "streaming", "fot", "focusllm"])
+@pytest.mark.parametrize("method", ESTIMATED)
 def test_the_memory_estimate_bounds_the_measured_peak(measured, method):
     """Each path's estimate (cache, methods' memories, largest forward pass) is at least what the request
     really adds to the process's peak resident memory, on a prompt longer than one prefill window.  Measured on
