@@ -3,6 +3,7 @@ memory, on the catalog's real models, every path, several requests each (the mea
 tests/test_real_models.py's bound, repeated to show its spread).
 
     .venv/bin/python bench/memory_estimate.py [--repeats 3] [--tokens 5120]   # writes bench/results/memory_estimate.json
+    .venv/bin/python bench/memory_estimate.py --heap bounded  # LCX_BOUNDED_HEAP=1: the request's live tensors
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import gc
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -37,8 +39,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=5120)
     ap.add_argument("--models", default="gemma3-270m,qwen2.5-0.5b")
     ap.add_argument("--methods", default="none,vanilla,rope,streaming,fot,focusllm")
+    ap.add_argument("--heap", choices=["glibc", "bounded"], default="glibc",
+                    help="glibc: its own policy (the default); bounded: as LCX_BOUNDED_HEAP=1 sets it")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory_estimate.json"))
     a = ap.parse_args()
+    os.environ["LCX_BOUNDED_HEAP"] = "1" if a.heap == "bounded" else "0"  # read by the first request's check
     rows = []
     for name in a.models.split(","):
         model, tok = load_model(name, dtype="float32")
@@ -53,9 +58,12 @@ def main() -> None:
                     before = rss()
                     with open("/proc/self/clear_refs", "w") as f:
                         f.write("5")
+                    t0 = time.perf_counter()
                     lcx.generate(run, ids[None], max_new_tokens=4)
+                    seconds = time.perf_counter() - t0
                     grew = peak() - before
-                    row = {"model": name, "method": method, "repeat": i, "threads": torch.get_num_threads(),
+                    row = {"model": name, "method": method, "repeat": i, "heap": a.heap,
+                           "threads": torch.get_num_threads(), "seconds": seconds,
                            "grew_mib": grew / 2**20, "kv_mib": est["kv_bytes"] / 2**20,
                            "forward_mib": est["forward_bytes"] / 2**20,
                            "ratio": grew / (est["kv_bytes"] + est["forward_bytes"])}
@@ -63,7 +71,7 @@ def main() -> None:
                     print(json.dumps(row), flush=True)
         del model, run
         gc.collect()
-    Path(a.out).write_text(json.dumps({"tokens": a.tokens, "rows": rows}, indent=1) + "\n")
+    Path(a.out).write_text(json.dumps({"tokens": a.tokens, "heap": a.heap, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -96,6 +96,30 @@ def trim_heap() -> None:
         pass
 
 
+#: Allocations of this many bytes or more get their own mapping from glibc, unmapped when freed.
+MMAP_THRESHOLD = 1 << 20
+_heap_bounded = False
+
+
+def bound_heap() -> None:
+    """With ``LCX_BOUNDED_HEAP=1``, have glibc map every allocation of ``MMAP_THRESHOLD`` bytes or more on its
+    own and unmap it when freed, so a request grows the process by its live tensors, which is what the memory
+    estimate counts.  glibc's own policy raises that threshold (up to 32 MiB) after large frees, so activations
+    of a few MB come from its heap, whose holes can grow the process past the estimate; it is faster, hence the
+    default (benchmarks/memory-estimate.md).  Once per process; ``MALLOC_MMAP_THRESHOLD_``, if set, is kept."""
+    global _heap_bounded
+    if _heap_bounded or os.environ.get("LCX_BOUNDED_HEAP", "0") in ("", "0") or not sys.platform.startswith("linux") \
+            or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return
+    _heap_bounded = True
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, MMAP_THRESHOLD)  # -3: M_MMAP_THRESHOLD in glibc's malloc.h
+    except (OSError, AttributeError):  # not glibc (e.g. musl): its own allocator's policy stands
+        pass
+
+
 def available_memory(device: Any) -> int:
     """Bytes free for new tensors on ``device``: a CUDA device's free memory plus what torch's allocator holds
     unused (it reuses those blocks), the machine's free RAM otherwise."""
@@ -181,6 +205,7 @@ def check_request(run: Any, input_tokens: int, max_new_tokens: int, batch: int =
     take it from; returns the estimate (``kv_bytes``) and the model's device's free bytes.  ``served``: the
     request came to a server (its messages name the request's ``max_tokens`` and the server's environment)."""
     limits = limits or getattr(run, "limits", None) or Limits.from_env()
+    bound_heap()
     if input_tokens > limits.max_input_tokens:
         raise LimitError(f"the prompt has {input_tokens:,} tokens, over the limit of {limits.max_input_tokens:,} "
                          f"per request; raise it with {_raise_with('--max-input-tokens', 'LCX_MAX_INPUT_TOKENS', served)} "

@@ -3,6 +3,11 @@ with a clear error before any work starts."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -229,3 +234,34 @@ def test_a_refusal_for_memory_names_the_option_that_shrinks_the_methods_forward_
     with lcx.attach(model, ["focusllm"], chunk=64, local=64, fragment=16, parallel=1) as run, \
             pytest.raises(LimitError, match=r"generate fewer rows at once, or free memory"):
         check_request(run, 4000, 4)
+
+
+HEAP_PROBE = """
+import os, sys
+import torch
+import lcx
+from lcx.generation import generate
+from tests.conftest import tiny_model
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+with lcx.attach(tiny_model("llama"), []) as run:
+    generate(run, torch.tensor([[1, 2, 3]]), max_new_tokens=1)  # a request: its check bounds the heap
+big = torch.ones(16 << 18)  # 16 MiB freed: glibc's own policy would now keep the next 8 MiB in its heap
+del big
+before = rss()
+t = torch.ones(8 << 18)
+del t
+print((rss() - before) / 2**20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_with_a_bounded_heap_a_freed_tensor_of_a_few_mib_goes_back_to_the_os_after_a_request():
+    env = {**{k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}, "LCX_BOUNDED_HEAP": "1"}
+    r = subprocess.run([sys.executable, "-c", HEAP_PROBE], capture_output=True, text=True, env=env,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert float(r.stdout.split()[-1]) < 1.0, "an 8 MiB tensor's pages stayed with the process after it was freed"

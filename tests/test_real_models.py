@@ -92,12 +92,13 @@ ESTIMATED = ["none", "vanilla", "rope", "streaming", "fot", "focusllm"]
 
 @pytest.fixture(scope="module", params=sorted(FACTS))
 def measured(request, tmp_path_factory):
-    """bench/memory_estimate.py's one request per path, in a fresh process: what the request itself adds, not
-    what the allocator's state after this suite's earlier tests adds to it (docs/limits.md)."""
+    """bench/memory_estimate.py's one request per path, in a fresh process with a bounded heap: what the
+    request's own tensors add, not what glibc's heap policy or this suite's earlier tests add to them
+    (docs/limits.md)."""
     name, out = request.param, tmp_path_factory.mktemp("estimate") / "rows.json"
     pull(name, log=lambda *_: None)
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "memory_estimate.py"), "--models", name, "--methods",
-                        ",".join(ESTIMATED), "--repeats", "1", "--out", str(out)], capture_output=True, text=True)
+                        ",".join(ESTIMATED), "--repeats", "1", "--heap", "bounded", "--out", str(out)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     return name, {row["method"]: row for row in json.loads(out.read_text())["rows"]}
 
