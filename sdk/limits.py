@@ -82,18 +82,23 @@ def available_ram() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def trim_heap() -> None:
-    """Hand freed heap pages back to the OS (glibc ``malloc_trim``).  Tensors of a few MB come from malloc's
-    heap, whose freed pages glibc may keep: the process can reuse them, but ``available_ram`` does not count
-    them, so a long grid's next prompt could be refused for memory its last one had just freed."""
+def _glibc(call: str, *args: int) -> None:
+    """``call(*args)`` in glibc's allocator; nothing where the C library is another (musl) or not Linux's."""
     if not sys.platform.startswith("linux"):
         return
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to trim
+        getattr(ctypes.CDLL("libc.so.6"), call)(*args)
+    except (OSError, AttributeError):  # not glibc: its own allocator's policy stands
         pass
+
+
+def trim_heap() -> None:
+    """Hand freed heap pages back to the OS (glibc ``malloc_trim``).  Tensors of a few MB come from malloc's
+    heap, whose freed pages glibc may keep: the process can reuse them, but ``available_ram`` does not count
+    them, so a long grid's next prompt could be refused for memory its last one had just freed."""
+    _glibc("malloc_trim", 0)
 
 
 #: Allocations of this many bytes or more get their own mapping from glibc, unmapped when freed.
@@ -108,16 +113,10 @@ def bound_heap() -> None:
     of a few MB come from its heap, whose holes can grow the process past the estimate; it is faster, hence the
     default (benchmarks/memory-estimate.md).  Once per process; ``MALLOC_MMAP_THRESHOLD_``, if set, is kept."""
     global _heap_bounded
-    if _heap_bounded or os.environ.get("LCX_BOUNDED_HEAP", "0") in ("", "0") or not sys.platform.startswith("linux") \
-            or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    if _heap_bounded or os.environ.get("LCX_BOUNDED_HEAP", "0") in ("", "0") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return
     _heap_bounded = True
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").mallopt(-3, MMAP_THRESHOLD)  # -3: M_MMAP_THRESHOLD in glibc's malloc.h
-    except (OSError, AttributeError):  # not glibc (e.g. musl): its own allocator's policy stands
-        pass
+    _glibc("mallopt", -3, MMAP_THRESHOLD)  # -3: M_MMAP_THRESHOLD in glibc's malloc.h
 
 
 def available_memory(device: Any) -> int:

@@ -237,7 +237,7 @@ def test_a_refusal_for_memory_names_the_option_that_shrinks_the_methods_forward_
 
 
 HEAP_PROBE = """
-import os, sys
+import os
 import torch
 import lcx
 from lcx.generation import generate

@@ -98,7 +98,8 @@ def measured(request, tmp_path_factory):
     name, out = request.param, tmp_path_factory.mktemp("estimate") / "rows.json"
     pull(name, log=lambda *_: None)
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "memory_estimate.py"), "--models", name, "--methods",
-                        ",".join(ESTIMATED), "--repeats", "1", "--heap", "bounded", "--out", str(out)], capture_output=True, text=True)
+                        ",".join(ESTIMATED), "--repeats", "1", "--heap", "bounded", "--out", str(out)],
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     return name, {row["method"]: row for row in json.loads(out.read_text())["rows"]}
 
