@@ -166,6 +166,7 @@ class RetrievalProbe(Method):
 
     def __post_init__(self) -> None:
         self.targets: list[int] = []
+        self.total = 0  # positions read so far, the measured queries' included
         self.mass = torch.zeros(self.n_layers, self.n_heads, dtype=torch.float64)
         self.count = 0
 
@@ -177,9 +178,15 @@ class RetrievalProbe(Method):
         S = key.shape[-2]
         k = key.repeat_interleave(H // key.shape[1], dim=1).float()
         scores = (query.float() @ k.transpose(-1, -2)) * (kwargs.get("scaling") or D ** -0.5)  # (B, H, T, S)
-        causal = torch.arange(S)[None, :] <= torch.arange(S - T, S)[:, None]
-        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-        self.mass[module.layer_idx] += probs[..., self.targets].sum(-1).mean(dim=(0, 2)).double()
+        # a sliding-window layer's cache holds only the last S of the `total` positions
+        k_pos, q_pos = torch.arange(self.total - S, self.total), torch.arange(self.total - T, self.total)
+        visible = k_pos[None, :] <= q_pos[:, None]  # (T, S)
+        window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+        if window:
+            visible &= q_pos[:, None] - k_pos[None, :] < window
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        seen = [t - (self.total - S) for t in self.targets if t >= self.total - S]  # targets still in the cache
+        self.mass[module.layer_idx] += probs[..., seen].sum(-1).mean(dim=(0, 2)).double()
         if module.layer_idx == 0:
             self.count += 1
         return None
@@ -210,6 +217,7 @@ def retrieval_layers(model: Any, tokenizer: Any, length: int, depths: list[float
             probe.targets = []
             out = model(ids[None, :-1], use_cache=True, logits_to_keep=1)  # prefill: not measured
             probe.targets = sorted({i + j for i in hits for j in range(len(answer))})
+            probe.total = len(prompt) - 1 + len(answer)
             model(torch.tensor([prompt[-1:] + answer[:-1]]), past_key_values=out.past_key_values, logits_to_keep=1)
     mass = (probe.mass / max(probe.count, 1)).float()
     best = mass.max(dim=1).values

@@ -14,6 +14,9 @@ WIN4K=(-o fot.local=4096 -o fot.chunk=1024 -o streaming.window=4096 -o focusllm.
 # Qwen2.5 0.5B retrieves with memory in every layer (tried by hand); Gemma 3: auto = its 3 full-attention layers
 QWEN_FOT=(-o fot.memory_layers=all)
 
+retrieval() {  # $1 model: which layers copy from far context (lcx analyze retrieval; fot's memory_layers=auto)
+    $LCX analyze retrieval -m "$1" --keys 2 --out "results/models/$1/retrieval"
+}
 gemma_fot64() {  # the first figure past the window: fot training-free at 64K (2x Gemma's window), one key per depth
     $LCX eval passkey -m gemma3-270m --method fot -o local=4096 -o chunk=1024 --lengths 64K --samples 1 \
         --haystack $BOOKS --out results/models/gemma3-270m/fot-64k-prose "${COMMON[@]}"
@@ -39,7 +42,7 @@ beyond() {  # $1 model, $2 haystack (prose|filler): 64K, every training-free sta
 }
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(gemma_fot64 "inside gemma3-270m 16K" "inside qwen2.5-0.5b 16K" "ppl gemma3-270m"
+[ ${#steps[@]} -eq 0 ] && steps=("retrieval smollm2-135m" "retrieval gemma3-270m" "retrieval qwen2.5-0.5b" gemma_fot64 "inside gemma3-270m 16K" "inside qwen2.5-0.5b 16K" "ppl gemma3-270m"
     "ppl qwen2.5-0.5b" "inside gemma3-270m 32K" "inside qwen2.5-0.5b 32K" "beyond gemma3-270m prose"
     "beyond qwen2.5-0.5b prose" "beyond gemma3-270m filler" "beyond qwen2.5-0.5b filler")
 for s in "${steps[@]}"; do echo "== $s"; $s; done
