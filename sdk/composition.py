@@ -179,6 +179,7 @@ def attach(
                     f"methods that work with it: {', '.join(working)}"
                 )
 
+    _resolve_auto(model, instances)
     run = Run(model, instances, family)
     _check_conflicts(run)
     run.attached = True
@@ -200,6 +201,19 @@ def attach(
         run.detach()
         raise
     return run
+
+
+def _resolve_auto(model: nn.Module, instances: list[Method]) -> None:
+    """Each method's ``auto`` options measured on ``model`` itself, before anything is attached."""
+    from lcx import auto
+
+    def load() -> tuple[nn.Module, Any]:
+        from transformers import AutoTokenizer
+
+        return model, AutoTokenizer.from_pretrained(folder)
+
+    folder = auto.model_folder(model)
+    auto.resolve(instances, folder, load)
 
 
 def attached_run(model: nn.Module) -> Run | None:

@@ -30,6 +30,7 @@ attributes and methods of ``lcx.method.Method`` (defaults there), by when they a
 asked:
 
     attach        requires, idle_stages                   families it needs; stages its options leave idle
+                  resolve_auto                            ``auto`` options measured on the model (``lcx.auto``)
     each request  release                                 drop the last request's own state (``run.state``)
                   memory_entries, generation_entries,     ``lcx.limits``: its memory's entries and bytes,
                   memory_bytes, memory_device,            where they live, the cache it keeps, its largest

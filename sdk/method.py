@@ -74,6 +74,12 @@ class Method:
         ``embedding_sha256``): whole files, built with that model, what this method reads; returns its metadata."""
         raise LcxError(f"method {self.name!r} reads no document memory")
 
+    def resolve_auto(self, folder: Any, load: Any) -> None:
+        """Before the method attaches to the model in ``folder`` (a local model folder): set the ``auto`` options
+        whose value depends on the model to values measured on it (``lcx.auto.measured``: once, cached beside
+        the model); ``load()`` returns ``(model, tokenizer)`` for measuring, with no method attached.  Options
+        the user gave are left as given.  Nothing to resolve by default."""
+
     def reusable_prefix(self) -> bool:
         """Whether a prompt's leading windows may be fed once and their memory (the run's cache, copied)
         reused by later prompts that start with the same tokens (``lcx.generation.PrefixReuse``): true

@@ -169,7 +169,7 @@ def test_demo_runs_every_inference_method_and_leaves_out_training_only_ones(tiny
 
     r = run("demo", "-m", str(tiny_dir), "--json")
     assert r.exit_code == 0, r.output
-    rows = json.loads(r.output[r.output.index("["):])
+    rows = json.loads(r.stdout)
     assert [row["method"] for row in rows] == ["none", "focusllm", "fot", "rope", "streaming", "vanilla"]
     assert "smt" in registry().methods  # installed, but training-only (sampling + loss): no demo row
     assert all(row["prompt_tokens"] > 512 for row in rows)  # 2x the tiny model's window

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from lcx import auto
 from lcx.errors import LcxError
 from lcx.integrations.vllm.middleware import prefix_kv
 
@@ -247,7 +248,7 @@ def export_for_vllm(model: str, methods: list[str] | tuple[str, ...] = (), optio
                     log: Callable[[str], None] = lambda s: None, memory: str | Path | None = None,
                     state_gib: float = 2.0) -> Export:
     """Write a folder vLLM serves without lcx code (see the module docstring)."""
-    from lcx.models import resolve_model_path
+    from lcx.models import load_model, resolve_model_path
 
     out = Path(out)
     adapters = {k: Path(v) for k, v in (adapters or {}).items()}
@@ -256,6 +257,7 @@ def export_for_vllm(model: str, methods: list[str] | tuple[str, ...] = (), optio
             raise LcxError(f"adapter name {name!r} is not usable as a served model name; use NAME=DIR with a plain name")
     src = resolve_model_path(model)
     insts = servable_methods(list(methods), options or {}, adapters)
+    auto.resolve(insts, src, lambda: load_model(src))  # the served options are those lcx generate uses
     _attention_spec([{"name": m.name, "options": m.to_options()} for m in insts])
     # with a method whose served state lcx's middleware computes (focusllm), the adapters are that state's
     # (lcx's path gates every LoRA to the candidate positions): the middleware applies them, not vLLM
@@ -294,7 +296,7 @@ def export_for_vllm(model: str, methods: list[str] | tuple[str, ...] = (), optio
         mdir = tmp / "model"
         mdir.mkdir(parents=True)
         for f in sorted(src.iterdir()):
-            if not f.is_file() or f.name == "config.json":
+            if not f.is_file() or f.name in ("config.json", auto.AUTO_FILE):
                 continue
             if f.suffix in _SMALL_SUFFIXES:
                 shutil.copy2(f, mdir / f.name)

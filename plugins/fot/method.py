@@ -16,6 +16,7 @@ differentiably, to earlier contexts of their own document and of ``d - 1`` other
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Literal
 
 import torch
 
+from lcx import auto
 from lcx.adapters import families
 from lcx.errors import LcxError
 from lcx.hookspecs import hookimpl
@@ -34,6 +36,12 @@ from lcx.plan import Plan
 from lcx.plugins.fot import crossbatch
 from lcx.plugins.fot.attention import memory_attention
 from lcx.plugins.fot.cache import FoTLayer, fot_cache
+
+
+#: How memory_layers=auto measures the layers that retrieve (``lcx analyze retrieval``'s inputs; the length is
+#: capped at the model's window).
+RETRIEVAL_PROBE = {"probe": "retrieval", "length": 4096, "depths": [0.2, 0.5, 0.8], "keys": 1, "seed": 12345,
+                   "threshold": 0.15}
 
 
 @dataclass
@@ -48,8 +56,10 @@ class FoT(Method):
     #: Multi-document mode reads a memory built by `lcx memory build` (commands.py): ``load_memory``.
     reads_memory = True
 
-    memory_layers: str = option("auto", "memory layers: auto (3 at 1/4, 1/2, 3/4 depth; on a model with sliding-window "
-                                        "layers, its full-attention layers), all, or indices like 7,15,22")
+    memory_layers: str = option("auto", "memory layers: auto (on a model with sliding-window layers, its full-attention "
+                                        "layers; else the layers `lcx analyze retrieval` finds retrieving, measured "
+                                        "once and cached beside the model; 3 at 1/4, 1/2, 3/4 depth where it finds "
+                                        "none or the model has no folder), all, or indices like 7,15,22")
     k: int = option(32, "memory keys retrieved per query and head")
     local: int = option(2048, "local context: keys each layer keeps in its cache (a sliding window)")
     chunk: int = option(0, "tokens ingested per forward pass; 0 = local (FoT); smaller keeps every query's local context >= local - chunk")
@@ -102,12 +112,49 @@ class FoT(Method):
         self.store_config().validate()
         crossbatch.parse_d_schedule(self.d_schedule)  # validates every field of the schedule
         self.crossbatch_layout(self.d)  # validates d, w and segments (against the largest d the schedule reaches)
+        self._auto_for: Path | None = None  # the model folder memory_layers=auto was measured on
         self._stores: dict[int, dict[tuple[int, int], MemoryStore]] | None = None  # multi-document memory
         self._shared: dict[int, dict[tuple[int, int], MemoryStore]] | None = None  # while a document is added
 
     # ------------------------------------------------------------------ configuration
     def layer_indices(self, run) -> list[int]:
         return self.layers_of(families.num_layers(run.model, run.family), getattr(run.model.config, "layer_types", None))
+
+    def resolve_auto(self, folder: Path, load) -> None:
+        """memory_layers=auto on a model whose layers all attend fully: the layers that retrieve, by
+        ``lcx analyze retrieval`` on its own passkey probes (seed 12345; no evaluation uses those keys)."""
+        if self._auto_for is None and str(self.memory_layers).strip() != "auto":
+            return  # the user's choice
+        if self._auto_for == folder:
+            return
+        self.memory_layers, self._auto_for = "auto", None
+        config = json.loads((folder / "config.json").read_text())
+        config = config.get("text_config", config)
+        types = config.get("layer_types") or []
+        if any(t != "full_attention" for t in types):
+            return  # the rule: its full-attention layers (layers_of)
+        window = int(config.get("max_position_embeddings") or 0) or RETRIEVAL_PROBE["length"]
+        inputs = {**RETRIEVAL_PROBE, "length": min(RETRIEVAL_PROBE["length"], window)}
+
+        def measure() -> str:
+            import random
+
+            from lcx.analyze import retrieval_layers
+
+            model, tokenizer = load()
+            rng = random.Random(inputs["seed"])
+            keys = [rng.randint(10000, 99999) for _ in range(inputs["keys"])]
+            return retrieval_layers(model, tokenizer, inputs["length"], inputs["depths"], keys,
+                                    inputs["threshold"], progress=True)["suggested_memory_layers"]
+
+        def describe(found: str) -> str:
+            if found:
+                return f"fot: memory layers {found} chosen by retrieval analysis"
+            return "fot: retrieval analysis found no retrieving layer; memory layers at 1/4, 1/2, 3/4 depth"
+
+        found = auto.measured(folder, "fot.memory_layers", inputs, measure, describe)
+        if found:
+            self.memory_layers, self._auto_for = found, folder
 
     def layers_of(self, n: int, layer_types: list[str] | None = None) -> list[int]:
         """The memory layers of a model with ``n`` layers (``layer_types``: its config's, where it has them)."""

@@ -1,0 +1,135 @@
+"""Option values a method measures on the model itself, once, and keeps beside the model.
+
+A method whose best option depends on the model (fot's memory layers: the layers that copy from far context)
+resolves ``auto`` by measuring it (:meth:`lcx.method.Method.resolve_auto`), and ``measured`` caches the answer
+in ``lcx-auto.json`` in the model's folder (or under ``$LCX_HOME/auto`` when that folder is read-only).  An
+entry is trusted only for the same model files, the same lcx version and the same measurement inputs; a damaged
+file or one from another model or version is measured again, with a note saying why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+AUTO_FILE = "lcx-auto.json"
+FORMAT = 1
+#: Files whose bytes (small ones) or names and sizes (weights) identify a model for the cache.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+_said: set[tuple[str, str]] = set()  # (file, key) reported in this process: a value is announced once
+
+
+def _note(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def resolve(methods: list[Any], folder: Path | None, load: Callable[[], tuple[Any, Any]]) -> None:
+    """Let each method measure its ``auto`` options (``Method.resolve_auto``) for the model in ``folder``, with
+    nothing attached yet; ``load()`` gives ``(model, tokenizer)``, loaded at most once.  Only a local folder
+    holding a tokenizer can be measured and cached: elsewhere ``auto`` keeps its rule."""
+    if folder is None or not has_tokenizer(folder):
+        return
+    loaded: list[tuple[Any, Any]] = []
+
+    def once() -> tuple[Any, Any]:
+        if not loaded:
+            loaded.append(load())
+        return loaded[0]
+
+    for m in methods:
+        m.resolve_auto(folder, once)
+
+
+def model_folder(model: Any) -> Path | None:
+    """The local folder a loaded transformers model came from, or None (built in memory, or from a hub name)."""
+    cfg = getattr(model, "config", None)
+    name = getattr(cfg, "_name_or_path", "") or ""
+    p = Path(name).expanduser() if name else None
+    return p if p is not None and (p / "config.json").is_file() else None
+
+
+def has_tokenizer(folder: Path) -> bool:
+    return any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
+def identity(folder: Path) -> dict[str, Any]:
+    """What a cache entry must match: config.json's bytes and the weight files' names and sizes."""
+    files = sorted(f for f in folder.iterdir() if f.is_file() and f.suffix in _WEIGHT_SUFFIXES)
+    return {"config_sha256": hashlib.sha256((folder / "config.json").read_bytes()).hexdigest(),
+            "weights": {f.name: f.stat().st_size for f in files}}
+
+
+def cache_file(folder: Path) -> Path:
+    """``lcx-auto.json`` in the model's folder, or under ``$LCX_HOME/auto`` when the folder is not writable."""
+    if os.access(folder, os.W_OK):
+        return folder / AUTO_FILE
+    from lcx.models import cache_dir
+
+    return cache_dir() / "auto" / f"{hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]}.json"
+
+
+def _version() -> str:
+    from lcx import __version__
+
+    return __version__
+
+
+def _read(path: Path, ident: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
+    """The entries of ``path`` when it is a sound file for this model and lcx version; else {} (with why)."""
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        entries = data["entries"]
+        if data.get("format") != FORMAT or not isinstance(entries, dict):
+            raise ValueError(f"format {data.get('format')!r}")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log(f"note: {path} is damaged ({e}); measuring again")
+        return {}
+    if data.get("model") != ident:
+        log(f"note: {path} was measured on other model files; measuring again")
+        return {}
+    if data.get("lcx") != _version():
+        log(f"note: {path} was measured by lcx {data.get('lcx')}, this is {_version()}; measuring again")
+        return {}
+    return entries
+
+
+def _write(path: Path, ident: dict[str, Any], entries: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps({"format": FORMAT, "lcx": _version(), "model": ident, "entries": entries}, indent=2)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
+
+
+def measured(folder: Path, key: str, inputs: dict[str, Any], measure: Callable[[], Any], describe: Callable[[Any], str],
+             log: Callable[[str], None] = _note) -> Any:
+    """The value of ``key`` (e.g. ``"fot.memory_layers"``) for the model in ``folder``: cached when an entry with
+    the same ``inputs`` exists, else ``measure()``'d and cached.  ``describe(value)`` words the one line said
+    the first time a process uses it ("fot: memory layers 6,7,8 chosen by retrieval analysis")."""
+    path = cache_file(folder)
+    ident = identity(folder)
+    entries = _read(path, ident, log)
+    entry = entries.get(key)
+    if isinstance(entry, dict) and entry.get("inputs") == inputs and "value" in entry:
+        value, how = entry["value"], "cached in"
+    else:
+        log(f"{key}=auto: measuring it on this model, once (then cached in {path})")
+        value, how = measure(), "measured now, cached in"
+        entries[key] = {"inputs": inputs, "value": value}
+        try:
+            _write(path, ident, entries)
+        except OSError as e:  # measured all the same: the next process measures again
+            log(f"note: could not cache {key} in {path} ({e})")
+    if (str(path), key) not in _said:
+        _said.add((str(path), key))
+        log(f"{describe(value)} ({how} {path})")
+    return value
