@@ -23,8 +23,9 @@ def demo_cmd(model, length, depth, methods, options, as_json) -> None:
     """Passkey at 2x the model's window with each installed method: found?, time, peak memory.
 
     \b
-    Example (what `make demo` runs: fot in the configuration results/fot measured on SmolLM2-135M):
-      lcx demo -o fot.local=1024 -o fot.chunk=256 -o fot.memory_layers=6,7,8,14,15,17,18,19,20,21,22,23
+    Example (what `make demo` runs: fot with the windows results/fot measured on SmolLM2-135M; its memory
+    layers are measured on the model the first time and cached beside it):
+      lcx demo -o fot.local=1024 -o fot.chunk=256
     """
     from lcx.demo import print_table, run_demo
     from lcx.session import parse_options
