@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -102,12 +101,9 @@ def _read(path: Path, ident: dict[str, Any], log: Callable[[str], None]) -> dict
 
 
 def _write(path: Path, ident: dict[str, Any], entries: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps({"format": FORMAT, "lcx": _version(), "model": ident, "entries": entries}, indent=2)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
+    from lcx.io import write_json  # atomic: a reader sees the old file or the new one
+
+    write_json({"format": FORMAT, "lcx": _version(), "model": ident, "entries": entries}, path)
 
 
 def measured(folder: Path, key: str, inputs: dict[str, Any], measure: Callable[[], Any], describe: Callable[[Any], str],
