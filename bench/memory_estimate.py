@@ -39,17 +39,26 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=5120)
     ap.add_argument("--models", default="gemma3-270m,qwen2.5-0.5b")
     ap.add_argument("--methods", default="none,vanilla,rope,streaming,fot,focusllm")
+    ap.add_argument("-o", "--option", action="append", default=[], metavar="METHOD.KEY=VALUE",
+                    help="a method's option, e.g. -o fot.memory_layers=3,5,6 (repeatable)")
     ap.add_argument("--heap", choices=["glibc", "bounded"], default="glibc",
                     help="glibc: its own policy (the default); bounded: as LCX_BOUNDED_HEAP=1 sets it")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory_estimate.json"))
     a = ap.parse_args()
     os.environ["LCX_BOUNDED_HEAP"] = "1" if a.heap == "bounded" else "0"  # read by the first request's check
+    options: dict[str, dict[str, str]] = {}
+    for o in a.option:
+        key, _, value = o.partition("=")
+        method, _, k = key.partition(".")
+        if not (k and value):
+            ap.error(f"-o {o}: expected METHOD.KEY=VALUE, e.g. -o fot.memory_layers=3,5,6")
+        options.setdefault(method, {})[k] = value
     rows = []
     for name in a.models.split(","):
         model, tok = load_model(name, dtype="float32")
         ids, _ = prompt_and_needle(tok, a.tokens, 0.5, 48213)
         for method in a.methods.split(","):
-            with lcx.attach(model, [] if method == "none" else [method]) as run:
+            with lcx.attach(model, [] if method == "none" else [method], **options.get(method, {})) as run:
                 est = check_request(run, ids.shape[0], 4)
                 lcx.generate(run, ids[None], max_new_tokens=4)  # warm-up: the first forward of a shape
                 for i in range(a.repeats):
