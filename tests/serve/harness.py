@@ -19,6 +19,10 @@ WINDOW = 8192
 LONG = 2 * WINDOW  # the parity length: 2x the model's window
 NEW = 8
 
+#: fot's memory layers as its `auto` measures them on this model (results/models/smollm2-135m/retrieval), given so
+#: that the serving tests do not pay the measurement (tests/test_auto.py checks auto, and that export serves it).
+FOT_LAYERS = "6,7,8,14,15,17,18,19,20,21,22,23"
+
 #: Every serving test starts a vLLM engine on the real model (each module: ``pytestmark = SERVING``).
 SERVING = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from lcx.evals.passkey import build_prompt_ids
 
-from .harness import MODEL, NEW, SERVING, hf_tokens, method_args, server_starting
+from .harness import FOT_LAYERS, MODEL, NEW, SERVING, hf_tokens, method_args, server_starting
 
 pytestmark = SERVING
 
@@ -21,7 +21,7 @@ def test_fot_server_reads_a_ray_sharded_document_memory_as_the_one_process_one(l
     from lcx.cli import main
 
     tmp = tmp_path_factory.mktemp("fot-ray")
-    opts = {"local": 512, "k": 16}
+    opts = {"local": 512, "k": 16, "memory_layers": FOT_LAYERS}
     ray_opts = {**opts, "backend": "ray", "shards": 2}
     docs = []
     for name, key in (("a", 61728), ("b", 94051)):
