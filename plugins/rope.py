@@ -83,6 +83,13 @@ class Rope(Method):
             out["rope_parameters"] = params
         return out
 
+    def reach(self, run, tokens: int, new: int, span: tuple[int, int]) -> tuple[bool, str]:
+        stretched = int(self.factor * run.window)
+        if tokens + new <= stretched:
+            return True, f"positions stretched x{self.factor:g}: all {tokens:,} tokens fit its {stretched:,}-token window"
+        return False, (f"positions stretched x{self.factor:g} to {stretched:,} tokens: the prompt's {tokens:,} go past "
+                       "them, to positions the model never saw")
+
     @hookimpl
     def lcx_patch_model(self, run, model):
         fam = run.family

@@ -49,6 +49,15 @@ class Vanilla(Method):
         head = int(budget * self.head_fraction)
         return head, n - (budget - head)
 
+    def reach(self, run, tokens: int, new: int, span: tuple[int, int]) -> tuple[bool, str]:
+        budget = self.budget(new, self.window or run.window)
+        if tokens <= budget:
+            return True, f"all {tokens:,} tokens fit its {budget:,}-token budget"
+        head, tail = self.keep(tokens, budget)
+        kept = span[1] <= head or span[0] >= tail
+        return kept, (f"keeps the first {head:,} and the last {tokens - tail:,} tokens: the key was "
+                      + ("kept" if kept else "cut with the middle of the prompt"))
+
     def serve_prompt(self, ids: list[int], max_new_tokens: int, window: int) -> list[int]:
         head, tail = self.keep(len(ids), self.budget(max_new_tokens, window))
         return ids[:head] + ids[tail:]

@@ -15,11 +15,12 @@ import torch
 
 from lcx.composition import attach
 from lcx.errors import LcxError
-from lcx.evals.passkey import build_prompt_ids, passkey_found
+from lcx.evals.passkey import NEEDLE, passkey_found, prompt_and_needle
 from lcx.generation import generate
 from lcx.measure import measure
 
 NO_METHOD = "none"
+NEW_TOKENS = 8
 
 
 #: Stages that change what a model computes at inference; a method with none of them (smt: sampling
@@ -59,7 +60,9 @@ def run_demo(model_name: str = "smollm2-135m", length: int | None = None, depth:
     window = context_window(model)
     length = length or 2 * window
     key = random.Random(seed).randint(10000, 99999)
-    ids = build_prompt_ids(tok, length, depth, key)[None]
+    ids, start = prompt_and_needle(tok, length, depth, key)
+    ids = ids[None]
+    span = (start, start + len(tok(" " + NEEDLE.format(key=key) + " ", add_special_tokens=False)["input_ids"]))
     rows = []
     for name in names:
         opts = options.get(name, {})
@@ -71,16 +74,33 @@ def run_demo(model_name: str = "smollm2-135m", length: int | None = None, depth:
         try:
             with attach(model, [] if name == NO_METHOD else [name], **({name: opts} if opts else {})) as run, \
                     measure() as m:
-                new = generate(run, ids, max_new_tokens=8)
+                new = generate(run, ids, max_new_tokens=NEW_TOKENS)
         except LcxError as e:  # e.g. default options that do not fit a small model's window: one row, not the end
             rows.append({**row, "found": None, "output": f"error: {e}", "error": str(e), "seconds": None,
                          "peak_rss_mib": None})  # found: None, not False: the method did not run
             continue
         text = tok.decode(new[0], skip_special_tokens=True)
-        rows.append({**row, "found": passkey_found(key, text), "output": text.strip(),
+        found = passkey_found(key, text)
+        rows.append({**row, "found": found, "output": text.strip(),
+                     "why": explain(run, int(ids.shape[1]), NEW_TOKENS, span, window, found),
                      "seconds": round(m.result.seconds, 1), "peak_rss_mib": round(m.result.peak_rss_mib)})
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return rows
+
+
+def explain(run, tokens: int, new: int, span: tuple[int, int], window: int, found: bool) -> str:
+    """One line on why a row found or missed the key: what its methods let the model read (``Method.reach``),
+    or for the bare model, where the prompt sits against its trained window."""
+    said = [r for r in (m.reach(run, tokens, new, span) for m in run.methods) if r is not None]
+    if not said:
+        past = tokens + new > window
+        said = [(not past, f"reads all {tokens:,} tokens" + (f", past its {window:,}-token window: positions it never "
+                                                              "saw" if past else ", inside its window"))]
+    read = all(ok for ok, _ in said)
+    how = "; ".join(line for _, line in said)
+    if found:
+        return how if read else f"found anyway: {how}"
+    return f"read, but not answered: {how}" if read else how
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -103,4 +123,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         else:
             t.add_row(method, "yes" if r["found"] else "no", r["output"][:30], f"{r['seconds']:.1f}",
                       str(r["peak_rss_mib"]))
-    Console().print(t)
+    console = Console()
+    console.print(t)
+    for r in rows:
+        if r.get("why"):
+            console.print(f"[bold]{r['method']}[/bold] {'found' if r['found'] else 'missed'} it: {r['why']}",
+                          highlight=False)

@@ -37,6 +37,8 @@ asked:
                   cache_tokens, forward_shapes,           forward passes, and the option that makes them
                   forward_hint                            smaller (said when a request is refused)
                   reusable_prefix                         whether prompts sharing a start share its memory
+                  reach                                   whether it reads a span of a prompt, and how
+                                                          (``lcx demo``'s why column)
     documents     reads_memory, load_memory,              ``lcx generate|serve --memory``: a document memory
                   check_memory                            it reads, checked before it is trusted
     training      lora_roles, lora_gated, data_order,     what ``lcx train`` adapts, how its data is ordered,

@@ -80,6 +80,12 @@ class Method:
         the model); ``load()`` returns ``(model, tokenizer)`` for measuring, with no method attached.  Options
         the user gave are left as given.  Nothing to resolve by default."""
 
+    def reach(self, run: Any, tokens: int, new: int, span: tuple[int, int]) -> tuple[bool, str] | None:
+        """Whether the model, with this method, reads the tokens ``span`` (start, end) of a prompt of ``tokens``
+        tokens generating ``new`` more, and one line on how (``lcx demo``'s why column: "the key was cut with the
+        middle of the prompt"); None: nothing to say."""
+        return None
+
     def reusable_prefix(self) -> bool:
         """Whether a prompt's leading windows may be fed once and their memory (the run's cache, copied)
         reused by later prompts that start with the same tokens (``lcx.generation.PrefixReuse``): true

@@ -182,6 +182,44 @@ def test_demo_runs_every_inference_method_and_leaves_out_training_only_ones(tiny
     assert "-o streaming.chunk=128" in errors["streaming"]
 
 
+def test_each_demo_row_says_why_it_found_or_missed_the_key(tiny_dir):
+    """The key in the middle of 2x the window: vanilla cut it with the middle and streaming evicted it (both
+    not read), the bare model read it past its window; a row that read the key and missed says so."""
+    r = run("demo", "-m", str(tiny_dir), "--json", "--method", "none", "--method", "vanilla", "--method", "streaming",
+            "--method", "fot", "-o", "streaming.chunk=128")
+    assert r.exit_code == 0, r.output
+    why = {row["method"]: row["why"] for row in json.loads(r.stdout)}
+    assert "cut with the middle of the prompt" in why["vanilla"] and not why["vanilla"].startswith("read,")
+    assert "was evicted before the question (it forgets the middle by design)" in why["streaming"]
+    assert "past its 512-token window" in why["none"]
+    assert "the key was in memory" in why["fot"] and "tokens from the end: only layers" in why["fot"]
+    found = {row["method"]: row["found"] for row in json.loads(r.stdout)}
+    assert why["fot"].startswith("read, but not answered: ") != found["fot"]  # a tiny random model, either way
+
+
+def test_reach_follows_where_the_key_sits(llama):
+    """Each method's reach against spans on either side of what it keeps."""
+    import lcx
+
+    model = llama
+    with lcx.attach(model, []) as run:
+        n, w = 2048, run.window
+    with lcx.attach(model, ["vanilla"]) as run:
+        head, tail = run.methods[0].keep(n, w - 8)
+        assert run.methods[0].reach(run, n, 8, (head - 10, head - 2))[0]
+        assert not run.methods[0].reach(run, n, 8, (head + 1, head + 9))[0]
+        assert run.methods[0].reach(run, n, 8, (tail, tail + 8))[0]
+    with lcx.attach(model, ["streaming"], chunk=64, window=128) as run:
+        assert run.methods[0].reach(run, n, 8, (n - 100, n - 92))[0]
+        assert not run.methods[0].reach(run, n, 8, (n - 200, n - 192))[0]
+        assert run.methods[0].reach(run, n, 8, (1, 3))[0]  # among the sinks
+    with lcx.attach(model, ["rope"], factor=4.0) as run:
+        assert run.methods[0].reach(run, 4 * w - 8, 8, (0, 8))[0] and not run.methods[0].reach(run, 4 * w, 8, (0, 8))[0]
+    with lcx.attach(model, ["focusllm"], chunk=128, local=256, fragment=32) as run:
+        ok, line = run.methods[0].reach(run, 1024, 8, (300, 308))
+        assert ok and "memory chunk 3 of 6" in line
+
+
 def test_demo_rows_take_the_options_their_errors_suggest(tiny_dir):
     r = run("demo", "-m", str(tiny_dir), "--json", "--method", "focusllm", "--method", "streaming", "--method", "fot")
     first = {row["method"]: row for row in json.loads(r.output[r.output.index("["):])}

@@ -256,6 +256,14 @@ class FocusLLM(CandidateTraining, Method):
         """The memory chunks of a prompt of ``input_tokens`` (none when it fits the local tokens)."""
         return chunk_spans(max(0, input_tokens - self.local), self.chunk, self.overlap)
 
+    def reach(self, run, tokens: int, new: int, span: tuple[int, int]) -> tuple[bool, str]:
+        if span[0] >= tokens - self.local:
+            return True, f"the key was among the last {self.local:,} tokens, which the model reads as they are"
+        spans = self._spans(tokens)
+        i = next((i for i, (s, e) in enumerate(spans) if s <= span[0] < e), len(spans) - 1)
+        return True, (f"the key was in memory chunk {i + 1} of {len(spans)} ({self.chunk:,} tokens each), which the "
+                      "model reads only through the one candidate token the chunk proposes")
+
     def release(self, run) -> None:
         for key in ("focusllm_candidates", "focusllm_groups", "focusllm_generation"):
             run.state.pop(key, None)

@@ -156,6 +156,13 @@ class FoT(Method):
         if found:
             self.memory_layers, self._auto_for = found, folder
 
+    def reach(self, run, tokens: int, new: int, span: tuple[int, int]) -> tuple[bool, str]:
+        if tokens - span[0] <= self.local - (self.chunk or self.local):
+            return True, f"the key was in the local window ({self.local:,} tokens), which every layer reads"
+        layers = self.layer_indices(run)
+        return True, (f"the key was in memory, {tokens - span[0]:,} tokens from the end: only layers "
+                      f"{','.join(map(str, layers))} read memory, each query its {self.k} best-matching keys")
+
     def layers_of(self, n: int, layer_types: list[str] | None = None) -> list[int]:
         """The memory layers of a model with ``n`` layers (``layer_types``: its config's, where it has them)."""
         spec = str(self.memory_layers).strip()

@@ -118,6 +118,13 @@ class Streaming(Method):
     def reusable_prefix(self) -> bool:
         return True  # sinks and window live in the cache
 
+    def reach(self, run, tokens: int, new: int, span: tuple[int, int]) -> tuple[bool, str]:
+        recent, back = self.recent(run), tokens - span[0]
+        if span[1] <= self.sinks or back <= recent:
+            return True, f"keeps {self.sinks} sink tokens and the last {recent:,}: the key was among them"
+        return False, (f"keeps {self.sinks} sink tokens and the last {recent:,}: the key, {back:,} tokens from the end, "
+                       "was evicted before the question (it forgets the middle by design)")
+
     def forward_shapes(self, run, tokens: int) -> list[tuple[int, int, int]]:
         q = min(tokens, self.chunk)
         return [(1, q, self.cache_tokens(run, tokens))]
