@@ -13,6 +13,8 @@ memory entries per layer    4,194,304    ``--max-memory-entries``         ``LCX_
 and KV head (fot)
 share of free RAM a         0.9          --                               ``LCX_RAM_FRACTION``
 request may plan to use
+allowance for glibc's heap  1.5          --                               ``LCX_HEAP_ALLOWANCE``
+(RAM, its own policy)
 ==========================  ===========  ===============================  =========================
 
 The memory estimate is an upper bound: the keys and values of every layer for every token the cache
@@ -23,7 +25,8 @@ activations, logits: ``forward_bytes`` of ``Method.forward_shapes``, by default 
 fot's stores in its memory layers, with what a multi-document memory already holds).  Each part is checked
 against the device it lives on: the cache against the model's (a GPU's free memory for a model on CUDA, the
 machine's free RAM otherwise), a method's memory against ``Method.memory_device`` (fot's FAISS stores: the
-host's RAM, wherever the model runs).
+host's RAM, wherever the model runs).  What is planned in RAM counts ``heap_allowance`` times under glibc's own
+heap policy, which keeps freed activations in its heap (``bound_heap``: none with ``LCX_BOUNDED_HEAP=1``).
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ from typing import Any
 from lcx.errors import LcxError
 
 _ENV = {"max_input_tokens": "LCX_MAX_INPUT_TOKENS", "max_new_tokens": "LCX_MAX_NEW_TOKENS",
-        "max_memory_entries": "LCX_MAX_MEMORY_ENTRIES", "ram_fraction": "LCX_RAM_FRACTION"}
+        "max_memory_entries": "LCX_MAX_MEMORY_ENTRIES", "ram_fraction": "LCX_RAM_FRACTION",
+        "heap_allowance": "LCX_HEAP_ALLOWANCE"}
+_FRACTIONS = ("ram_fraction", "heap_allowance")
 
 
 class LimitError(LcxError):
@@ -50,6 +55,7 @@ class Limits:
     max_new_tokens: int = 4_096
     max_memory_entries: int = 4_194_304
     ram_fraction: float = 0.9
+    heap_allowance: float = 1.5  # what a request grows RAM by, per byte of its estimate, under glibc's heap policy
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "Limits":
@@ -59,7 +65,7 @@ class Limits:
             raw = os.environ.get(_ENV[f.name])
             if raw:
                 try:
-                    values[f.name] = float(raw) if f.name == "ram_fraction" else int(raw)
+                    values[f.name] = float(raw) if f.name in _FRACTIONS else int(raw)
                 except ValueError:
                     raise LcxError(f"{_ENV[f.name]}={raw!r} is not a number") from None
         values.update({k: v for k, v in overrides.items() if v is not None})
@@ -67,6 +73,8 @@ class Limits:
         for f in dataclasses.fields(cls):
             if getattr(limits, f.name) <= 0:
                 raise LcxError(f"{f.name} must be > 0, got {getattr(limits, f.name)}")
+        if limits.heap_allowance < 1:
+            raise LcxError(f"heap_allowance must be >= 1 (1: the estimate as it is), got {limits.heap_allowance}")
         return limits
 
 
@@ -117,6 +125,17 @@ def bound_heap() -> None:
         return
     _heap_bounded = True
     _glibc("mallopt", -3, MMAP_THRESHOLD)  # -3: M_MMAP_THRESHOLD in glibc's malloc.h
+
+
+def heap_allowance(device: Any, limits: Limits) -> float:
+    """How many bytes of ``device``'s free memory a planned byte counts for: ``limits.heap_allowance`` in RAM
+    under glibc's own heap policy, whose kept holes grow the process past the request's live tensors
+    (benchmarks/memory-estimate.md); 1 on a GPU, or with a bounded heap (``bound_heap``, or a threshold the user
+    fixed with ``MALLOC_MMAP_THRESHOLD_``, which glibc then does not raise)."""
+    import torch
+
+    bounded = _heap_bounded or "MALLOC_MMAP_THRESHOLD_" in os.environ or not sys.platform.startswith("linux")
+    return 1.0 if torch.device(device).type != "cpu" or bounded else limits.heap_allowance
 
 
 def available_memory(device: Any) -> int:
@@ -240,7 +259,8 @@ def check_request(run: Any, input_tokens: int, max_new_tokens: int, batch: int =
     free = {}
     for device, n in needs.items():
         free[device] = have = available_memory(device)
-        if n > limits.ram_fraction * have:
+        allowance = heap_allowance(device, limits)
+        if n * allowance > limits.ram_fraction * have:
             cache = per_token * batch * cached if device == model_device else 0
             parts = [f"{batch} x {cached:,} cached tokens x {per_token:,} bytes for keys and values"] if cache else []
             if device == model_device:
@@ -248,8 +268,11 @@ def check_request(run: Any, input_tokens: int, max_new_tokens: int, batch: int =
             if n > cache + (passes if device == model_device else 0):
                 parts.append(f"{_gib(n - cache - (passes if device == model_device else 0))} for {entries:,} "
                              "memory entries")
+            heap = (f", x{allowance:g} for what glibc's heap keeps besides" if allowance > 1 else "")
+            unheap = (" (or set LCX_BOUNDED_HEAP=1: freed tensors go back to the system, no allowance)"
+                      if allowance > 1 else "")
             raise LimitError(f"this request needs up to {_gib(n)} ({' + '.join(parts)}) on "
-                             f"{_where(device)}, more than the {_gib(limits.ram_fraction * have)} it has free; "
-                             f"shorten the prompt, generate fewer rows at once, {hints}or free memory")
+                             f"{_where(device)}{heap}, more than the {_gib(limits.ram_fraction * have)} it has free; "
+                             f"shorten the prompt, generate fewer rows at once, {hints}or free memory{unheap}")
     return {"kv_bytes": per_token * batch * cached + memory, "forward_bytes": passes,
             "free_bytes": free[model_device]}

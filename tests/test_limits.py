@@ -21,6 +21,12 @@ from tests.conftest import tiny_model
 from tests.helpers import make_tiny_model_dir
 
 
+@pytest.fixture(autouse=True)
+def _estimate_as_it_is(monkeypatch):
+    """The arithmetic below is the estimate's; glibc's heap allowance has its own test."""
+    monkeypatch.setenv("LCX_HEAP_ALLOWANCE", "1")
+
+
 def _ids(T, seed=0):
     return torch.randint(3, 256, (1, T), generator=torch.Generator().manual_seed(seed))
 
@@ -34,7 +40,8 @@ class _Forwards:
 
 
 def test_defaults_environment_and_overrides(monkeypatch):
-    assert Limits.from_env() == Limits(262_144, 4_096, 4_194_304, 0.9)
+    monkeypatch.delenv("LCX_HEAP_ALLOWANCE")
+    assert Limits.from_env() == Limits(262_144, 4_096, 4_194_304, 0.9, 1.5)
     monkeypatch.setenv("LCX_MAX_INPUT_TOKENS", "1000")
     monkeypatch.setenv("LCX_RAM_FRACTION", "0.5")
     assert Limits.from_env().max_input_tokens == 1000 and Limits.from_env().ram_fraction == 0.5
@@ -170,6 +177,36 @@ def test_a_model_on_a_gpu_is_checked_against_the_gpus_free_memory(monkeypatch):
             check_request(run, 4000, 4)  # the torch store lives with the model: on the GPU
         free["cuda:0"] = int((64 * per_token + run.method("fot").memory_bytes(run, 4000)) / 0.85)
         check_request(run, 4000, 4)
+
+
+def test_ram_counts_glibcs_heap_allowance_unless_the_heap_is_bounded(monkeypatch):
+    """Under glibc's own heap policy a request grows RAM past its live tensors (benchmarks/memory-estimate.md):
+    a request whose estimate fits 0.9 of the free RAM but not 1.5x its estimate is refused, naming the way
+    out; with a bounded heap, or LCX_HEAP_ALLOWANCE=1, it runs.  A GPU's memory has no such allowance."""
+    model = tiny_model("llama")
+    per_token = kv_bytes_per_token(model)
+    monkeypatch.setenv("LCX_HEAP_ALLOWANCE", "1.5")
+    monkeypatch.setattr(limits, "available_ram", lambda: 100 * per_token)  # 90 tokens at 0.9, 60 at 1.5x
+    monkeypatch.setattr(limits, "forward_bytes", lambda model, shapes: 0)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.setattr(limits, "_heap_bounded", False)
+    with lcx.attach(model, []) as run:
+        check_request(run, 56, 4)
+        with pytest.raises(LimitError, match=r"on this machine, x1\.5 for what glibc's heap keeps besides, more than .*"
+                                             r"or set LCX_BOUNDED_HEAP=1"):
+            check_request(run, 76, 4)
+        monkeypatch.setattr(limits, "_heap_bounded", True)
+        check_request(run, 76, 4)
+        monkeypatch.setattr(limits, "_heap_bounded", False)
+        monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "1048576")  # a threshold the user fixed: glibc keeps it
+        check_request(run, 76, 4)
+        monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+        monkeypatch.setenv("LCX_HEAP_ALLOWANCE", "1")
+        check_request(run, 76, 4)
+    assert limits.heap_allowance(torch.device("cuda:0"), Limits(heap_allowance=1.5)) == 1.0
+    monkeypatch.setenv("LCX_HEAP_ALLOWANCE", "0.5")
+    with pytest.raises(lcx.errors.LcxError, match="heap_allowance must be >= 1"):
+        Limits.from_env()
 
 
 def test_available_ram_reads_the_machine():
