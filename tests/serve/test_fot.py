@@ -17,12 +17,12 @@ pytestmark = SERVING
 
 
 def test_fot_server_with_a_document_memory_equals_the_hf_path_for_concurrent_requests(tmp_path_factory, tok):
-    """The 2x-window passkey prompt and 8 concurrent prompts (longer than the 512-token local window: their own
+    """The passkey prompt past the window and 8 concurrent prompts (longer than the 512-token local window: their own
     memory is in use), shuffled, are each answered with the tokens `lcx generate --memory` gives that prompt
     alone: no request reads another's memory or writes the shared one; the questions about the documents are
     answered otherwise without the memory.  The same server serves a LoRA adapter (vLLM's LoRA under lcx's
     memory attention, what a crossbatch-trained fot adapter needs): on a short prompt its answer equals
-    `lcx generate --adapter --memory`, and differs from the bare model's (the 2x-window parity of adapters is
+    `lcx generate --adapter --memory`, and differs from the bare model's (the parity of adapters past the window is
     test_lora's)."""
     from lcx.adapters.peft_bridge import random_adapter
     from lcx.cli import main

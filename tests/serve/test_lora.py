@@ -1,6 +1,6 @@
 """YaRN x4 (`rope`) with two q/k LoRA adapters under it (the shape an smt adapter has: the two methods combined,
-so that one pair of 2x-window generations checks both), prompts up to 2x the window.  Every answer is compared
-with lcx's path applying the same rope and adapter; the 2x-window passkey prompt is read by adapter a1."""
+so that one pair of generations past the window checks both), prompts up to 1.5x the window.  Every answer is compared
+with lcx's path applying the same rope and adapter; the passkey prompt past the window is read by adapter a1."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def adapters(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def started(adapters, tok, tmp_path_factory):
-    """The server, and the 2x-window passkey prompt with lcx's answer to it (rope and a1), computed while
+    """The server, and the passkey prompt past the window with lcx's answer to it (rope and a1), computed while
     the server starts."""
     ids = build_prompt_ids(tok, LONG, 0.5, LONG_KEY)
     with server_starting(["--method", "rope", *ROPE_ARGS, *(f"--adapter={n}={p}" for n, p in adapters.items())],
@@ -73,14 +73,14 @@ def test_base_model_requests_batched_with_adapter_requests_get_no_adapter(lora_s
     assert got == want
 
 
-def test_rope_and_adapter_at_twice_the_window_equal_the_hf_path(started, tok):
+def test_rope_and_adapter_past_the_window_equal_the_hf_path(started, tok):
     lora_server, (ids, want) = started
     got = lora_server.complete("a1", ids.tolist(), NEW)
     assert got == want
-    assert str(LONG_KEY) in tok.decode(got)  # YaRN x4 finds the key at 16K: a real answer
+    assert str(LONG_KEY) in tok.decode(got)  # YaRN x4 finds the key at 12K: a real answer
 
 
-@pytest.mark.parametrize("order_seed", [0, 1, 2])
+@pytest.mark.parametrize("order_seed", [0, 1])
 def test_concurrent_requests_each_get_their_own_passkey(lora_server, tok, order_seed):
     """8 passkey prompts of 1K tokens, half of them naming a1, sent at once in a shuffled order: each answer
     is its own key, never another's.  The keys sit at depth 0.85-0.95, where YaRN x4 finds them at 1K

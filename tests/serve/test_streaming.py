@@ -13,10 +13,10 @@ pytestmark = SERVING
 
 
 def test_streaming_server_equals_the_hf_path_and_keeps_concurrent_requests_apart(tmp_path_factory, tok):
-    """At 2x the window the served tokens equal lcx's streaming path; 8 concurrent requests, shuffled, those of
+    """Past the window (1.5x) the served tokens equal lcx's streaming path; 8 concurrent requests, shuffled, those of
     1,500 tokens longer than sinks + window (each evicting its own keys), passkeys in their recent windows, each
     get their own key (the per-request state is keyed and reset per request).  A 1,024-token recent window (not
-    the default ~7.7K) makes the 2x-window prompt cheaper on both sides, and the 1,500-token prompts evict.
+    the default ~7.7K) makes the long prompt cheaper on both sides, and the 1,500-token prompts evict.
     A prompt whose first blocks vLLM's prefix cache holds (the long prompt's) gets the tokens of its own HF run."""
     opts = {"sinks": 4, "chunk": 512, "window": 1024}
     ids = build_prompt_ids(tok, LONG, 0.5, 60413)

@@ -1,4 +1,4 @@
-"""`vanilla` is served by lcx's request middleware: the 2x-window prompt reaches vLLM cut to its start and end,
+"""`vanilla` is served by lcx's request middleware: a prompt past the window reaches vLLM cut to its start and end,
 the same tokens lcx's plan feeds the model."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from .harness import LONG, MODEL, NEW, SERVING, WINDOW, hf_tokens, server_starti
 pytestmark = SERVING
 
 
-def test_vanilla_server_truncates_as_the_hf_path_does_at_twice_the_window(tmp_path_factory, tok):
+def test_vanilla_server_truncates_as_the_hf_path_does_past_the_window(tmp_path_factory, tok):
     """The key sits in the kept start, so it is found; a text prompt is tokenized by the middleware, then cut;
     a request leaving no room to generate gets a 400."""
     ids = build_prompt_ids(tok, LONG, 0.1, 52817)
