@@ -92,7 +92,7 @@ def test_a_window_that_holds_the_prompt_gives_the_bare_logits(real, method):
 
 
 #: The paths whose estimate is checked against a measured peak: Gemma 3's bare model and each method at its
-#: defaults (a Qwen2.5 request takes ~1 min on 2 cores: bench/memory_estimate.py measures it, every path).  vanilla
+#: defaults (Qwen2.5's are slower, and bench/memory_estimate.py measures them, every path).  vanilla
 #: and rope are not run: at this length, inside the 32K window, their forward is the bare one
 #: (test_vanilla_and_rope_estimate_the_bare_forward).
 ESTIMATED = {"gemma3-270m": ["none", "streaming", "fot", "focusllm"]}
