@@ -8,6 +8,7 @@ embedding module for one built from a copy of the config with new
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,38 +27,58 @@ class Rope(Method):
     serving = "config"
 
     type: Literal["linear", "ntk", "dynamic", "yarn"] = option("yarn", "scaling rule: linear (PI), ntk (static NTK-aware base), dynamic (dynamic NTK), yarn")
-    factor: float = option(4.0, "context extension factor: new window = factor x trained window (a rope the model already stretches, of the same type: stretched that much further)")
+    factor: float | str = option(4.0, "context extension factor: new window = factor x trained window (a rope the model already stretches, of the same type: stretched that much further); auto: each request's own length / the trained window, at least 1 (lcx serve and lcx train need a number)")
 
     def __post_init__(self) -> None:
-        if self.factor < 1.0:
-            raise ValueError(f"factor must be >= 1, got {self.factor}")
+        if self.factor != "auto" and (isinstance(self.factor, str) or self.factor < 1.0):
+            raise ValueError(f"factor must be a number >= 1 or auto, got {self.factor!r}")
         if self.type not in ("linear", "ntk", "dynamic", "yarn"):
             raise ValueError(f"type must be linear, ntk, dynamic or yarn, got {self.type!r}")
+        self._rotary = None  # (parent module, attribute, the model's own rotary embedding) once attached
+        self._installed = 1.0  # the factor the model's rotary embedding now stretches by
 
-    def scaled_parameters(self, params: dict, window: int, head_dim: int) -> dict:
+    def factor_for(self, window: int, tokens: int) -> float:
+        """The factor a request of ``tokens`` tokens (prompt + new) runs with on a model of ``window``."""
+        if self.factor != "auto":
+            return float(self.factor)
+        return max(1.0, math.ceil(4 * tokens / window) / 4)  # quarter steps: prompts of about one length share one table
+
+    def scaled_parameters(self, params: dict, window: int, head_dim: int, factor: float | None = None) -> dict:
         """New rope parameters for one attention type.  Parameters already scaled (a model trained with a
         stretched rope, e.g. Llama 3.1's llama3 or a linear x2) are stretched further when they are of this
         method's type (factors multiply, the original length stays) and refused otherwise: replacing them
-        would move every position the model was trained on, and can shrink what it reads."""
+        would move every position the model was trained on, and can shrink what it reads.  ``factor``: this
+        method's own unless given (factor=auto has none of its own)."""
+        factor = float(self.factor) if factor is None else factor
         have = params.get("rope_type") or params.get("type") or "default"
         new = {k: v for k, v in params.items() if k != "type"}  # vLLM refuses a legacy `type` beside `rope_type`
         if have != "default":
             if have == self.type and self.type in ("linear", "dynamic", "yarn"):
                 new["rope_type"] = have
-                new["factor"] = float(params.get("factor") or 1.0) * self.factor
+                new["factor"] = float(params.get("factor") or 1.0) * factor
                 return new
             how = (f"-o rope.type={have} stretches it by a further factor" if have in ("linear", "dynamic", "yarn")
                    else "lcx's rope cannot stretch that kind further; use the model without rope")
             raise LcxError(f"rope: the model's rotary embedding is already scaled ({have}, factor {params.get('factor')}); "
                            f"rope type={self.type} would replace that scaling, not extend it ({how})")
         if self.type == "ntk":  # NTK-aware: raise the base so the lowest frequency stretches by `factor`
-            new["rope_theta"] = params["rope_theta"] * self.factor ** (head_dim / max(head_dim - 2, 1))
+            new["rope_theta"] = params["rope_theta"] * factor ** (head_dim / max(head_dim - 2, 1))
             new["rope_type"] = "default"
         else:
             new["rope_type"] = {"linear": "linear", "dynamic": "dynamic", "yarn": "yarn"}[self.type]
-            new["factor"] = float(self.factor)
+            new["factor"] = factor
             new["original_max_position_embeddings"] = window
         return new
+
+    def check_serving(self) -> None:
+        if self.factor == "auto":
+            raise LcxError("rope: factor=auto follows each request's length, but vLLM serves one rope for every "
+                           "request; give a number: -o rope.factor=N, N = the longest prompt to serve / the model's window")
+
+    def check_training(self) -> None:
+        if self.factor == "auto":
+            raise LcxError("rope: factor=auto follows each request's length, but an adapter learns one stretch of "
+                           "positions; give a number: -o rope.factor=N, N = the training length / the model's window")
 
     def vllm_config(self, config: dict) -> dict:
         """config.json with the stretched rope parameters baked in: vLLM builds the same rotary
@@ -84,31 +105,51 @@ class Rope(Method):
         return out
 
     def reach(self, run, tokens: int, new: int, span: tuple[int, int]) -> tuple[bool, str]:
-        stretched = int(self.factor * run.window)
+        factor = self.factor_for(run.window, tokens + new)
+        stretched = int(factor * run.window)
         if tokens + new <= stretched:
-            return True, f"positions stretched x{self.factor:g}: all {tokens:,} tokens fit its {stretched:,}-token window"
-        return False, (f"positions stretched x{self.factor:g} to {stretched:,} tokens: the prompt's {tokens:,} go past "
+            return True, f"positions stretched x{factor:g}: all {tokens:,} tokens fit its {stretched:,}-token window"
+        return False, (f"positions stretched x{factor:g} to {stretched:,} tokens: the prompt's {tokens:,} go past "
                        "them, to positions the model never saw")
+
+    def begin_request(self, run, tokens: int, new: int) -> None:
+        if self.factor == "auto":
+            self._install(run, self.factor_for(run.window, tokens + new))
 
     @hookimpl
     def lcx_patch_model(self, run, model):
         fam = run.family
-        rot = families.rotary_embedding(model, fam)
-        window = run.window
+        parent_path, _, attr = fam.rotary.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        self._rotary = (parent, attr, families.rotary_embedding(model, fam))
+        self._installed = 1.0 if self.factor == "auto" else None
+        run.patches.callback(setattr, parent, attr, self._rotary[2])
+        if self.factor != "auto":
+            self._install(run, float(self.factor))
+        else:  # stretched per request (begin_request); a rope it cannot stretch is refused now, not mid-request
+            self._stretched(run, 2.0)
+
+    def _stretched(self, run, factor: float):
+        """A copy of the model's own rotary embedding, stretched by ``factor``."""
+        rot = self._rotary[2]
         cfg = copy.deepcopy(rot.config)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         head_dim = int(head_dim * (cfg.rope_parameters.get("partial_rotary_factor", 1.0) if "rope_theta" in cfg.rope_parameters else 1.0))
         if "rope_theta" in cfg.rope_parameters:
-            cfg.rope_parameters = self.scaled_parameters(cfg.rope_parameters, window, head_dim)
+            cfg.rope_parameters = self.scaled_parameters(cfg.rope_parameters, run.window, head_dim, factor)
         else:  # per-layer-type parameters (gemma3): stretch the full-attention layers only
             params = dict(cfg.rope_parameters)
-            params["full_attention"] = self.scaled_parameters(params["full_attention"], window, head_dim)
+            params["full_attention"] = self.scaled_parameters(params["full_attention"], run.window, head_dim, factor)
             cfg.rope_parameters = params
-        new_rot = type(rot)(config=cfg).to(device=rot.inv_freq.device if hasattr(rot, "inv_freq") else None)
-        parent_path, _, attr = fam.rotary.rpartition(".")
-        parent = model.get_submodule(parent_path)
-        setattr(parent, attr, new_rot)
-        run.patches.callback(setattr, parent, attr, rot)
+        return type(rot)(config=cfg).to(device=rot.inv_freq.device if hasattr(rot, "inv_freq") else None)
+
+    def _install(self, run, factor: float) -> None:
+        """Put the rotary embedding stretched by ``factor`` in the model (with factor=auto, its own one at 1)."""
+        if factor == self._installed:
+            return
+        parent, attr, rot = self._rotary
+        setattr(parent, attr, rot if factor == 1.0 and self.factor == "auto" else self._stretched(run, factor))
+        self._installed = factor
 
 
 @hookimpl

@@ -142,6 +142,8 @@ def make_plan(run: Run, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     release_last_request(run)
+    for m in run.methods:
+        m.begin_request(run, int(input_ids.shape[1]), max_new_tokens)
     check_request(run, int(input_ids.shape[1]), max_new_tokens, batch=int(input_ids.shape[0]))
     device = model_device(run.model)  # inputs follow the model: the caller's tensors may be on the CPU
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)

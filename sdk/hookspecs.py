@@ -32,6 +32,7 @@ asked:
     attach        requires, idle_stages                   families it needs; stages its options leave idle
                   resolve_auto                            ``auto`` options measured on the model (``lcx.auto``)
     each request  release                                 drop the last request's own state (``run.state``)
+                  begin_request                           set what follows its length (rope's factor=auto)
                   memory_entries, generation_entries,     ``lcx.limits``: its memory's entries and bytes,
                   memory_bytes, memory_device,            where they live, the cache it keeps, its largest
                   cache_tokens, forward_shapes,           forward passes, and the option that makes them
@@ -42,8 +43,9 @@ asked:
     documents     reads_memory, load_memory,              ``lcx generate|serve --memory``: a document memory
                   check_memory                            it reads, checked before it is trusted
     training      lora_roles, lora_gated, data_order,     what ``lcx train`` adapts, how its data is ordered,
-                  fixed_by_training, grads_through_cache  the options a trained adapter fixes, whether FSDP2
-                                                          keeps blocks gathered through backward
+                  fixed_by_training, grads_through_cache, the options a trained adapter fixes, whether FSDP2
+                  check_training                          keeps blocks gathered through backward, options
+                                                          training refuses
     serving       serving, not_served_because,            how vLLM serves it (``lcx serve``, ``lcx export``):
                   check_serving, vllm_config,             as the plain model, a rewritten config, rewritten
                   serve_prompt, serve_state,              prompts, per-request state computed by lcx's

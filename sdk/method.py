@@ -80,6 +80,15 @@ class Method:
         the model); ``load()`` returns ``(model, tokenizer)`` for measuring, with no method attached.  Options
         the user gave are left as given.  Nothing to resolve by default."""
 
+    def begin_request(self, run: Any, tokens: int, new: int) -> None:
+        """A request of ``tokens`` prompt tokens generating ``new`` more is about to be planned on ``run`` (after
+        :meth:`release`, before the limits check): set what follows the request's length (rope's factor=auto).
+        Nothing by default."""
+
+    def check_training(self) -> None:
+        """Refuse (``LcxError`` naming the option and the fix) options ``lcx train`` cannot train with; called
+        before the model loads."""
+
     def reach(self, run: Any, tokens: int, new: int, span: tuple[int, int]) -> tuple[bool, str] | None:
         """Whether the model, with this method, reads the tokens ``span`` (start, end) of a prompt of ``tokens``
         tokens generating ``new`` more, and one line on how (``lcx demo``'s why column: "the key was cut with the
@@ -234,6 +243,8 @@ def _convert(method: str, key: str, value: Any, hint: Any) -> Any:
     origin = typing.get_origin(hint)
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     target = args[0] if origin in (typing.Union, getattr(__import__("types"), "UnionType", ())) and args else hint
+    if value == "auto" and str in args:  # a number option that also takes the word auto (rope's factor)
+        return value
     if not isinstance(value, str):
         return _convert_number(method, key, value, target)
     if origin is typing.Literal:

@@ -96,6 +96,10 @@ class TrainConfig:
         if self.dtype == "float16" and not torch.cuda.is_available():
             raise LcxError("float16 training needs a CUDA GPU (its loss scaling runs there); on the CPU train in "
                            "bfloat16 or float32")
+        from lcx.composition import resolve_methods
+
+        for m in resolve_methods(self.methods, self.options):
+            m.check_training()
         if self.init_adapter and (self.full or self.lora_roles):
             raise LcxError(f"--init-adapter {self.init_adapter!r} brings its own LoRA modules and roles; drop "
                            f"{'--full' if self.full else '--lora-targets'}")

@@ -105,3 +105,51 @@ def test_rope_on_phi3_is_refused_for_vllm_with_the_reason():
 
     with pytest.raises(lcx.LcxError, match="phi3.*longrope"):
         Rope(type="yarn", factor=4.0).vllm_config({**TINY_FAMILIES["phi3"], "model_type": "phi3"})
+
+
+def test_factor_auto_stretches_by_each_requests_length():
+    """rope.factor=auto: inside the window the model's own rotary embedding reads the prompt (the bare logits);
+    past it, the factor is the request's length / the window in quarter steps, and the logits are those of that
+    factor given as a number; detach puts the model's own embedding back."""
+    from lcx.generation import tail_logits
+
+    model = tiny_model("llama", max_position_embeddings=64)
+    rot, ids = model.model.rotary_emb, torch.randint(0, 100, (1, 150))
+    with lcx.attach(model, []) as run:
+        bare = tail_logits(run, ids[:, :60], 8)
+    with lcx.attach(model, ["rope"], factor="auto") as run:
+        torch.testing.assert_close(tail_logits(run, ids[:, :60], 8), bare, rtol=0, atol=0)
+        assert model.model.rotary_emb is rot
+        auto = tail_logits(run, ids, 8)  # 150 tokens over a 64-token window: 2.34 -> 2.5
+        assert model.model.rotary_emb.config.rope_parameters["factor"] == 2.5
+        assert run.methods[0].reach(run, 150, 0, (0, 1))[1].startswith("positions stretched x2.5")
+        torch.testing.assert_close(tail_logits(run, ids[:, :60], 8), bare, rtol=0, atol=0)  # back to x1
+    assert model.model.rotary_emb is rot
+    with lcx.attach(model, ["rope"], factor=2.5) as run:
+        torch.testing.assert_close(tail_logits(run, ids, 8), auto, rtol=0, atol=0)
+
+
+def test_factor_auto_is_refused_where_one_factor_must_hold():
+    """vLLM serves one rope for every request and an adapter learns one stretch: both name the number to give.
+    A word other than auto is refused as an option value; so is a model's rope auto could not stretch."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lcx.plugins.rope import Rope
+    from lcx.train import TrainConfig
+
+    from tests.conftest import TINY_FAMILIES
+
+    auto = Rope.from_options(factor="auto")
+    with pytest.raises(lcx.LcxError, match=r"factor=auto.*-o rope.factor=N"):
+        auto.check_serving()
+    with pytest.raises(lcx.LcxError, match=r"factor=auto.*-o rope.factor=N, N = the training length"):
+        TrainConfig(model="m", data="d", out="o", methods=["rope"], options={"factor": "auto"}).validate()
+    with pytest.raises(lcx.LcxError, match=r"factor='most'"):
+        Rope.from_options(factor="most")
+    assert Rope.from_options(factor="2").factor == 2.0
+    cfg = {**TINY_FAMILIES["llama"], "model_type": "llama", "rope_theta": 10000.0,
+           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 64}}
+    llama3 = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg)).eval()
+    with pytest.raises(lcx.LcxError, match=r"already scaled \(llama3"):
+        lcx.attach(llama3, ["rope"], factor="auto")
