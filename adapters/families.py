@@ -142,12 +142,19 @@ def rotary_inv_freq(model: nn.Module, family: Family, layer_idx: int = 0) -> tor
     rot = rotary_embedding(model, family)
     if rot is None:
         raise UnsupportedModelError(f"model family {family.model_type!r} has no rotary embedding")
-    inv = getattr(rot, "inv_freq", None)
-    layer_types = getattr(model.config, "layer_types", None)
-    if inv is None and layer_types:  # per-layer-type RoPE (gemma3): "<type>_inv_freq"
-        inv = getattr(rot, f"{layer_types[layer_idx]}_inv_freq", None)
+    inv = layer_inv_freq(rot, model.config, layer_idx)
     if inv is None:
         raise UnsupportedModelError(
             f"cannot find RoPE frequencies in {type(rot).__name__} of family {family.model_type!r}"
         )
+    return inv
+
+
+def layer_inv_freq(rot: nn.Module, config: Any, layer_idx: int) -> torch.Tensor | None:
+    """Layer ``layer_idx``'s inverse frequencies in the rotary embedding ``rot`` built from ``config``: its one
+    ``inv_freq``, or per layer type (gemma3: ``<type>_inv_freq``); None when it has neither."""
+    inv = getattr(rot, "inv_freq", None)
+    layer_types = getattr(config, "layer_types", None)
+    if inv is None and layer_types:
+        inv = getattr(rot, f"{layer_types[layer_idx]}_inv_freq", None)
     return inv

@@ -190,7 +190,8 @@ def test_without_prompt_lengths_one_token_prompt_pieces_are_the_only_difference(
     dict(FOT, chunk=8, positions="fixed", memory_layers="1"),  # sliding local context, one memory layer
     dict(FOT, chunk=10, positions="none", dense=True),
     dict(FOT, chunk=8, max_entries=30),  # a memory cap: the oldest entries go
-], ids=["first", "fixed-chunk8", "none-dense", "capped"])
+    dict(FOT, gate=-1.0),  # weak memory matches left out
+], ids=["first", "fixed-chunk8", "none-dense", "capped", "gated"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_served_fot_equals_lcx_fot_over_any_prefill_split_and_interleaving(opts, seed):
     from lcx.registry import registry
@@ -498,3 +499,23 @@ def test_a_third_party_served_form_equals_its_lcx_path(monkeypatch):
     for k in prompts:
         torch.testing.assert_close(got[k], want[k][1], atol=1e-4, rtol=1e-4)
     assert not torch.allclose(want[201][1], whole[201][1], atol=1e-3)  # the window changes what the model reads
+
+
+@pytest.mark.parametrize("method", ["streaming", "fot"])
+def test_served_attention_equals_lcx_on_gemma3_with_its_per_layer_type_rope(method):
+    """Gemma 3 keeps one RoPE table per layer type (``sliding_attention_inv_freq``, ``full_attention_inv_freq``,
+    different bases) and a band on its sliding-window layers: the served form re-rotates each layer's keys with
+    its own layer's table and keeps each sliding layer's band, as lcx's path does."""
+    from lcx.registry import registry
+
+    model = tiny_model("gemma3_text")
+    rng = random.Random(3)
+    prompts = {7 + i: [rng.randrange(3, 120) for _ in range(rng.choice([40, 100, 150]))] for i in range(3)}
+    # windows past the 64-token band of the sliding layers (layer 0), so the band decides what they read
+    opts = dict(OPTS, window=80) if method == "streaming" else dict(FOT, local=100, chunk=16, memory_layers="1")
+    want = {k: _hf(model, p, 6, method, opts) for k, p in prompts.items()}
+    served = StreamingServed(**opts) if method == "streaming" else FoTServed(registry().get("fot").from_options(**opts))
+    engine = FakeEngine(tiny_model("gemma3_text"), served)
+    got = _served(engine, prompts, {k: w[0] for k, w in want.items()}, rng)
+    for k in prompts:
+        torch.testing.assert_close(got[k], want[k][1], atol=1e-4, rtol=1e-4)

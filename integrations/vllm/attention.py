@@ -52,6 +52,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lcx.adapters import families
+from lcx.errors import LcxError
 from lcx.integrations.vllm.middleware import STATE_ARG  # the extra_args key with the id of a request's state
 from lcx.integrations.vllm.paged_cache import CachedPrefix, write_cache
 
@@ -156,13 +158,23 @@ class ServedAttention:
     def end_request(self, req: Request) -> None:
         """A request's state is dropped (finished, or not scheduled for ``STALE_STEPS`` passes)."""
 
+    @staticmethod
+    def band(module: torch.nn.Module) -> int | None:
+        """The layer's own sliding window (a key q - k >= band positions back is hidden, as transformers masks it),
+        which every method keeps (Gemma 3's local layers: 512); None on a full-attention layer."""
+        w = getattr(module, "sliding_window", None)
+        return int(w) if w else None
+
     def inv_freq(self, module: torch.nn.Module) -> torch.Tensor:
         """The layer's RoPE frequencies, from the rotary class of its own modeling file."""
         idx = int(module.layer_idx)
         if idx not in self._inv:
             mod = sys.modules[type(module).__module__]
             cls = next(getattr(mod, n) for n in dir(mod) if n.endswith("RotaryEmbedding"))
-            self._inv[idx] = cls(config=module.config).inv_freq.float()
+            inv = families.layer_inv_freq(cls(config=module.config), module.config, idx)
+            if inv is None:
+                raise LcxError(f"cannot find RoPE frequencies in {cls.__name__} for layer {idx}")
+            self._inv[idx] = inv.float()
         return self._inv[idx]
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

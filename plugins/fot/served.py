@@ -234,13 +234,15 @@ class FoTServed(ServedAttention):
         keys, values, held = rings.k[slot, :, :used], rings.v[slot, :, :used], rings.pos[slot, :used]
         q_index = torch.arange(pos, pos + n, device=q.device)
         allowed = (held >= 0) & (held[None, :] <= q_index[:, None])  # (n, W): the window, causally
+        if self.band(module) is not None:  # a sliding-window layer keeps its own band
+            allowed &= held[None, :] > q_index[:, None] - self.band(module)
         memory = d["memory"]
         if memory is None or not row_entries(memory, 0, k.shape[0]):
             return sdpa(q, keys, values, allowed, scale)
         mask = torch.zeros(allowed.shape, device=q.device).masked_fill_(~allowed, float("-inf"))[None, None]
         shift = self._shift(q_index[None], torch.tensor([[d["local_start"]]], device=q.device))
         out = memory_attention(q[None], keys[None], values[None], mask, memory, shift, self.inv_freq(module), scale,
-                               self.m.k, self.m.dense, self.m.block)
+                               self.m.k, self.m.dense, self.m.block, self.m.gate_logit)
         return out[0].transpose(0, 1)
 
     def batches(self, st):
@@ -277,7 +279,10 @@ class FoTServed(ServedAttention):
         q = query.new_zeros(R, H, D)
         q[sel] = query[:, rows].transpose(0, 1)
         q = q.view(R, Hkv, G, D)
-        allowed = (held >= 0) & (held <= pos.new_zeros(R).index_copy_(0, sel, pos)[:, None])  # (R, W): causal
+        at = pos.new_zeros(R).index_copy_(0, sel, pos)[:, None]
+        allowed = (held >= 0) & (held <= at)  # (R, W): causal
+        if self.band(module) is not None:  # a sliding-window layer keeps its own band
+            allowed &= held > at - self.band(module)
         allowed[sel.new_ones(R, dtype=torch.bool).index_fill_(0, sel, False)] = True  # riders: any keys, no NaN
         memories = [d["memory"] for d in states]
         sizes = [row_entries(m, 0, Hkv) if m is not None else 0 for m in memories]
@@ -300,5 +305,5 @@ class FoTServed(ServedAttention):
             kl, vl = keys.float(), values.float()
             local = torch.matmul(q.float(), kl.transpose(-1, -2)).mul_(scale)
             local.masked_fill_(~allowed[:, None, None, :], float("-inf"))
-            o = joint_softmax(local, vl, mem * scale, mv, False)
+            o = joint_softmax(local, vl, mem * scale, mv, False, self.m.gate_logit)
         out[rows] = o[sel].reshape(len(batch), H, -1).to(out.dtype)

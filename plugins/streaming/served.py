@@ -67,4 +67,10 @@ class StreamingServed(ServedAttention):
         shift = (st.start - nr) - ns  # the sinks sit right before the recent block
         sink_k = rotate(d["sink_k"], shift, self.inv_freq(module)) if shift and ns else d["sink_k"]
         keys, values = d["keys"].with_front(sink_k), d["values"].with_front(d["sink_v"])
-        return sdpa(q, keys, values, causal_tail(q.shape[1], keys.shape[1], q.device), scale)
+        allowed = causal_tail(q.shape[1], keys.shape[1], q.device)
+        band = self.band(module)
+        if band is not None:  # a sliding-window layer: its band over the true positions, sinks' included
+            held = torch.cat([torch.arange(ns), torch.arange(st.start - nr, st.start - nr + keys.shape[1] - ns)])
+            near = held[None, :] > torch.arange(pos, pos + q.shape[1])[:, None] - band
+            allowed = near.to(q.device) if allowed is None else allowed & near.to(q.device)
+        return sdpa(q, keys, values, allowed, scale)
