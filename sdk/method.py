@@ -243,8 +243,11 @@ def _convert(method: str, key: str, value: Any, hint: Any) -> Any:
     origin = typing.get_origin(hint)
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     target = args[0] if origin in (typing.Union, getattr(__import__("types"), "UnionType", ())) and args else hint
-    if value == "auto" and str in args:  # a number option that also takes the word auto (rope's factor)
-        return value
+    if isinstance(value, str) and str in args and target in (int, float):  # a number, or a word the method checks
+        try:
+            return _finite(method, key, target(value))
+        except ValueError:
+            return value
     if not isinstance(value, str):
         return _convert_number(method, key, value, target)
     if origin is typing.Literal:

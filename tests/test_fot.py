@@ -105,6 +105,37 @@ def test_memory_attention_equals_an_explicit_softmax_per_query_head(dense):
                         torch.testing.assert_close(out[b, t, j], want, atol=1e-5, rtol=1e-5, msg=str((sizes, b, j, t)))
 
 
+def test_a_gate_reads_only_the_memory_keys_near_the_best_local_score():
+    """gate=G: each query reads the memory keys whose scaled score is at least its best local score + G, under
+    the same one softmax; a gate no key passes reads the local keys alone, one every key passes is no gate."""
+    from lcx.plugins.fot.attention import joint_softmax
+
+    g = torch.Generator().manual_seed(1)
+    local, lv = torch.randn(3, 4, 6, generator=g), torch.randn(3, 6, 5, generator=g)
+    mem, mv = torch.randn(3, 4, 7, generator=g), torch.randn(3, 4, 7, 5, generator=g)
+    local[0, 0, 5] = float("-inf")  # a masked local key does not count as the best
+    for gate in (-0.5, 0.0, 0.3):
+        keep = mem >= local.amax(-1, keepdim=True) + gate
+        assert 0 < keep.sum() < keep.numel()
+        p = torch.cat([local, mem.masked_fill(~keep, float("-inf"))], -1).softmax(-1)
+        want = p[..., :6] @ lv + (p[..., 6:, None] * mv).sum(-2)
+        torch.testing.assert_close(joint_softmax(local, lv, mem, mv, False, gate), want)
+    torch.testing.assert_close(joint_softmax(local, lv, mem, mv, False, 1e4), local.softmax(-1) @ lv)
+    torch.testing.assert_close(joint_softmax(local, lv, mem, mv, False, -1e4), joint_softmax(local, lv, mem, mv, False))
+
+
+def test_gate_on_a_model_changes_what_memory_adds_and_is_checked():
+    model, ids = tiny_model("llama"), _ids()
+    base = _logits(model, ids, local=32)[0]
+    torch.testing.assert_close(_logits(model, ids, local=32, gate=-1e4)[0], base)
+    shut = _logits(model, ids, local=32, gate=1e4)[0]
+    assert not torch.allclose(shut, base)
+    half = _logits(model, ids, local=32, gate="0")[0]
+    assert not torch.allclose(half, base) and not torch.allclose(half, shut)
+    with pytest.raises(lcx.LcxError, match="gate must be a number .* or off, got 'some'"):
+        lcx.attach(model, ["fot"], gate="some")
+
+
 def test_positions_modes_differ_and_are_deterministic():
     model = tiny_model("llama")
     outs = {p: _logits(model, _ids(), local=32, positions=p)[0] for p in ("first", "fixed", "none")}

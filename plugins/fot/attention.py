@@ -32,9 +32,10 @@ def memory_attention(
     k: int,
     dense: bool,
     block: int,
+    gate: float | None = None,
 ) -> torch.Tensor:
     """(B, T, H, Dv): each query head's softmax over its local keys (under ``mask``) joined with its KV head's
-    top-``k`` memory keys (``dense``: every memory key).  All KV heads of a row are computed together (the G
+    top-``k`` memory keys (``dense``: every memory key; ``gate``: see ``joint_softmax``).  All KV heads of a row are computed together (the G
     query heads of KV head h are rows g * c + i of a (Hkv, G * c, D) block); the search runs per store, or once
     per row where ``memory[row]`` holds all the row's KV heads (a store with ``search_heads``, as lcx's served
     fot keeps: ``lcx.integrations.vllm.attention.HeadsStore``)."""
@@ -59,16 +60,19 @@ def memory_attention(
             else:
                 qm = q_rel[b, :, s:e].float().reshape(Hkv, G * c, D)
                 mem, mv = row_search(memory, b, qm, k, dense)  # (Hkv, G*c, W), values (Hkv, [G*c,] W, Dv)
-                o = joint_softmax(local, vl, mem * scaling, mv, dense)
+                o = joint_softmax(local, vl, mem * scaling, mv, dense, gate)
             out[b, s:e] = o.view(H, c, -1).transpose(0, 1).to(out.dtype)
     return out
 
 
 def joint_softmax(local: torch.Tensor, local_values: torch.Tensor, mem: torch.Tensor, mem_values: torch.Tensor,
-                  dense: bool) -> torch.Tensor:
+                  dense: bool, gate: float | None = None) -> torch.Tensor:
     """One softmax over scaled local scores (..., Q, S) and memory scores (..., Q, W) together: the local
     values (..., S, Dv) weighted by the first part plus the memory values by the second, each query's own
-    (..., Q, W, Dv), or shared by the queries when ``dense`` (..., W, Dv)."""
+    (..., Q, W, Dv), or shared by the queries when ``dense`` (..., W, Dv).  ``gate``: a memory key is read
+    only where its score is at least the query's best local score + gate (weak matches are left out)."""
+    if gate is not None:
+        mem = mem.masked_fill(mem < local.amax(-1, keepdim=True) + gate, float("-inf"))
     joint = torch.cat([local, mem], dim=-1).softmax(-1)
     pl, pm = joint[..., :local.shape[-1]], joint[..., local.shape[-1]:]
     mem_out = torch.matmul(pm, mem_values) if dense else (pm[..., None, :] @ mem_values)[..., 0, :]

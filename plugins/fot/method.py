@@ -77,6 +77,7 @@ class FoT(Method):
     ivf_train: int = option(32768, "faiss-ivf: entries searched exactly before the lists are trained on them")
     max_entries: int = option(0, "memory entries kept per layer and head (oldest evicted first); 0 = unbounded")
     mode: Literal["single", "multi"] = option("single", "single: memory cleared per input; multi: kept across inputs (documents)")
+    gate: float | str = option("off", "memory keys a query reads: only those scoring at least its best local key's score + GATE (a logit; 0: only keys that beat every local key; negative: a margin below it); off: all its k best")
     block: int = option(256, "queries per block in memory attention (bounds peak memory)")
     # training (crossbatch; `lcx train --method fot`, training windows of (w + 1) * local tokens)
     d: int = option(1, "training: documents a memory layer sees (its own + d - 1 others as negatives)")
@@ -96,6 +97,8 @@ class FoT(Method):
             raise ValueError(f"bank_k must be > 0, got {self.bank_k}")
         if self.bank < 0:
             raise ValueError(f"bank must be >= 0 (contexts of earlier steps kept as memory; 0 = none), got {self.bank}")
+        if self.gate != "off" and isinstance(self.gate, str):
+            raise ValueError(f"gate must be a number (a logit: 0, -2, ...) or off, got {self.gate!r}")
         if self.local <= 0 or self.block <= 0:
             raise ValueError(f"local and block must be > 0 (got local={self.local}, block={self.block})")
         if not 0 <= self.chunk <= self.local:
@@ -325,8 +328,14 @@ class FoT(Method):
         out = memory_attention(
             query, key, value, to_additive(mask, torch.float32), layer.memory, shift.to(torch.float64),
             layer.inv_freq, kwargs.get("scaling") or query.shape[-1] ** -0.5, self.k, self.dense, self.block,
+            self.gate_logit,
         )
         return out, None
+
+    @property
+    def gate_logit(self) -> float | None:
+        """``gate`` as memory attention takes it (None: off)."""
+        return None if self.gate == "off" else float(self.gate)
 
     def query_shift(self, q_index: torch.Tensor, local_start: torch.Tensor) -> torch.Tensor:
         """(B, T) rotation taking each query (RoPE positions ``q_index``) to where the positions mode puts
