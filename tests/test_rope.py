@@ -144,7 +144,7 @@ def test_factor_auto_is_refused_where_one_factor_must_hold():
         auto.check_serving()
     with pytest.raises(lcx.LcxError, match=r"factor=auto.*-o rope.factor=N, N = the training length"):
         TrainConfig(model="m", data="d", out="o", methods=["rope"], options={"factor": "auto"}).validate()
-    with pytest.raises(lcx.LcxError, match=r"factor='most'"):
+    with pytest.raises(lcx.LcxError, match=r"factor must be a number >= 1 or auto, got 'most'"):
         Rope.from_options(factor="most")
     assert Rope.from_options(factor="2").factor == 2.0
     cfg = {**TINY_FAMILIES["llama"], "model_type": "llama", "rope_theta": 10000.0,
