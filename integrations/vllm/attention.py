@@ -159,11 +159,12 @@ class ServedAttention:
         """A request's state is dropped (finished, or not scheduled for ``STALE_STEPS`` passes)."""
 
     @staticmethod
-    def band(module: torch.nn.Module) -> int | None:
-        """The layer's own sliding window (a key q - k >= band positions back is hidden, as transformers masks it),
-        which every method keeps (Gemma 3's local layers: 512); None on a full-attention layer."""
+    def in_band(module: torch.nn.Module, held: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor | None:
+        """Which keys at positions ``held`` the queries at ``q_pos`` (broadcast against each other) see through the
+        layer's own sliding window, which every method keeps (Gemma 3's local layers: 512; a key q - k >= window
+        positions back is hidden, as transformers masks it); None on a full-attention layer."""
         w = getattr(module, "sliding_window", None)
-        return int(w) if w else None
+        return held > q_pos - int(w) if w else None
 
     def inv_freq(self, module: torch.nn.Module) -> torch.Tensor:
         """The layer's RoPE frequencies, from the rotary class of its own modeling file."""

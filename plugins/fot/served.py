@@ -234,8 +234,9 @@ class FoTServed(ServedAttention):
         keys, values, held = rings.k[slot, :, :used], rings.v[slot, :, :used], rings.pos[slot, :used]
         q_index = torch.arange(pos, pos + n, device=q.device)
         allowed = (held >= 0) & (held[None, :] <= q_index[:, None])  # (n, W): the window, causally
-        if self.band(module) is not None:  # a sliding-window layer keeps its own band
-            allowed &= held[None, :] > q_index[:, None] - self.band(module)
+        near = self.in_band(module, held[None, :], q_index[:, None])
+        if near is not None:
+            allowed &= near
         memory = d["memory"]
         if memory is None or not row_entries(memory, 0, k.shape[0]):
             return sdpa(q, keys, values, allowed, scale)
@@ -281,8 +282,9 @@ class FoTServed(ServedAttention):
         q = q.view(R, Hkv, G, D)
         at = pos.new_zeros(R).index_copy_(0, sel, pos)[:, None]
         allowed = (held >= 0) & (held <= at)  # (R, W): causal
-        if self.band(module) is not None:  # a sliding-window layer keeps its own band
-            allowed &= held > at - self.band(module)
+        near = self.in_band(module, held, at)
+        if near is not None:
+            allowed &= near
         allowed[sel.new_ones(R, dtype=torch.bool).index_fill_(0, sel, False)] = True  # riders: any keys, no NaN
         memories = [d["memory"] for d in states]
         sizes = [row_entries(m, 0, Hkv) if m is not None else 0 for m in memories]

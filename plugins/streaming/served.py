@@ -68,9 +68,10 @@ class StreamingServed(ServedAttention):
         sink_k = rotate(d["sink_k"], shift, self.inv_freq(module)) if shift and ns else d["sink_k"]
         keys, values = d["keys"].with_front(sink_k), d["values"].with_front(d["sink_v"])
         allowed = causal_tail(q.shape[1], keys.shape[1], q.device)
-        band = self.band(module)
-        if band is not None:  # a sliding-window layer: its band over the true positions, sinks' included
-            held = torch.cat([torch.arange(ns), torch.arange(st.start - nr, st.start - nr + keys.shape[1] - ns)])
-            near = held[None, :] > torch.arange(pos, pos + q.shape[1])[:, None] - band
-            allowed = near.to(q.device) if allowed is None else allowed & near.to(q.device)
+        if getattr(module, "sliding_window", None):  # the layer's band over the true positions, sinks' included
+            dev = q.device
+            held = torch.cat([torch.arange(ns, device=dev),
+                              torch.arange(st.start - nr, st.start - nr + keys.shape[1] - ns, device=dev)])
+            near = self.in_band(module, held[None, :], torch.arange(pos, pos + q.shape[1], device=dev)[:, None])
+            allowed = near if allowed is None else allowed & near
         return sdpa(q, keys, values, allowed, scale)
