@@ -120,6 +120,13 @@ def context_window(model: nn.Module) -> int:
     return config_window(model.config)
 
 
+def json_window(config: dict[str, Any]) -> int:
+    """``config_window`` of a model folder's config.json (a dict), read as transformers reads it."""
+    from transformers import AutoConfig
+
+    return config_window(AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"}))
+
+
 def config_window(cfg: Any) -> int:
     """The trained context length of a transformers config: a stretched rope's original length first."""
     rope = getattr(cfg, "rope_parameters", None) or {}

@@ -27,7 +27,7 @@ class Rope(Method):
     serving = "config"
 
     type: Literal["linear", "ntk", "dynamic", "yarn"] = option("yarn", "scaling rule: linear (PI), ntk (static NTK-aware base), dynamic (dynamic NTK), yarn")
-    factor: float | str = option(4.0, "context extension factor: new window = factor x trained window (a rope the model already stretches, of the same type: stretched that much further); auto: each request's own length / the trained window, at least 1 (lcx serve and lcx train need a number)")
+    factor: float | str = option("auto", "context extension factor: new window = factor x trained window (a rope the model already stretches, of the same type: stretched that much further); auto: each request's own length / the trained window, at least 1 (lcx serve: --max-model-len / the window; lcx train: --seq-len / the window)")
 
     def __post_init__(self) -> None:
         if self.factor != "auto" and (isinstance(self.factor, str) or self.factor < 1.0):
@@ -70,15 +70,15 @@ class Rope(Method):
             new["original_max_position_embeddings"] = window
         return new
 
+    def fix_length(self, window: int, tokens: int) -> None:
+        if self.factor == "auto":
+            self.factor = self.factor_for(window, tokens)
+
     def check_serving(self) -> None:
         if self.factor == "auto":
-            raise LcxError("rope: factor=auto follows each request's length, but vLLM serves one rope for every "
-                           "request; give a number: -o rope.factor=N, N = the longest prompt to serve / the model's window")
-
-    def check_training(self) -> None:
-        if self.factor == "auto":
-            raise LcxError("rope: factor=auto follows each request's length, but an adapter learns one stretch of "
-                           "positions; give a number: -o rope.factor=N, N = the training length / the model's window")
+            raise LcxError("rope: factor=auto follows the longest request, but none was given; vLLM serves one rope "
+                           "for every request: give --max-model-len N (the longest prompt + answer to serve; the "
+                           "factor is N / the model's window) or -o rope.factor=F")
 
     def vllm_config(self, config: dict) -> dict:
         """config.json with the stretched rope parameters baked in: vLLM builds the same rotary

@@ -31,6 +31,8 @@ asked:
 
     attach        requires, idle_stages                   families it needs; stages its options leave idle
                   resolve_auto                            ``auto`` options measured on the model (``lcx.auto``)
+                  fix_length                              serving and training: the longest request fixes
+                                                          what follows a request's length
     each request  release                                 drop the last request's own state (``run.state``)
                   begin_request                           set what follows its length (rope's factor=auto)
                   memory_entries, generation_entries,     ``lcx.limits``: its memory's entries and bytes,

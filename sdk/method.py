@@ -85,6 +85,12 @@ class Method:
         :meth:`release`, before the limits check): set what follows the request's length (rope's factor=auto).
         Nothing by default."""
 
+    def fix_length(self, window: int, tokens: int) -> None:
+        """Every request this instance answers is at most ``tokens`` tokens (prompt + new) on a model whose
+        trained window is ``window``: ``lcx serve``'s --max-model-len, ``lcx train``'s --seq-len.  Set once
+        what would otherwise follow each request's length (rope's factor=auto), before the model loads the
+        method and before its options are written beside an export or adapter.  Nothing by default."""
+
     def check_training(self) -> None:
         """Refuse (``LcxError`` naming the option and the fix) options ``lcx train`` cannot train with; called
         before the model loads."""

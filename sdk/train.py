@@ -240,7 +240,8 @@ class Trainer:
         """Setup: the accelerator, the output folder (or the resumed run's settings compared), the model with what
         it trains and the methods attached, the optimizer and schedule, the data; on resume, the latest checkpoint."""
         from lcx.adapters.peft_bridge import trainable_parameters
-        from lcx.composition import attach
+        from lcx.adapters import families
+        from lcx.composition import attach, resolve_methods
         from lcx.models import load_model
 
         cfg.validate()
@@ -259,7 +260,10 @@ class Trainer:
         model, self.tok = load_model(cfg.model, require_tokenizer=self.task is None, dtype=cfg.dtype)
         model.train()
         self.model = _trainable(model, cfg)  # unwrapped; ``ddp_model`` is what accelerate prepared
-        self.run = attach(self.model, cfg.methods, **cfg.options)
+        methods = resolve_methods(cfg.methods, cfg.options)
+        for m in methods:  # an adapter learns one length: what follows a request's length is fixed by --seq-len
+            m.fix_length(families.context_window(self.model), cfg.seq_len)
+        self.run = attach(self.model, methods)
         self.run.seed = cfg.seed
         self.run.rank = self.rank  # per-process randomness in sampling stages (DDP)
         # FSDP2 (one process: nothing to shard): each process holds a shard of every parameter

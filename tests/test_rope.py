@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -129,21 +131,28 @@ def test_factor_auto_stretches_by_each_requests_length():
         torch.testing.assert_close(tail_logits(run, ids, 8), auto, rtol=0, atol=0)
 
 
-def test_factor_auto_is_refused_where_one_factor_must_hold():
-    """vLLM serves one rope for every request and an adapter learns one stretch: both name the number to give.
+def test_factor_auto_is_fixed_by_the_longest_request_where_one_factor_must_hold(tmp_path):
+    """vLLM serves one rope for every request: --max-model-len fixes the factor (written as a number beside
+    the export), and without it the export is refused naming both fixes (lcx train's --seq-len: test_smt).
     A word other than auto is refused as an option value; so is a model's rope auto could not stretch."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from lcx.integrations.vllm import export_for_vllm
     from lcx.plugins.rope import Rope
-    from lcx.train import TrainConfig
 
     from tests.conftest import TINY_FAMILIES
+    from tests.helpers import make_tiny_model_dir
 
-    auto = Rope.from_options(factor="auto")
-    with pytest.raises(lcx.LcxError, match=r"factor=auto.*-o rope.factor=N"):
-        auto.check_serving()
-    with pytest.raises(lcx.LcxError, match=r"factor=auto.*-o rope.factor=N, N = the training length"):
-        TrainConfig(model="m", data="d", out="o", methods=["rope"], options={"factor": "auto"}).validate()
+    model_dir = make_tiny_model_dir(tmp_path / "llama", max_position_embeddings=64)
+    exp = export_for_vllm(str(model_dir), ["rope"], out=tmp_path / "x", max_model_len=150)
+    assert exp.methods[0]["options"]["factor"] == 2.5 and exp.max_model_len == 150
+    baked = json.loads((exp.model_dir / "config.json").read_text())
+    assert baked["rope_parameters"]["factor"] == 2.5
+    with pytest.raises(lcx.LcxError, match=r"factor=auto.*--max-model-len N.*-o rope.factor=F"):
+        export_for_vllm(str(model_dir), ["rope"], out=tmp_path / "y")
+    assert not (tmp_path / "y").exists()
+    with pytest.raises(lcx.LcxError, match=r"factor=auto.*--max-model-len N"):
+        Rope.from_options(factor="auto").check_serving()
     with pytest.raises(lcx.LcxError, match=r"factor must be a number >= 1 or auto, got 'most'"):
         Rope.from_options(factor="most")
     assert Rope.from_options(factor="2").factor == 2.0

@@ -184,7 +184,7 @@ def test_training_changes_only_q_and_k_and_works_on_top_of_rope_and_under_stream
     corpus = tmp_path / "c.txt"
     corpus.write_text(TEXT)
     cfg = TrainConfig(model=str(model_dir), data=[str(corpus)], out=str(tmp_path / "run"), methods=["smt", "rope"],
-                      options={"smt": {"budget": 32, "window": 8}, "rope": {"type": "yarn", "factor": 4}},
+                      options={"smt": {"budget": 32, "window": 8}, "rope": {"type": "yarn"}},
                       seq_len=256, steps=3, batch_size=2, lr=1e-2, save_every=0, seed=1)
     out = train(cfg, progress=False)
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -194,6 +194,7 @@ def test_training_changes_only_q_and_k_and_works_on_top_of_rope_and_under_stream
     assert any(float(v.abs().sum()) > 0 for k, v in weights.items() if "lora_B" in k)  # it trained
     sidecar = json.loads((out / "lcx.json").read_text())
     assert [m["name"] for m in sidecar["methods"]] == ["smt", "rope"]
+    assert sidecar["methods"][1]["options"]["factor"] == 4.0  # factor=auto, fixed by --seq-len 256 / the window 64
 
     from lcx.generation import generate
     from lcx.session import open_session

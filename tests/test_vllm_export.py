@@ -175,7 +175,8 @@ def test_cli_export_json_and_errors(model_dir, tmp_path):
     r = CliRunner().invoke(main, ["export", "-m", str(model_dir), "--method", "rope", "-o", "rope.factor=x",
                                   "--out", str(tmp_path / "z")])
     assert r.exit_code == 2 and "rope.factor" not in r.output and "'x'" in r.output
-    r = CliRunner().invoke(main, ["export", "-m", str(model_dir), "--method", "rope", "--out", str(tmp_path / "r")])
+    r = CliRunner().invoke(main, ["export", "-m", str(model_dir), "--method", "rope", "--max-model-len", "512",
+                                  "--out", str(tmp_path / "r")])  # factor=auto: 512 / the window
     assert r.exit_code == 0 and "serve it: VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 python -m lcx.integrations.vllm serve" in r.output
     r = CliRunner().invoke(main, ["export", "-m", str(model_dir), "--method", "vanilla", "--out", str(tmp_path / "v")])
     assert r.exit_code == 0 and "serve it with `lcx serve MODEL --method vanilla ...`" in r.output  # not `vllm serve`
@@ -281,7 +282,7 @@ def test_attention_methods_serve_through_the_transformers_backend_with_prompt_le
     assert "--enforce-eager" in cmd
     with pytest.raises(LcxError, match="--no-enforce-eager: fot answers vLLM's attention .* leave the flag out"):
         vllm_command(exp, "127.0.0.1", 8000, "m", "float32", None, extra=("--no-enforce-eager",))
-    plain = export_for_vllm(str(model_dir), ["rope"], out=tmp_path / "y", overwrite=True)
+    plain = export_for_vllm(str(model_dir), ["rope"], out=tmp_path / "y", overwrite=True, max_model_len=512)
     assert "--model-impl" not in vllm_command(plain, "127.0.0.1", 8000, "m", "float32", None)
     assert vllm_command(plain, "127.0.0.1", 8000, "m", "float32", None, extra=("--no-enforce-eager",))[-1] == \
         "--no-enforce-eager"  # vLLM's own model code compiles as it is: the user's choice
@@ -364,7 +365,7 @@ def test_the_state_of_served_memory_methods_bounds_the_requests_run_at_once(mode
     assert exp.max_concurrent == int(0.01 * 2**30 // ((config["num_hidden_layers"] * local + memory) * per)) > 1
     cmd = vllm_command(exp, "127.0.0.1", 8000, "m", "float32", None)
     assert cmd[cmd.index("--max-num-seqs") + 1] == str(exp.max_concurrent)
-    assert "--max-num-seqs" not in vllm_command(export_for_vllm(str(model_dir), ["rope"], out=tmp_path / "r"),
+    assert "--max-num-seqs" not in vllm_command(export_for_vllm(str(model_dir), ["rope"], out=tmp_path / "r", max_model_len=512),
                                                 "127.0.0.1", 8000, "m", "float32", None)
     with pytest.raises(LcxError, match=r"holds up to .* GiB of state, over --state-gib 1e-05; raise --state-gib"):
         export_for_vllm(str(model_dir), ["fot"], out=tmp_path / "y", max_model_len=4096, state_gib=0.00001)
@@ -478,7 +479,7 @@ def test_an_export_leaves_a_users_tmp_folder_alone_and_nothing_behind_on_failure
     """The export wrote into OUT.tmp after emptying it: a user's folder of that name lost its files."""
     (tmp_path / "x.tmp").mkdir()
     (tmp_path / "x.tmp" / "notes.txt").write_text("mine")
-    export_for_vllm(str(model_dir), ["rope"], {}, out=tmp_path / "x")
+    export_for_vllm(str(model_dir), ["rope"], {"rope": {"factor": 4}}, out=tmp_path / "x")
     assert (tmp_path / "x.tmp" / "notes.txt").read_text() == "mine" and (tmp_path / "x" / "model" / "config.json").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x", "x.tmp"]  # no temporary folder left
 

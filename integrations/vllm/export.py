@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from lcx import auto
+from lcx.adapters import families
 from lcx.errors import LcxError
 from lcx.integrations.vllm.middleware import prefix_kv
 
@@ -69,10 +70,12 @@ class Export:
 
 
 # ---------------------------------------------------------------------- export
-def servable_methods(methods: list[str], options: dict[str, Any], adapters: dict[str, Path]) -> list:
+def servable_methods(methods: list[str], options: dict[str, Any], adapters: dict[str, Path],
+                     length: tuple[int, int] | None = None) -> list:
     """Method instances to export: those named plus those the adapters were trained with (their
     options, overridden by the user's).  Refuses methods vLLM cannot serve yet, and adapters whose
-    config-changing methods disagree (all adapters of a server share one base model)."""
+    config-changing methods disagree (all adapters of a server share one base model).  ``length``:
+    (the model's window, --max-model-len), which fixes options that follow a request's length."""
     from lcx.adapters.peft_bridge import read_sidecar
     from lcx.composition import resolve_methods
     from lcx.registry import registry
@@ -114,6 +117,8 @@ def servable_methods(methods: list[str], options: dict[str, Any], adapters: dict
                 + f"; serve the methods {_servable_names(reg)} or use `lcx generate --method {n}`")
     insts = resolve_methods(names, merged)
     for m in insts:
+        if length is not None:
+            m.fix_length(*length)
         m.check_serving()
     return insts
 
@@ -255,21 +260,22 @@ def export_for_vllm(model: str, methods: list[str] | tuple[str, ...] = (), optio
     for name in adapters:
         if not name or "/" in name or name.startswith("."):
             raise LcxError(f"adapter name {name!r} is not usable as a served model name; use NAME=DIR with a plain name")
+    if max_model_len is not None and max_model_len <= 0:
+        raise LcxError(f"--max-model-len must be > 0, got {max_model_len}")
     src = resolve_model_path(model)
-    insts = servable_methods(list(methods), options or {}, adapters)
+    config = json.loads((src / "config.json").read_text())
+    length = (families.json_window(config), max_model_len) if max_model_len else None
+    insts = servable_methods(list(methods), options or {}, adapters, length)
     auto.resolve(insts, src, lambda: load_model(src))  # the served options are those lcx generate uses
     _attention_spec([{"name": m.name, "options": m.to_options()} for m in insts])
     # with a method whose served state lcx's middleware computes (focusllm), the adapters are that state's
     # (lcx's path gates every LoRA to the candidate positions): the middleware applies them, not vLLM
     in_middleware = any(m.serving == "attention" and m.serve_state for m in insts)
-    config = json.loads((src / "config.json").read_text())
     window = int(config.get("max_position_embeddings") or 0)
     for m in insts:
         if m.serving == "config":
             config = m.vllm_config(config)
     derived = _derived_len(config)
-    if max_model_len is not None and max_model_len <= 0:
-        raise LcxError(f"--max-model-len must be > 0, got {max_model_len}")
     if max_model_len and max_model_len > derived:
         if _stretched(config):
             raise LcxError(f"--max-model-len {max_model_len} exceeds what the stretched rope covers ({derived}); "

@@ -115,7 +115,7 @@ def serve_cmd(model, options, methods, adapters, max_model_len, host, port, serv
     model answers under --name. Ctrl-C (or SIGTERM) shuts the server down cleanly.
     Examples:
       lcx serve smollm2-135m --adapter smt=results/smt/adapter --max-model-len 32768
-      lcx serve smollm2-135m --method rope -o rope.factor=4 --port 8001
+      lcx serve smollm2-135m --method rope --max-model-len 32768 --port 8001   # rope.factor: 32768 / the window
       lcx serve smollm2-135m --method fot --memory out/mem --max-model-len 32768
       lcx serve smollm2-135m --method focusllm -o focusllm.refresh=0 --adapter cand=results/focusllm/adapter
       curl localhost:8000/v1/completions -H 'content-type: application/json' \\
