@@ -8,6 +8,7 @@ import torch
 import lcx
 from lcx.generation import tail_logits
 from lcx.plugins.fot.memory import save_memory
+from lcx.plugins.fot.method import FoT
 from tests.conftest import tiny_model
 
 N = 200  # tokens: longer than the tiny window (128) and many local windows of 32
@@ -271,6 +272,28 @@ def test_chunk_slides_the_local_window():
     assert torch.equal(store.positions, torch.arange(N - 32))
     with pytest.raises(lcx.LcxError, match=r"chunk must be in 0..local \(32\), got 64"):
         lcx.attach(model, ["fot"], local=32, chunk=64)
+
+
+def test_sinks_keep_the_prompts_first_tokens_beside_the_window_as_streaming_does():
+    """sinks=S: the first S tokens never go to memory and are read, re-rotated to sit right before the local
+    keys, by every later query. With no memory key read (a gate no score reaches), fot's local + sinks cache
+    is streaming's: the same logits as streaming with sinks=S and a window of local - chunk."""
+    model = tiny_model("llama")
+    ids = _ids()
+    with lcx.attach(model, ["streaming"], sinks=4, window=24, chunk=8) as run:
+        want = tail_logits(run, ids, 40)
+    with lcx.attach(model, ["fot"], local=32, chunk=8, sinks=4, gate=1e9, memory_layers="0") as run:
+        got = tail_logits(run, ids, 40)
+        cache = run.memory
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert all(layer.held_sinks == 4 and layer.keys.shape[-2] == 32 for layer in cache.layers)
+    assert torch.equal(cache.lcx_stores[0][(0, 0)].positions, torch.arange(4, N - 32))  # sinks stay out of memory
+    plain, _ = _logits(model, ids, local=32, chunk=8, gate=1e9, memory_layers="0")
+    assert not torch.allclose(plain, got, atol=1e-3)  # without sinks the window alone answers
+    with pytest.raises(lcx.LcxError, match=r"sinks must be in 0..local - 1 \(31\), got 32"):
+        lcx.attach(model, ["fot"], local=32, sinks=32)
+    with pytest.raises(lcx.LcxError, match=r"fot sinks=4: vLLM's served fot keeps no sinks yet"):
+        FoT.from_options(sinks=4).check_serving()
 
 
 def test_multi_doc_memory_holds_each_document_as_if_indexed_alone_in_any_order():

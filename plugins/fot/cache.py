@@ -21,16 +21,18 @@ from lcx.plugins.fot.memory import MemoryStore
 
 class FoTLayer(SubsetCacheLayer):
     def __init__(self, local: int, memory: dict[tuple[int, int], MemoryStore] | None,
-                 inv_freq: torch.Tensor | None, pad: torch.Tensor, doc_ids: list[int]) -> None:
+                 inv_freq: torch.Tensor | None, pad: torch.Tensor, doc_ids: list[int], sinks: int = 0) -> None:
         super().__init__()
-        self.local, self.memory, self.inv_freq = local, memory, inv_freq
+        self.local, self.memory, self.inv_freq, self.sinks = local, memory, inv_freq, sinks
         self.pad = pad  # (B,) left-padding per row: RoPE position = cache index - pad
         self.doc_ids = doc_ids
-        self.local_start = 0  # absolute cache index of the first key returned by the last update
+        self.local_start = 0  # absolute cache index of the first non-sink key returned by the last update
+        self.held_sinks = 0  # sink keys (cache indices 0..held_sinks-1) returned before the local ones
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
+        self.sink_k, self.sink_v = self.keys, self.values
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -40,15 +42,29 @@ class FoTLayer(SubsetCacheLayer):
         overflow = min(L, L + q - self.local) if L + q > self.local else 0
         start = self.cumulative_length - L  # cache index of the oldest local key
         if overflow:
-            if self.memory is not None:
-                self._to_memory(self.keys[:, :, :overflow], self.values[:, :, :overflow], start)
+            keep = max(0, min(overflow, self.sinks - start))  # the prompt's first tokens stay: attention sinks
+            if keep:
+                self.sink_k = torch.cat([self.sink_k, self.keys[:, :, :keep]], dim=-2)
+                self.sink_v = torch.cat([self.sink_v, self.values[:, :, :keep]], dim=-2)
+            if self.memory is not None and overflow > keep:
+                self._to_memory(self.keys[:, :, keep:overflow], self.values[:, :, keep:overflow], start + keep)
             self.keys, self.values = self.keys[:, :, overflow:], self.values[:, :, overflow:]
             start += overflow
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         self.cumulative_length += q
         self.local_start = start
-        return self.keys, self.values
+        self.held_sinks = ns = self.sink_k.shape[-2]
+        if not ns:
+            return self.keys, self.values
+        # sinks re-rotated to sit right before the local keys: every query-key distance stays within local + sinks
+        sink_k = rotate(self.sink_k, start - ns, self.inv_freq) if start > ns else self.sink_k
+        return torch.cat([sink_k, self.keys], dim=-2), torch.cat([self.sink_v, self.values], dim=-2)
+
+    def kept(self, device: torch.device | None = None) -> torch.Tensor:
+        """Cache indices of the keys the last update returned, in order."""
+        local = torch.arange(self.local_start, self.cumulative_length, device=device)
+        return torch.cat([torch.arange(self.held_sinks, device=device), local]) if self.held_sinks else local
 
     @torch.no_grad()
     def _to_memory(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
@@ -63,7 +79,7 @@ class FoTLayer(SubsetCacheLayer):
             add_to_memory(self.memory, b, keys[b][:, on], values[b][:, on], pos[real], self.inv_freq, self.doc_ids[b])
 
     def _reset_state(self) -> None:
-        self.local_start = 0
+        self.local_start = self.held_sinks = 0
 
 
 def add_to_memory(memory: dict[tuple[int, int], MemoryStore], row: int, keys: torch.Tensor, values: torch.Tensor,
@@ -82,8 +98,10 @@ def add_to_memory(memory: dict[tuple[int, int], MemoryStore], row: int, keys: to
 
 def fot_cache(n_layers: int, memory_layers: list[int], local: int, batch_size: int, kv_heads: int,
               make_store: Callable[[], MemoryStore], inv_freq: Callable[[int], torch.Tensor], pad: torch.Tensor,
-              doc_ids: list[int], stores: dict[int, dict[tuple[int, int], MemoryStore]] | None = None) -> Cache:
-    """A Cache with a local window per layer and memory stores for ``memory_layers``.
+              doc_ids: list[int], stores: dict[int, dict[tuple[int, int], MemoryStore]] | None = None,
+              sinks: int = 0) -> Cache:
+    """A Cache with a local window per layer (plus its first ``sinks`` tokens) and memory stores for
+    ``memory_layers``.
 
     ``stores`` (layer -> {(row, head): store}) reuses existing memories (multi-document mode).
     """
@@ -96,7 +114,7 @@ def fot_cache(n_layers: int, memory_layers: list[int], local: int, batch_size: i
             for b in range(batch_size):
                 for h in range(kv_heads):
                     mem.setdefault((b, h), make_store())
-        layers.append(FoTLayer(local, mem, inv_freq(i) if mem is not None else None, pad, doc_ids))
+        layers.append(FoTLayer(local, mem, inv_freq(i) if mem is not None or sinks else None, pad, doc_ids, sinks))
     cache = Cache(layers=layers)
     cache.lcx_stores = stores  # type: ignore[attr-defined]
     return cache

@@ -63,6 +63,7 @@ class FoT(Method):
     k: int = option(32, "memory keys retrieved per query and head")
     local: int = option(2048, "local context: keys each layer keeps in its cache (a sliding window)")
     chunk: int = option(0, "tokens ingested per forward pass; 0 = local (FoT); smaller keeps every query's local context >= local - chunk")
+    sinks: int = option(0, "the prompt's first tokens every layer keeps beside its local window instead of moving them to memory (attention sinks, as streaming's); 0 = none (FoT)")
     positions: Literal["first", "fixed", "none"] = option("first", "memory key positions: first (as if at the local window's start, LongLLaMA), fixed (one distance), none")
     fixed_distance: int = option(0, "distance of every memory key in positions=fixed; 0 = local")
     dense: bool = option(False, "attend to all of memory (no kNN); exact but linear in memory size")
@@ -103,6 +104,8 @@ class FoT(Method):
             raise ValueError(f"local and block must be > 0 (got local={self.local}, block={self.block})")
         if not 0 <= self.chunk <= self.local:
             raise ValueError(f"chunk must be in 0..local ({self.local}), got {self.chunk}")
+        if not 0 <= self.sinks < self.local:
+            raise ValueError(f"sinks must be in 0..local - 1 ({self.local - 1}), got {self.sinks}")
         if self.positions not in ("first", "fixed", "none"):
             raise ValueError(f"positions must be first, fixed or none, got {self.positions!r}")
         if self.fixed_distance < 0:
@@ -202,6 +205,9 @@ class FoT(Method):
         return FoTServed
 
     def check_serving(self) -> None:
+        if self.sinks:
+            raise LcxError(f"fot sinks={self.sinks}: vLLM's served fot keeps no sinks yet; serve with -o fot.sinks=0, "
+                           f"or use lcx generate")
         if self.mode == "multi":
             raise LcxError("fot mode=multi is not how a server shares a memory (requests would write into each "
                            "other's): drop -o fot.mode=multi, and serve a document memory built by `lcx memory "
@@ -214,6 +220,12 @@ class FoT(Method):
 
     @hookimpl
     def lcx_plan(self, run, input_ids, attention_mask, max_new_tokens):
+        padded = attention_mask is not None and not bool(attention_mask.all())
+        if self.sinks and padded and input_ids.shape[1] + max_new_tokens > self.local:
+            # the sinks are the batch's first positions: padding in a left-padded row, which then has none
+            raise LcxError(f"fot sinks={self.sinks}: a left-padded batch of {input_ids.shape[1]} + {max_new_tokens} "
+                           f"tokens moves past the local window ({self.local}), and its padded rows would keep padding "
+                           f"as sinks; give inputs of equal length, or one at a time")
         return Plan.chunked(input_ids, attention_mask, self.chunk or self.local)
 
     @hookimpl
@@ -240,7 +252,7 @@ class FoT(Method):
         return fot_cache(
             families.num_layers(run.model, run.family), self.layer_indices(run), self.local, batch_size, kv_heads,
             lambda: make_store(config),
-            lambda i: families.rotary_inv_freq(run.model, run.family, i), pad, doc_ids, stores,
+            lambda i: families.rotary_inv_freq(run.model, run.family, i), pad, doc_ids, stores, self.sinks,
         )
 
     @hookimpl
@@ -317,9 +329,9 @@ class FoT(Method):
         has_memory = layer.memory is not None and any(len(s) for s in layer.memory.values())
         if layer.local_start == 0 and not has_memory:
             return None  # nothing left the window yet: plain attention
-        T, S = query.shape[-2], key.shape[-2]
+        T = query.shape[-2]
         total = layer.cumulative_length
-        kept = torch.arange(layer.local_start, total, device=query.device)
+        kept = layer.kept(query.device)
         mask = visible_mask(attention_mask, kept, total, T, run.base_impl, query.dtype)
         if not has_memory:
             return run.base_attention(module, query, key, value, mask, **kwargs)
@@ -368,6 +380,8 @@ class FoT(Method):
             plan = make_plan(run, input_ids, None, 0)
             cache = prefill(run, plan, include_last=True, progress=progress)
             for layer in cache.layers:  # flush the last local window into memory too
+                if isinstance(layer, FoTLayer) and layer.memory is not None and layer.held_sinks:
+                    layer._to_memory(layer.sink_k, layer.sink_v, 0)
                 if isinstance(layer, FoTLayer) and layer.memory is not None and layer.keys.shape[-2]:
                     layer._to_memory(layer.keys, layer.values, layer.cumulative_length - layer.keys.shape[-2])
             for i, per in self._stores.items():
@@ -391,14 +405,14 @@ class FoT(Method):
         return min(n, self.max_entries) if self.max_entries else n
 
     def cache_tokens(self, run, tokens: int) -> int:
-        """Every layer's cache keeps the local window, plus the tokens of the forward being ingested."""
-        return min(tokens, self.local + (self.chunk or self.local))
+        """Every layer's cache keeps the local window and its sinks, plus the tokens of the forward being ingested."""
+        return min(tokens, self.sinks + self.local + (self.chunk or self.local))
 
     def forward_shapes(self, run, tokens: int) -> list[tuple[int, ...]]:
         """A chunk's queries over the local window and the chunk; a memory layer's joint softmax adds float32
         scores (and their softmax and weights) of a block of queries over local and retrieved keys, every head."""
         q = min(tokens, self.chunk or self.local)
-        keys = min(tokens, self.local + q)
+        keys = min(tokens, self.sinks + self.local + q)
         heads = getattr(getattr(run.model.config, "get_text_config", lambda: run.model.config)(), "num_attention_heads", 1)
         return [(1, q, keys, 3 * 4 * heads * min(q, self.block) * (keys + self.k))]
 
