@@ -292,6 +292,12 @@ def test_sinks_keep_the_prompts_first_tokens_beside_the_window_as_streaming_does
     assert not torch.allclose(plain, got, atol=1e-3)  # without sinks the window alone answers
     with pytest.raises(lcx.LcxError, match=r"sinks must be in 0..local - 1 \(31\), got 32"):
         lcx.attach(model, ["fot"], local=32, sinks=32)
+    ids2 = torch.cat([ids[:, :60], torch.cat([torch.zeros(1, 20, dtype=torch.long), ids[:, :40]], 1)])
+    mask = torch.ones_like(ids2)
+    mask[1, :20] = 0
+    with lcx.attach(model, ["fot"], local=32, sinks=4) as run:
+        with pytest.raises(lcx.LcxError, match=r"fot sinks=4: a left-padded batch of 60 \+ 2 tokens moves past"):
+            lcx.generate(run, ids2, mask, max_new_tokens=2)
     with pytest.raises(lcx.LcxError, match=r"fot sinks=4: vLLM's served fot keeps no sinks yet"):
         FoT.from_options(sinks=4).check_serving()
 
