@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 52, build 2: fot configurations whose perplexity on ordinary text is not worse than truncation to the
 # window, measured side by side with truncation (vanilla), SmolLM2-135M, two books (as results/fot/run.sh ppl).
-#   bash results/fot/ppl-safe/run.sh [STEP...]     # steps: local8k gate sinks
+#   bash results/fot/ppl-safe/run.sh [STEP...]     # steps: local8k gate sinks8k sinks passkey
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 LCX=.venv/bin/lcx
@@ -16,9 +16,19 @@ gate() {  # the passkey configuration (local 1024) with memory read only where i
     $LCX eval compare ppl -m smollm2-135m --stack fot -o fot.local=1024 -o fot.chunk=256 -o fot.gate=0 "${IVF[@]}" \
         "${DOCS[@]}" --contexts 8K,32K --room 32K --target 256 --out results/fot/ppl-safe/gate0 --json
 }
+sinks8k() {  # the sinks candidate at 8K only (its committed run wrote to /tmp/sinks-check, then copied here)
+    $LCX eval compare ppl -m smollm2-135m --stack fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
+        "${DOCS[@]}" --contexts 8K --room 32K --target 256 --out results/fot/ppl-safe/sinks-8k --json
+}
 sinks() {  # local at the window, the prompt's first 4 tokens kept beside it (attention sinks)
     $LCX eval compare ppl -m smollm2-135m --stack fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
         "${DOCS[@]}" --contexts 8K,16K,32K --room 32K --target 256 --out results/fot/ppl-safe/sinks --json
 }
-[ $# -eq 0 ] && set -- local8k gate sinks
+passkey() {  # the sinks candidate's retrieval: filler passkey, 5 depths x 5 keys at 16K and 32K (journaled)
+    for len in 16K 32K; do
+        $LCX eval passkey -m smollm2-135m --method fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
+            --lengths $len --out results/fot/ppl-safe/passkey-sinks-$len --resume --json > /dev/null
+    done
+}
+[ $# -eq 0 ] && set -- local8k gate sinks passkey
 for s in "$@"; do "$s"; done
