@@ -120,11 +120,17 @@ def context_window(model: nn.Module) -> int:
     return config_window(model.config)
 
 
-def json_window(config: dict[str, Any]) -> int:
-    """``config_window`` of a model folder's config.json (a dict), read as transformers reads it."""
+def json_config(config: dict[str, Any]) -> Any:
+    """A model folder's config.json (a dict) as transformers reads it (legacy fields such as ``rope_scaling``
+    folded in)."""
     from transformers import AutoConfig
 
-    return config_window(AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"}))
+    return AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
+
+
+def json_window(config: dict[str, Any]) -> int:
+    """``config_window`` of a model folder's config.json (a dict)."""
+    return config_window(json_config(config))
 
 
 def config_window(cfg: Any) -> int:

@@ -87,12 +87,10 @@ class Rope(Method):
         and the window are read as transformers reads them on lcx's own path (a legacy ``rope_scaling``
         included, e.g. Llama 3.x's llama3 rope: its original length is the window), and ``rope_scaling`` is
         dropped: loaders take it over ``rope_parameters``."""
-        from transformers import AutoConfig
-
         if config.get("model_type") == "phi3":  # vLLM reads a phi3 rope as longrope only (short/long factors)
             raise LcxError(f"rope: vLLM cannot serve a phi3 model with {self.type} rope (it accepts only phi3's "
                            "longrope scaling); use lcx generate, or serve it without rope")
-        cfg = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
+        cfg = families.json_config(config)
         out = {k: v for k, v in config.items() if k != "rope_scaling"}
         window = families.config_window(cfg)
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]

@@ -379,10 +379,12 @@ class FoT(Method):
         try:
             plan = make_plan(run, input_ids, None, 0)
             cache = prefill(run, plan, include_last=True, progress=progress)
-            for layer in cache.layers:  # flush the last local window into memory too
-                if isinstance(layer, FoTLayer) and layer.memory is not None and layer.held_sinks:
+            for layer in cache.layers:  # flush the sinks and the last local window into memory too
+                if not isinstance(layer, FoTLayer) or layer.memory is None:
+                    continue
+                if layer.held_sinks:
                     layer._to_memory(layer.sink_k, layer.sink_v, 0)
-                if isinstance(layer, FoTLayer) and layer.memory is not None and layer.keys.shape[-2]:
+                if layer.keys.shape[-2]:
                     layer._to_memory(layer.keys, layer.values, layer.cumulative_length - layer.keys.shape[-2])
             for i, per in self._stores.items():
                 for key, store in per.items():
