@@ -74,6 +74,12 @@ class Rope(Method):
         if self.factor == "auto":
             self.factor = self.factor_for(window, tokens)
 
+    def resolved(self, config: dict) -> dict:
+        if self.factor != "auto":
+            return {"factor": float(self.factor)}
+        window = families.json_window(config)
+        return {"factor": f"per request: its tokens / {window:,} (the window), in quarter steps, at least 1"}
+
     def check_serving(self) -> None:
         if self.factor == "auto":
             raise LcxError("rope: factor=auto follows the longest request, but none was given; vLLM serves one rope "

@@ -33,6 +33,11 @@ class Vanilla(Method):
     #: vLLM serves it as the plain model behind a request middleware that truncates the prompt.
     serving = "prompt"
 
+    def resolved(self, config: dict) -> dict:
+        from lcx.adapters import families
+
+        return {"window": self.window or families.json_window(config)}
+
     def budget(self, max_new_tokens: int, window: int) -> int:
         """Prompt tokens kept: the window (this method's, else the model's) less the tokens to generate."""
         budget = (self.window or window) - max_new_tokens

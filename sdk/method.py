@@ -80,6 +80,12 @@ class Method:
         the model); ``load()`` returns ``(model, tokenizer)`` for measuring, with no method attached.  Options
         the user gave are left as given.  Nothing to resolve by default."""
 
+    def resolved(self, config: dict[str, Any]) -> dict[str, Any]:
+        """What this instance's model-dependent options come to on the model whose config.json is ``config`` (after
+        :meth:`resolve_auto`): option name -> value, or a line on how a request fixes it (``lcx methods -m``).
+        Nothing by default."""
+        return {}
+
     def begin_request(self, run: Any, tokens: int, new: int) -> None:
         """A request of ``tokens`` prompt tokens generating ``new`` more is about to be planned on ``run`` (after
         :meth:`release`, before the limits check): set what follows the request's length (rope's factor=auto).

@@ -126,3 +126,22 @@ def test_an_export_for_vllm_serves_the_layers_lcx_generate_measured(folder, prob
     assert described[0]["options"]["memory_layers"] == "1"
     assert probes == [512]  # measured once, by the attach
     assert not (exp.model_dir / auto.AUTO_FILE).exists()
+
+
+def test_lcx_methods_on_a_model_shows_what_auto_comes_to_there(folder, probes, tmp_path):
+    from click.testing import CliRunner
+
+    from lcx.cli import main
+
+    def on(path) -> dict:
+        r = CliRunner().invoke(main, ["methods", "-m", str(path), "--json"])
+        assert r.exit_code == 0, r.output
+        return {m["name"]: m["on_model"] for m in json.loads(r.stdout)["methods"]}
+
+    llama = on(folder)
+    assert llama["fot"] == {"memory_layers": "1"} and probes == [512]  # measured, then cached beside the model
+    assert llama["vanilla"] == {"window": 512}
+    assert "streaming.chunk=" in llama["streaming"]["error"]  # its default chunk (512) fills this window: said, listed
+    assert "512" in llama["rope"]["factor"] and llama["smt"] == {}
+    gemma = make_tiny_model_dir(tmp_path / "gemma", family="gemma3_text", max_position_embeddings=512)
+    assert on(gemma)["fot"] == {"memory_layers": "1"} and probes == [512]  # its full-attention layer, unmeasured

@@ -162,6 +162,10 @@ class FoT(Method):
         if found:
             self.memory_layers, self._auto_for = found, folder
 
+    def resolved(self, config: dict) -> dict:
+        text = config.get("text_config", config)
+        return {"memory_layers": ",".join(map(str, self.layers_of(int(text["num_hidden_layers"]), text.get("layer_types"))))}
+
     def reach(self, run, tokens: int, new: int, span: tuple[int, int]) -> tuple[bool, str]:
         if tokens - span[0] <= self.local - (self.chunk or self.local):
             return True, f"the key was in the local window ({self.local:,} tokens), which every layer reads"

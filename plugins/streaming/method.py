@@ -101,6 +101,9 @@ class Streaming(Method):
 
         return StreamingServed
 
+    def resolved(self, config: dict) -> dict:
+        return {"window": self.recent_for(families.json_window(config))}
+
     def recent(self, run) -> int:
         return self.recent_for(run.window)
 
