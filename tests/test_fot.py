@@ -298,8 +298,6 @@ def test_sinks_keep_the_prompts_first_tokens_beside_the_window_as_streaming_does
     with lcx.attach(model, ["fot"], local=32, sinks=4) as run:
         with pytest.raises(lcx.LcxError, match=r"fot sinks=4: a left-padded batch of 60 \+ 2 tokens moves past"):
             lcx.generate(run, ids2, mask, max_new_tokens=2)
-    with pytest.raises(lcx.LcxError, match=r"fot sinks=4: vLLM's served fot keeps no sinks yet"):
-        FoT.from_options(sinks=4).check_serving()
 
 
 def test_multi_doc_memory_holds_each_document_as_if_indexed_alone_in_any_order():

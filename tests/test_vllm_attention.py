@@ -191,7 +191,9 @@ def test_without_prompt_lengths_one_token_prompt_pieces_are_the_only_difference(
     dict(FOT, chunk=10, positions="none", dense=True),
     dict(FOT, chunk=8, max_entries=30),  # a memory cap: the oldest entries go
     dict(FOT, gate=-1.0),  # weak memory matches left out
-], ids=["first", "fixed-chunk8", "none-dense", "capped", "gated"])
+    dict(FOT, chunk=8, sinks=3),  # the prompt's first tokens kept beside the window, re-rotated
+    dict(FOT, sinks=5, memory_layers="1"),  # sinks in layers without memory too
+], ids=["first", "fixed-chunk8", "none-dense", "capped", "gated", "sinks-chunk8", "sinks"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_served_fot_equals_lcx_fot_over_any_prefill_split_and_interleaving(opts, seed):
     from lcx.registry import registry
@@ -211,7 +213,7 @@ def test_served_fot_equals_lcx_fot_over_any_prefill_split_and_interleaving(opts,
         total = len(p) + 8 - 1  # the last generated token is never fed back
         for i, st in served.requests[k].layers.items():
             held = {len(s) for s in st.data["memory"].values()} if st.data["memory"] else {0}
-            entries = max(0, total - opts["local"])
+            entries = max(0, total - opts["local"] - opts.get("sinks", 0))
             entries = min(entries, opts["max_entries"]) if opts.get("max_entries") else entries
             assert held == ({entries} if i in layers else {0}), (k, i, held)
 
@@ -236,7 +238,7 @@ def test_served_fot_requests_that_finish_hand_their_window_slot_to_the_next():
     assert served.taken == 7 and sorted(served.free) == list(range(7))
 
 
-@pytest.mark.parametrize("method", ["streaming", "fot"])
+@pytest.mark.parametrize("method", ["streaming", "fot", "fot-sinks"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_request_whose_prefix_vllm_cached_starts_from_the_cached_keys(method, seed):
     """vLLM's prefix cache (on for streaming and fot): a request whose first blocks another request computed
@@ -247,7 +249,8 @@ def test_a_request_whose_prefix_vllm_cached_starts_from_the_cached_keys(method, 
     from lcx.registry import registry
 
     rng = random.Random(seed)
-    opts = OPTS if method == "streaming" else FOT
+    opts = OPTS if method == "streaming" else dict(FOT, sinks=3) if method == "fot-sinks" else FOT
+    method = method.split("-")[0]
     shared = [rng.randrange(3, 120) for _ in range(96)]
     prompts = {1: shared + [rng.randrange(3, 120) for _ in range(54)],  # the donor
                2: shared + [rng.randrange(3, 120) for _ in range(30)],  # 96 cached tokens (6 blocks of 16)
@@ -256,7 +259,7 @@ def test_a_request_whose_prefix_vllm_cached_starts_from_the_cached_keys(method, 
 
     def new_served():
         return (StreamingServed(**OPTS) if method == "streaming"
-                else FoTServed(registry().get("fot").from_options(**FOT)))
+                else FoTServed(registry().get("fot").from_options(**opts)))
 
     engine = CachingEngine(tiny_model("llama"), new_served(), donors={2: 1, 3: 1})
     first = _served(engine, {1: prompts[1]}, {1: want[1][0]}, rng)
@@ -501,7 +504,7 @@ def test_a_third_party_served_form_equals_its_lcx_path(monkeypatch):
     assert not torch.allclose(want[201][1], whole[201][1], atol=1e-3)  # the window changes what the model reads
 
 
-@pytest.mark.parametrize("method", ["streaming", "fot"])
+@pytest.mark.parametrize("method", ["streaming", "fot", "fot-sinks"])
 def test_served_attention_equals_lcx_on_gemma3_with_its_per_layer_type_rope(method):
     """Gemma 3 keeps one RoPE table per layer type (``sliding_attention_inv_freq``, ``full_attention_inv_freq``,
     different bases) and a band on its sliding-window layers: the served form re-rotates each layer's keys with
@@ -513,6 +516,8 @@ def test_served_attention_equals_lcx_on_gemma3_with_its_per_layer_type_rope(meth
     prompts = {7 + i: [rng.randrange(3, 120) for _ in range(rng.choice([40, 100, 150]))] for i in range(3)}
     # windows past the 64-token band of the sliding layers (layer 0), so the band decides what they read
     opts = dict(OPTS, window=80) if method == "streaming" else dict(FOT, local=100, chunk=16, memory_layers="1")
+    if method == "fot-sinks":  # sinks re-rotated with each layer's table; the band hides them in sliding layers
+        opts, method = dict(opts, sinks=4), "fot"
     want = {k: _hf(model, p, 6, method, opts) for k, p in prompts.items()}
     served = StreamingServed(**opts) if method == "streaming" else FoTServed(registry().get("fot").from_options(**opts))
     engine = FakeEngine(tiny_model("gemma3_text"), served)

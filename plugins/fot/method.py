@@ -209,9 +209,6 @@ class FoT(Method):
         return FoTServed
 
     def check_serving(self) -> None:
-        if self.sinks:
-            raise LcxError(f"fot sinks={self.sinks}: vLLM's served fot keeps no sinks yet; serve with -o fot.sinks=0, "
-                           f"or use lcx generate")
         if self.mode == "multi":
             raise LcxError("fot mode=multi is not how a server shares a memory (requests would write into each "
                            "other's): drop -o fot.mode=multi, and serve a document memory built by `lcx memory "

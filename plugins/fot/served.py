@@ -1,7 +1,8 @@
 """fot served inside vLLM's attention (``lcx serve --method fot``): at an update's start every layer evicts what
 no longer fits its ``local`` window, memory layers into the request's own kNN memory (keys un-rotated to position
-0, as ``FoTLayer`` does); a query attends to its local keys and, in memory layers, to its top-``k`` memory keys
-under one softmax (``memory_attention``), with the query re-rotated per the positions mode.  A document memory
+0, as ``FoTLayer`` does) but the prompt's first ``sinks`` tokens, which every layer keeps; a query attends to its
+sinks (re-rotated to sit right before the window) and local keys and, in memory layers, to its top-``k`` memory
+keys under one softmax (``memory_attention``), with the query re-rotated per the positions mode.  A document memory
 (``lcx serve --memory``) is read by every request and written by none."""
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ class FoTServed(ServedAttention):
         each memory layer its own memory, at most every token of the request: a ``HeadsStore``'s buffer with its
         spare rows (torch), or per head a store's (doubling)."""
         layers = int(config["num_hidden_layers"])
-        ring = int(max(method.local, method.chunk or method.local) * (1 + WINDOW_SLACK))
+        ring = int(max(method.local, method.chunk or method.local) * (1 + WINDOW_SLACK)) + method.sinks
         entries = max_model_len
         torch_own = method.store_config().in_process().kind == "torch"  # a request's own memory (begin)
         memory = entries + max(16, int(entries * WINDOW_SLACK)) if torch_own else 2 * entries
@@ -188,7 +189,8 @@ class FoTServed(ServedAttention):
             layer = int(module.layer_idx)
             rings = self.rings.setdefault(layer, _Rings(max(self.m.local, self.chunk)))
             rings.ensure(st.info["slot"], like, like)
-            d.update(rings=rings, slot=st.info["slot"], count=0, local_start=0, memory=None)
+            d.update(rings=rings, slot=st.info["slot"], count=0, local_start=0, memory=None, sink_k=like[:, :0],
+                     sink_v=like[:, :0])
             if self.memory_layers is None:
                 self.memory_layers = set(self.m.layers_of(int(module.config.num_hidden_layers),
                                                           getattr(module.config, "layer_types", None)))
@@ -206,13 +208,24 @@ class FoTServed(ServedAttention):
         overflow = min(L, L + n - self.m.local)
         if overflow > 0:  # FoTLayer.update: evict before the update's forward
             keys, values = d["rings"].take(d["slot"], d["local_start"], overflow)
-            if d["memory"] is not None:
+            keep = max(0, min(overflow, self.m.sinks - d["local_start"]))  # the prompt's first tokens stay
+            if keep:
+                d["sink_k"] = torch.cat([d["sink_k"], keys[:, :keep]], 1)
+                d["sink_v"] = torch.cat([d["sink_v"], values[:, :keep]], 1)
+            if d["memory"] is not None and overflow > keep:
                 from lcx.plugins.fot.cache import add_to_memory
 
-                pos = torch.arange(d["local_start"], d["local_start"] + overflow)
-                add_to_memory(d["memory"], 0, keys, values, pos, self.inv_freq(module), 0)
+                pos = torch.arange(d["local_start"] + keep, d["local_start"] + overflow)
+                add_to_memory(d["memory"], 0, keys[:, keep:], values[:, keep:], pos, self.inv_freq(module), 0)
             d["count"] -= overflow
             d["local_start"] += overflow
+
+    def _sinks(self, d: dict, module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """The request's sink keys re-rotated to sit right before its local window (as ``FoTLayer`` returns
+        them), and their values."""
+        ns, start = d["sink_k"].shape[1], d["local_start"]
+        keys = rotate(d["sink_k"], start - ns, self.inv_freq(module)) if start > ns else d["sink_k"]
+        return keys, d["sink_v"]
 
     def _shift(self, positions: torch.Tensor, local_start: torch.Tensor) -> torch.Tensor:
         """(R, n) float64 rotation of queries at ``positions`` (R, n) to where memory sits, for windows starting
@@ -232,6 +245,11 @@ class FoTServed(ServedAttention):
         # read only those rows (a prompt's first windows: up to half of its local attention's work)
         used = pos + n if pos + n <= rings.width else rings.width
         keys, values, held = rings.k[slot, :, :used], rings.v[slot, :, :used], rings.pos[slot, :used]
+        ns = d["sink_k"].shape[1]
+        if ns:  # held at their own positions: causal and in a sliding layer's band as on lcx's path
+            sink_k, sink_v = self._sinks(d, module)
+            keys, values = torch.cat([sink_k, keys], 1), torch.cat([sink_v, values], 1)
+            held = torch.cat([torch.arange(ns, device=held.device), held])
         q_index = torch.arange(pos, pos + n, device=q.device)
         allowed = (held >= 0) & (held[None, :] <= q_index[:, None])  # (n, W): the window, causally
         near = self.in_band(module, held[None, :], q_index[:, None])
@@ -275,6 +293,17 @@ class FoTServed(ServedAttention):
         used = max(p for _, _, p in batch) + 1
         if used < rings.width:  # no window has wrapped: rows from `used` on are empty (as in `read`)
             keys, values, held = keys[:, :, :used], values[:, :, :used], held[:, :used]
+        S = max(d["sink_k"].shape[1] for d in states)
+        if S:  # each request's sinks before its window (empty rows held at -1: hidden)
+            R = keys.shape[0]
+            sk, sv = keys.new_zeros(R, keys.shape[1], S, keys.shape[-1]), values.new_zeros(R, values.shape[1], S, values.shape[-1])
+            sh = held.new_full((R, S), -1)
+            for i, d in zip(sel.tolist(), states):
+                ns = d["sink_k"].shape[1]
+                if ns:
+                    sk[i, :, :ns], sv[i, :, :ns] = self._sinks(d, module)
+                    sh[i, :ns] = torch.arange(ns, device=dev)
+            keys, values, held = torch.cat([sk, keys], 2), torch.cat([sv, values], 2), torch.cat([sh, held], 1)
         R, (H, _, D), Hkv = keys.shape[0], query.shape, keys.shape[1]
         G = H // Hkv
         q = query.new_zeros(R, H, D)
