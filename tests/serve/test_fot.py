@@ -29,7 +29,7 @@ def test_fot_server_with_a_document_memory_equals_the_hf_path_for_concurrent_req
     from lcx.models import load_model
 
     tmp = tmp_path_factory.mktemp("fot")
-    opts = {"local": 512, "k": 16, "memory_layers": FOT_LAYERS}
+    opts = {"local": 512, "k": 16, "memory_layers": FOT_LAYERS, "sinks": 4}  # sinks: served as lcx generate keeps them
     # q/k LoRA at scale 0.2 (the smt-shaped adapters of test_lora, at 0.05, happen not to change these answers)
     lora = random_adapter(load_model(MODEL)[0], tmp / "lora", 1, scale=0.2)
     counting = tok("One, two, three, four, five, six,")["input_ids"]
