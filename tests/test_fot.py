@@ -363,3 +363,18 @@ def test_auto_memory_layers_are_the_full_attention_layers_of_a_sliding_window_mo
     assert FoT().layers_of(30) == [7, 15, 22] == FoT().layers_of(30, ["full_attention"] * 30)
     assert FoT(memory_layers="all").layers_of(18, gemma) == list(range(18))  # explicit choices stay the user's
     assert FoT(memory_layers="4,9").layers_of(18, gemma) == [4, 9]
+
+
+def test_local_0_is_the_models_window_so_memory_holds_only_what_truncation_drops():
+    """local=0: each model's own window (128 here) as the local window, set when fot attaches; the same logits
+    as local=128 given by hand, and the chunk and sinks checked against it then."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 120, (1, 200), generator=torch.Generator().manual_seed(0))
+    got = {}
+    for local in (0, 128):
+        with lcx.attach(model, ["fot"], local=local, chunk=16, sinks=2, memory_layers="0") as run:
+            assert run.method("fot").local == 128
+            got[local] = tail_logits(run, ids, 4)
+    torch.testing.assert_close(got[0], got[128])
+    with pytest.raises(lcx.LcxError, match=r"chunk must be in 0..local \(128\), got 200"):
+        lcx.attach(model, ["fot"], local=0, chunk=200)

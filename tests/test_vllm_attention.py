@@ -14,7 +14,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import lcx
 from lcx.errors import LcxError
-from lcx.integrations.vllm.attention import Seq
+from lcx.integrations.vllm.attention import Seq, ServeContext
 from lcx.plugins.focusllm.served import FocusServed
 from lcx.plugins.fot.served import FoTServed
 from lcx.plugins.streaming.served import StreamingServed
@@ -193,7 +193,8 @@ def test_without_prompt_lengths_one_token_prompt_pieces_are_the_only_difference(
     dict(FOT, gate=-1.0),  # weak memory matches left out
     dict(FOT, chunk=8, sinks=3),  # the prompt's first tokens kept beside the window, re-rotated
     dict(FOT, sinks=5, memory_layers="1"),  # sinks in layers without memory too
-], ids=["first", "fixed-chunk8", "none-dense", "capped", "gated", "sinks-chunk8", "sinks"])
+    dict(FOT, local=0, chunk=16, sinks=2),  # local = the model's window (128): its prompts of 150 reach memory
+], ids=["first", "fixed-chunk8", "none-dense", "capped", "gated", "sinks-chunk8", "sinks", "window"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_served_fot_equals_lcx_fot_over_any_prefill_split_and_interleaving(opts, seed):
     from lcx.registry import registry
@@ -202,7 +203,7 @@ def test_served_fot_equals_lcx_fot_over_any_prefill_split_and_interleaving(opts,
     rng = random.Random(seed)
     prompts = {7 + i: [rng.randrange(3, 120) for _ in range(rng.choice([5, 40, 100, 150]))] for i in range(4)}
     want = {k: _hf(model, p, 8, "fot", opts) for k, p in prompts.items()}
-    served = FoTServed(registry().get("fot").from_options(**opts))
+    served = FoTServed.from_method(registry().get("fot").from_options(**opts), ServeContext(window=128))
     engine = FakeEngine(tiny_model("llama"), served)
     got = _served(engine, prompts, {k: w[0] for k, w in want.items()}, rng)
     for k in prompts:
@@ -213,7 +214,8 @@ def test_served_fot_equals_lcx_fot_over_any_prefill_split_and_interleaving(opts,
         total = len(p) + 8 - 1  # the last generated token is never fed back
         for i, st in served.requests[k].layers.items():
             held = {len(s) for s in st.data["memory"].values()} if st.data["memory"] else {0}
-            entries = max(0, total - opts["local"] - opts.get("sinks", 0))
+            local = opts["local"] or model.config.max_position_embeddings
+            entries = max(0, total - local - opts.get("sinks", 0))
             entries = min(entries, opts["max_entries"]) if opts.get("max_entries") else entries
             assert held == ({entries} if i in layers else {0}), (k, i, held)
 

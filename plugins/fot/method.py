@@ -61,7 +61,7 @@ class FoT(Method):
                                         "once and cached beside the model; 3 at 1/4, 1/2, 3/4 depth where it finds "
                                         "none or the model has no folder), all, or indices like 7,15,22")
     k: int = option(32, "memory keys retrieved per query and head")
-    local: int = option(2048, "local context: keys each layer keeps in its cache (a sliding window)")
+    local: int = option(2048, "local context: keys each layer keeps in its cache (a sliding window); 0 = the model's window (memory then holds only what truncation to the window would drop)")
     chunk: int = option(0, "tokens ingested per forward pass; 0 = local (FoT); smaller keeps every query's local context >= local - chunk")
     sinks: int = option(0, "the prompt's first tokens every layer keeps beside its local window instead of moving them to memory (attention sinks, as streaming's); 0 = none (FoT)")
     positions: Literal["first", "fixed", "none"] = option("first", "memory key positions: first (as if at the local window's start, LongLLaMA), fixed (one distance), none")
@@ -100,12 +100,12 @@ class FoT(Method):
             raise ValueError(f"bank must be >= 0 (contexts of earlier steps kept as memory; 0 = none), got {self.bank}")
         if self.gate != "off" and isinstance(self.gate, str):
             raise ValueError(f"gate must be a number (a logit: 0, -2, ...) or off, got {self.gate!r}")
-        if self.local <= 0 or self.block <= 0:
-            raise ValueError(f"local and block must be > 0 (got local={self.local}, block={self.block})")
-        if not 0 <= self.chunk <= self.local:
-            raise ValueError(f"chunk must be in 0..local ({self.local}), got {self.chunk}")
-        if not 0 <= self.sinks < self.local:
-            raise ValueError(f"sinks must be in 0..local - 1 ({self.local - 1}), got {self.sinks}")
+        if self.local < 0 or self.block <= 0:
+            raise ValueError(f"local must be >= 0 (0 = the model's window) and block > 0 (got local={self.local}, "
+                             f"block={self.block})")
+        self._local_is_window = self.local == 0  # set per model by fit_window
+        if self.local:
+            self._check_windows(ValueError)
         if self.positions not in ("first", "fixed", "none"):
             raise ValueError(f"positions must be first, fixed or none, got {self.positions!r}")
         if self.fixed_distance < 0:
@@ -123,6 +123,18 @@ class FoT(Method):
         self._shared: dict[int, dict[tuple[int, int], MemoryStore]] | None = None  # while a document is added
 
     # ------------------------------------------------------------------ configuration
+    def _check_windows(self, error: type[Exception]) -> None:
+        if not 0 <= self.chunk <= self.local:
+            raise error(f"chunk must be in 0..local ({self.local}), got {self.chunk}")
+        if not 0 <= self.sinks < self.local:
+            raise error(f"sinks must be in 0..local - 1 ({self.local - 1}), got {self.sinks}")
+
+    def fit_window(self, window: int) -> None:
+        """local=0: the local window is the model's trained ``window`` (set per model; before anything reads it)."""
+        if self._local_is_window:
+            self.local = window
+            self._check_windows(LcxError)
+
     def layer_indices(self, run) -> list[int]:
         return self.layers_of(families.num_layers(run.model, run.family), getattr(run.model.config, "layer_types", None))
 
@@ -217,6 +229,7 @@ class FoT(Method):
     # ------------------------------------------------------------------ stages
     @hookimpl
     def lcx_patch_model(self, run, model):
+        self.fit_window(run.window)
         self.layer_indices(run)  # validate at attach time, not mid-generation
 
     @hookimpl

@@ -143,6 +143,7 @@ class FoTServed(ServedAttention):
             from lcx.plugins.fot.memory import load_memory
 
             shared = load_memory(context.memory, method.store_config())[0]
+        method.fit_window(context.window)
         return cls(method, shared)
 
     @classmethod
@@ -151,6 +152,7 @@ class FoTServed(ServedAttention):
         each memory layer its own memory, at most every token of the request: a ``HeadsStore``'s buffer with its
         spare rows (torch), or per head a store's (doubling)."""
         layers = int(config["num_hidden_layers"])
+        method.fit_window(window)
         ring = int(max(method.local, method.chunk or method.local) * (1 + WINDOW_SLACK)) + method.sinks
         entries = max_model_len
         torch_own = method.store_config().in_process().kind == "torch"  # a request's own memory (begin)
