@@ -116,6 +116,9 @@ class Rope(Method):
         return False, (f"positions stretched x{factor:g} to {stretched:,} tokens: the prompt's {tokens:,} go past "
                        "them, to positions the model never saw")
 
+    def request_options(self) -> dict:
+        return {"factor": self._installed} if self.factor == "auto" and self._rotary is not None else {}
+
     def begin_request(self, run, tokens: int, new: int) -> None:
         if self.factor == "auto":
             self._install(run, self.factor_for(run.window, tokens + new))

@@ -91,6 +91,11 @@ class Method:
         :meth:`release`, before the limits check): set what follows the request's length (rope's factor=auto).
         Nothing by default."""
 
+    def request_options(self) -> dict[str, Any]:
+        """The options the last request ran with where they follow its length (rope's factor=auto): reported
+        in ``lcx generate --json``.  None by default."""
+        return {}
+
     def fix_length(self, window: int, tokens: int) -> None:
         """Every request this instance answers is at most ``tokens`` tokens (prompt + new) on a model whose
         trained window is ``window``: ``lcx serve``'s --max-model-len, ``lcx train``'s --seq-len.  Set once

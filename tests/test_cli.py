@@ -164,6 +164,16 @@ def test_a_memory_read_with_another_adapter_than_it_was_built_with_gets_a_note(t
         assert (note in r.stderr if note else "note:" not in r.stderr), (mem, adapter, r.stderr)
 
 
+def test_generate_json_says_the_rope_factor_its_request_ran_with(tiny_dir):
+    r = run("generate", "-m", str(tiny_dir), "--method", "rope", "-p", "one two " * 400, "-n", "2", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    factor = out["request_options"]["rope"]["factor"]  # its length over the 512-token window, in quarter steps
+    assert factor == max(1.0, -(-4 * (out["prompt_tokens"] + 2) // 512) / 4) and factor > 1
+    r = run("generate", "-m", str(tiny_dir), "--method", "rope", "-o", "factor=2", "-p", "one", "-n", "2", "--json")
+    assert json.loads(r.stdout)["request_options"] == {}  # a fixed factor is among the options
+
+
 def test_demo_runs_every_inference_method_and_leaves_out_training_only_ones(tiny_dir):
     from lcx.registry import registry
 

@@ -125,6 +125,7 @@ def test_factor_auto_stretches_by_each_requests_length():
         auto = tail_logits(run, ids, 8)  # 150 tokens over a 64-token window: 2.34 -> 2.5
         assert model.model.rotary_emb.config.rope_parameters["factor"] == 2.5
         assert run.methods[0].reach(run, 150, 0, (0, 1))[1].startswith("positions stretched x2.5")
+        assert run.methods[0].request_options() == {"factor": 2.5}  # lcx generate --json says which
         torch.testing.assert_close(tail_logits(run, ids[:, :60], 8), bare, rtol=0, atol=0)  # back to x1
     assert model.model.rotary_emb is rot
     with lcx.attach(model, ["rope"], factor=2.5) as run:

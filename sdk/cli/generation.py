@@ -75,6 +75,7 @@ def generate_cmd(model, methods, options, adapter, trust_remote_code, input_file
         if as_json:
             _echo_json({
                 "model": model, **s.run.describe(), "prompt_tokens": int(ids.shape[1]),
+                "request_options": {m.name: m.request_options() for m in s.run.methods if m.request_options()},
                 "dropped_tokens": getattr(plan, "dropped", 0), "new_tokens": int(new.shape[1]),
                 "text": s.tokenizer.decode(new[0], skip_special_tokens=True), "seconds": round(dt, 3),
             })
