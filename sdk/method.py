@@ -93,7 +93,7 @@ class Method:
 
     def request_options(self) -> dict[str, Any]:
         """The options the last request ran with where they follow its length (rope's factor=auto): reported
-        in ``lcx generate --json``.  None by default."""
+        in ``lcx generate --json``.  Nothing by default."""
         return {}
 
     def fix_length(self, window: int, tokens: int) -> None:

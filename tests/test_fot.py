@@ -378,3 +378,5 @@ def test_local_0_is_the_models_window_so_memory_holds_only_what_truncation_drops
     torch.testing.assert_close(got[0], got[128])
     with pytest.raises(lcx.LcxError, match=r"chunk must be in 0..local \(128\), got 200"):
         lcx.attach(model, ["fot"], local=0, chunk=200)
+    config = {"model_type": "llama", "num_hidden_layers": 4, "max_position_embeddings": 128}
+    assert FoT.from_options(local=0, memory_layers="1").resolved(config) == {"memory_layers": "1", "local": 128}

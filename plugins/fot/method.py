@@ -176,7 +176,8 @@ class FoT(Method):
 
     def resolved(self, config: dict) -> dict:
         text = config.get("text_config", config)
-        return {"memory_layers": ",".join(map(str, self.layers_of(int(text["num_hidden_layers"]), text.get("layer_types"))))}
+        out = {"memory_layers": ",".join(map(str, self.layers_of(int(text["num_hidden_layers"]), text.get("layer_types"))))}
+        return {**out, "local": families.json_window(config)} if self._local_is_window else out
 
     def reach(self, run, tokens: int, new: int, span: tuple[int, int]) -> tuple[bool, str]:
         if tokens - span[0] <= self.local - (self.chunk or self.local):
