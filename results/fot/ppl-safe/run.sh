@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 52, build 2: fot configurations whose perplexity on ordinary text is not worse than truncation to the
 # window, measured side by side with truncation (vanilla), SmolLM2-135M, two books (as results/fot/run.sh ppl).
-#   bash results/fot/ppl-safe/run.sh [STEP...]     # steps: local8k gate sinks8k sinks passkey passkey_far
+#   bash results/fot/ppl-safe/run.sh [STEP...]     # steps: local8k gate sinks8k sinks sinks_fixed passkey passkey_far passkey_far_fixed
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 LCX=.venv/bin/lcx
@@ -24,6 +24,11 @@ sinks() {  # local at the window, the prompt's first 4 tokens kept beside it (at
     $LCX eval compare ppl -m smollm2-135m --stack fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
         "${DOCS[@]}" --contexts 16K,32K --room 32K --target 256 --out results/fot/ppl-safe/sinks --json
 }
+sinks_fixed() {  # the sinks candidate with memory keys at distance 1024 (positions=fixed): what passkey_far_fixed retrieves with
+    $LCX eval compare ppl -m smollm2-135m --stack fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
+        -o fot.positions=fixed -o fot.fixed_distance=1024 \
+        "${DOCS[@]}" --contexts 8K,16K,32K --room 32K --target 256 --out results/fot/ppl-safe/sinks-fixed1024 --json
+}
 passkey() {  # the sinks candidate's retrieval: filler passkey, 5 depths x 5 keys at 16K and 32K (journaled)
     for len in 16K 32K; do
         $LCX eval passkey -m smollm2-135m --method fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
@@ -33,6 +38,11 @@ passkey() {  # the sinks candidate's retrieval: filler passkey, 5 depths x 5 key
 passkey_far() {  # the cells whose needle is past the 8K local window (16K, depths 0.1 and 0.3): read from memory
     $LCX eval passkey -m smollm2-135m --method fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
         --lengths 16K --depths 0.1,0.3 --out results/fot/ppl-safe/passkey-sinks-16k-far --resume --json > /dev/null
+}
+passkey_far_fixed() {  # as passkey_far, memory keys at distance 1024 (positions=fixed), as near as the passkey configuration's
+    $LCX eval passkey -m smollm2-135m --method fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
+        -o fot.positions=fixed -o fot.fixed_distance=1024 \
+        --lengths 16K --depths 0.1,0.3 --out results/fot/ppl-safe/passkey-sinks-fixed1024-16k-far --resume --json > /dev/null
 }
 [ $# -eq 0 ] && set -- local8k gate sinks passkey
 for s in "$@"; do "$s"; done
