@@ -42,6 +42,9 @@ asked:
                   reusable_prefix                         whether prompts sharing a start share its memory
                   reach                                   whether it reads a span of a prompt, and how
                                                           (``lcx demo``'s why column)
+                  request_options                         what its request ran with (``lcx generate --json``)
+    listing       resolved                                its model-dependent options on a model
+                                                          (``lcx methods -m``)
     documents     reads_memory, load_memory,              ``lcx generate|serve --memory``: a document memory
                   check_memory                            it reads, checked before it is trusted
     training      lora_roles, lora_gated, data_order,     what ``lcx train`` adapts, how its data is ordered,
