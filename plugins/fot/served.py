@@ -67,10 +67,12 @@ class _Rings:
     same in every layer); its token at position p sits in row p mod W, W being the most a window ever holds
     (max(local, chunk)).  A window's tokens are consecutive positions, so they never share a row and nothing
     moves as the window slides; the rows are out of order, which attention does not see (its mask comes from
-    the positions).  A decode step reads every request's window in one batched op over a range of slots."""
+    the positions).  A decode step reads every request's window in one batched op over a range of slots.
+    ``front`` rows before the ring hold a request's attention sinks (``put_front``), so that reading them
+    beside the window copies nothing."""
 
-    def __init__(self, width: int) -> None:
-        self.width = width
+    def __init__(self, width: int, front: int = 0) -> None:
+        self.width, self.front = width, front
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.pos: torch.Tensor | None = None
@@ -84,8 +86,9 @@ class _Rings:
         have = self.slots()
         if slot >= have:
             n = max(slot + 1, have + max(1, have // 4))
-            grown = [k.new_zeros(n, k.shape[0], self.width, k.shape[-1]), v.new_zeros(n, v.shape[0], self.width, v.shape[-1]),
-                     torch.full((n, self.width), -1, dtype=torch.long, device=k.device)]
+            cols = self.front + self.width
+            grown = [k.new_zeros(n, k.shape[0], cols, k.shape[-1]), v.new_zeros(n, v.shape[0], cols, v.shape[-1]),
+                     torch.full((n, cols), -1, dtype=torch.long, device=k.device)]
             if have:
                 for new, old in zip(grown, (self.k, self.v, self.pos)):
                     new[:have] = old
@@ -94,10 +97,10 @@ class _Rings:
 
     def _spans(self, start: int, n: int) -> list[tuple[int, int, int]]:
         """Positions [start, start + n) as (first row, row end, offset in the n) pieces: at most two."""
-        r = start % self.width
+        r, f = start % self.width, self.front
         if r + n <= self.width:
-            return [(r, r + n, 0)]
-        return [(r, self.width, 0), (0, r + n - self.width, self.width - r)]
+            return [(f + r, f + r + n, 0)]
+        return [(f + r, f + self.width, 0), (f, f + r + n - self.width, self.width - r)]
 
     def write(self, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         for a, b, o in self._spans(start, k.shape[1]):
@@ -114,6 +117,17 @@ class _Rings:
         for a, b, _ in spans:
             self.pos[slot, a:b] = -1
         return keys, values
+
+    def put_front(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The slot's sinks (Hkv, ns, D), at positions 0..ns-1, into its front rows."""
+        ns = k.shape[1]
+        self.k[slot, :, :ns], self.v[slot, :, :ns] = k, v
+        self.pos[slot, :ns] = torch.arange(ns, device=self.pos.device)
+
+    def rows(self, used: int) -> int:
+        """How many rows hold anything once positions 0..used-1 were written: the front and, until the ring
+        wraps, only its first ``used`` rows (a prompt's first windows: up to half of its local attention's work)."""
+        return self.front + min(used, self.width)
 
 
 class FoTServed(ServedAttention):
@@ -189,7 +203,7 @@ class FoTServed(ServedAttention):
         d = st.data
         if not d:
             layer = int(module.layer_idx)
-            rings = self.rings.setdefault(layer, _Rings(max(self.m.local, self.chunk)))
+            rings = self.rings.setdefault(layer, _Rings(max(self.m.local, self.chunk), self.m.sinks))
             rings.ensure(st.info["slot"], like, like)
             d.update(rings=rings, slot=st.info["slot"], count=0, local_start=0, memory=None, sink_k=like[:, :0],
                      sink_v=like[:, :0])
@@ -221,6 +235,8 @@ class FoTServed(ServedAttention):
                 add_to_memory(d["memory"], 0, keys[:, keep:], values[:, keep:], pos, self.inv_freq(module), 0)
             d["count"] -= overflow
             d["local_start"] += overflow
+            if d["sink_k"].shape[1]:  # the sinks follow the window: re-rotated into the ring's front rows
+                d["rings"].put_front(d["slot"], *self._sinks(d, module))
 
     def _sinks(self, d: dict, module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """The request's sink keys re-rotated to sit right before its local window (as ``FoTLayer`` returns
@@ -243,15 +259,9 @@ class FoTServed(ServedAttention):
         d["count"] += n
         if not q.shape[1]:  # ``replay``: the state only
             return q.new_zeros(q.shape[0], 0, v.shape[-1])
-        # a window that has not wrapped yet holds positions 0..pos+n-1 in rows 0..pos+n-1 and nothing after them:
-        # read only those rows (a prompt's first windows: up to half of its local attention's work)
-        used = pos + n if pos + n <= rings.width else rings.width
+        # sinks are held at their own positions: causal and in a sliding layer's band as on lcx's path
+        used = rings.rows(pos + n)
         keys, values, held = rings.k[slot, :, :used], rings.v[slot, :, :used], rings.pos[slot, :used]
-        ns = d["sink_k"].shape[1]
-        if ns:  # held at their own positions: causal and in a sliding layer's band as on lcx's path
-            sink_k, sink_v = self._sinks(d, module)
-            keys, values = torch.cat([sink_k, keys], 1), torch.cat([sink_v, values], 1)
-            held = torch.cat([torch.arange(ns, device=held.device), held])
         q_index = torch.arange(pos, pos + n, device=q.device)
         allowed = (held >= 0) & (held[None, :] <= q_index[:, None])  # (n, W): the window, causally
         near = self.in_band(module, held[None, :], q_index[:, None])
@@ -281,7 +291,7 @@ class FoTServed(ServedAttention):
         slots = torch.tensor([d["slot"] for d in states], device=dev)
         rows = torch.tensor([at for _, at, _ in batch], device=dev)
         pos = torch.tensor([p for _, _, p in batch], device=dev)
-        col = pos % rings.width
+        col = rings.front + pos % rings.width
         rings.k[slots, :, col] = key[:, rows].transpose(0, 1)
         rings.v[slots, :, col] = value[:, rows].transpose(0, 1)
         rings.pos[slots, col] = pos
@@ -292,20 +302,8 @@ class FoTServed(ServedAttention):
             sel, keys, values, held = slots - lo, rings.k[lo:hi], rings.v[lo:hi], rings.pos[lo:hi]
         else:
             sel, keys, values, held = torch.arange(len(batch), device=dev), rings.k[slots], rings.v[slots], rings.pos[slots]
-        used = max(p for _, _, p in batch) + 1
-        if used < rings.width:  # no window has wrapped: rows from `used` on are empty (as in `read`)
-            keys, values, held = keys[:, :, :used], values[:, :, :used], held[:, :used]
-        S = max(d["sink_k"].shape[1] for d in states)
-        if S:  # each request's sinks before its window (empty rows held at -1: hidden)
-            R = keys.shape[0]
-            sk, sv = keys.new_zeros(R, keys.shape[1], S, keys.shape[-1]), values.new_zeros(R, values.shape[1], S, values.shape[-1])
-            sh = held.new_full((R, S), -1)
-            for i, d in zip(sel.tolist(), states):
-                ns = d["sink_k"].shape[1]
-                if ns:
-                    sk[i, :, :ns], sv[i, :, :ns] = self._sinks(d, module)
-                    sh[i, :ns] = torch.arange(ns, device=dev)
-            keys, values, held = torch.cat([sk, keys], 2), torch.cat([sv, values], 2), torch.cat([sh, held], 1)
+        used = rings.rows(max(p for _, _, p in batch) + 1)  # sinks included; empty rows are held at -1: hidden
+        keys, values, held = keys[:, :, :used], values[:, :, :used], held[:, :used]
         R, (H, _, D), Hkv = keys.shape[0], query.shape, keys.shape[1]
         G = H // Hkv
         q = query.new_zeros(R, H, D)
