@@ -7,10 +7,11 @@ Each request is prefilled with a ``--prompt``-token prompt in ``--chunk``-token 
 cost does not depend on the values), then ``--steps`` decode steps of one token per request are timed.
 The random inputs' own cost is measured apart and subtracted.
 
-    .venv/bin/python bench/served_attention.py [--method fot,streaming] [--requests 8] [--prompt 2048]
+    .venv/bin/python bench/served_attention.py [--method fot,fot-sinks,streaming] [--requests 8] [--prompt 2048]
         [--threads 1] [--out bench/results/served_attention.json]
 
-fot runs in its passkey configuration (local 1024, chunk 256, 12 memory layers: results/README.md);
+fot runs in its passkey configuration (local 1024, chunk 256, 12 memory layers: results/README.md), fot-sinks
+the same with 4 sinks;
 streaming with 4 sinks and the recent window SmolLM2's 8K window leaves (7,676 tokens).
 """
 
@@ -34,8 +35,8 @@ def served(method: str):
     from lcx.plugins.streaming.served import StreamingServed
     from lcx.registry import registry
 
-    if method == "fot":
-        return FoTServed(registry().get("fot").from_options(**FOT)), FOT["chunk"]
+    if method in ("fot", "fot-sinks"):  # fot-sinks: the same with the prompt's first 4 tokens kept as sinks
+        return FoTServed(registry().get("fot").from_options(**FOT, sinks=4 * (method == "fot-sinks"))), FOT["chunk"]
     m = registry().get("streaming").from_options(sinks=4)
     return StreamingServed(m.sinks, m.recent_for(WINDOW), m.chunk), m.chunk
 
@@ -80,7 +81,7 @@ def run(method: str, requests: int, prompt: int, steps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--method", default="fot,streaming", help="comma-separated: fot, streaming")
+    ap.add_argument("--method", default="fot,streaming", help="comma-separated: fot, fot-sinks, streaming")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=2048, help="prompt tokens per request")
     ap.add_argument("--steps", type=int, default=20, help="decode steps timed")
