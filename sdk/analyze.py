@@ -222,10 +222,12 @@ def retrieval_layers(model: Any, tokenizer: Any, length: int, depths: list[float
     mass = (probe.mass / max(probe.count, 1)).float()
     best = mass.max(dim=1).values
     layers = [i for i, v in enumerate(best.tolist()) if v >= threshold]
+    heads = [f"{i}:{h}" for i, row in enumerate(mass.tolist()) for h, v in enumerate(row) if v >= threshold]
     return {"length": length, "depths": depths, "keys": keys, "threshold": threshold,
             "mass_by_layer_head": [[round(v, 4) for v in row] for row in mass.tolist()],
             "best_head_mass_by_layer": [round(v, 4) for v in best.tolist()],
-            "suggested_memory_layers": ",".join(map(str, layers))}
+            "suggested_memory_layers": ",".join(map(str, layers)),
+            "suggested_memory_heads": ",".join(heads)}
 
 
 def plot_retrieval(result: dict[str, Any], path: Path, title: str) -> Path:

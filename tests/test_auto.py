@@ -28,7 +28,7 @@ def probes(monkeypatch):
 
     def fake(model, tokenizer, length, depths, keys, threshold=0.15, progress=True):
         calls.append(length)
-        return {"suggested_memory_layers": "1"}
+        return {"suggested_memory_layers": "1", "suggested_memory_heads": "0:1,1:0"}
 
     monkeypatch.setattr(lcx.analyze, "retrieval_layers", fake)
     return calls
@@ -51,6 +51,21 @@ def test_auto_layers_are_measured_once_and_then_read_from_beside_the_model(folde
     assert fot_layers(folder) == ("1", [1])
     assert probes == [512]  # not measured again
     assert "(cached in" in capsys.readouterr().err
+
+
+def test_auto_heads_come_from_the_same_analysis_and_keep_to_the_memory_layers(folder, probes, capsys):
+    model, _ = load_model(str(folder))
+    with lcx.attach(model, ["fot"], fot={"memory_heads": "auto"}) as run:
+        fot = run.method("fot")
+        assert (fot.memory_layers, fot.memory_heads) == ("1", "0:1,1:0")
+        assert fot.head_mask(model.config, 1, "cpu").tolist() == [True, False]  # 0:1 is outside memory layer 1
+    assert probes == [512]  # one analysis for both options
+    entries = json.loads((folder / auto.AUTO_FILE).read_text())["entries"]
+    assert entries["fot.memory_heads"]["value"] == "0:1,1:0"
+    assert "fot: memory heads 0:1,1:0 chosen by retrieval analysis" in capsys.readouterr().err
+    with lcx.attach(model, ["fot"], fot={"memory_heads": "auto", "memory_layers": "all"}) as run:
+        assert run.method("fot").head_mask(model.config, 0, "cpu").tolist() == [False, True]
+    assert probes == [512]  # cached
 
 
 def test_an_explicit_option_wins_and_nothing_is_measured(folder, probes):

@@ -137,6 +137,49 @@ def test_gate_on_a_model_changes_what_memory_adds_and_is_checked():
         lcx.attach(model, ["fot"], gate="some")
 
 
+def test_memory_heads_left_out_attend_to_their_local_keys_only():
+    """memory_heads: a query head left out reads its local keys alone (what it computes with an empty memory),
+    the heads kept read memory as with every head (the mask is per query head, inside a KV head's group)."""
+    from lcx.plugins.fot.attention import memory_attention
+    from lcx.plugins.fot.memory import StoreConfig, make_store
+
+    g = torch.Generator().manual_seed(3)
+    B, H, Hkv, T, S, D, M = 1, 4, 2, 5, 6, 8, 9
+    q, k, v = torch.randn(B, H, T, D, generator=g), torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    memory = {}
+    for h in range(Hkv):
+        memory[(0, h)] = store = make_store(StoreConfig(kind="torch"))
+        store.add(torch.randn(M, D, generator=g), torch.randn(M, D, generator=g), torch.arange(M), 0)
+    empty = {(0, h): make_store(StoreConfig(kind="torch")) for h in range(Hkv)}
+    mask, shift = torch.zeros(1, 1, T, S), torch.zeros(B, T, dtype=torch.float64)
+
+    def attend(mem, heads=None):  # no rotation, scale 1/sqrt(D), top-4, blocks of 2 queries
+        return memory_attention(q, k, v, mask, mem, shift, None, D ** -0.5, 4, False, 2, None, heads)
+
+    every, local = attend(memory), attend(empty)
+    heads = torch.tensor([True, False, False, True])  # one head of each KV head's group
+    got = attend(memory, heads)
+    assert not torch.allclose(every, local)
+    torch.testing.assert_close(got[:, :, heads], every[:, :, heads])
+    torch.testing.assert_close(got[:, :, ~heads], local[:, :, ~heads])
+
+
+def test_memory_heads_on_a_model_and_its_checks():
+    model, ids = tiny_model("llama"), _ids()  # 2 layers, 2 query heads
+    base = _logits(model, ids, local=32, memory_layers="all")[0]
+    torch.testing.assert_close(_logits(model, ids, local=32, memory_layers="all", memory_heads="0:0,0:1,1:0,1:1")[0], base)
+    some = _logits(model, ids, local=32, memory_layers="all", memory_heads="1:1")[0]
+    shut = _logits(model, ids, local=32, memory_layers="all", gate=1e9)[0]  # no head reads memory
+    assert not torch.allclose(some, base) and not torch.allclose(some, shut)
+    for spec, match in [("7", "LAYER:HEAD pairs like 7:6,14:1; got '7'"), ("1:x", "got '1:x'")]:
+        with pytest.raises(lcx.LcxError, match=match):
+            lcx.attach(model, ["fot"], memory_heads=spec)
+    with pytest.raises(lcx.LcxError, match=r"head 1:2 out of range: the model has 2 query heads per layer \(0..1\)"):
+        lcx.attach(model, ["fot"], memory_layers="all", memory_heads="1:2").__enter__()
+    with pytest.raises(lcx.LcxError, match="1:0 names layer 1, which reads no memory \\(memory layers: 0\\)"):
+        lcx.attach(model, ["fot"], memory_layers="0", memory_heads="0:1,1:0").__enter__()
+
+
 def test_positions_modes_differ_and_are_deterministic():
     model = tiny_model("llama")
     outs = {p: _logits(model, _ids(), local=32, positions=p)[0] for p in ("first", "fixed", "none")}

@@ -194,7 +194,8 @@ def test_without_prompt_lengths_one_token_prompt_pieces_are_the_only_difference(
     dict(FOT, chunk=8, sinks=3),  # the prompt's first tokens kept beside the window, re-rotated
     dict(FOT, sinks=5, memory_layers="1"),  # sinks in layers without memory too
     dict(FOT, local=0, chunk=16, sinks=2),  # local = the model's window (128): its prompts of 150 reach memory
-], ids=["first", "fixed-chunk8", "none-dense", "capped", "gated", "sinks-chunk8", "sinks", "window"])
+    dict(FOT, chunk=8, memory_heads="0:1,1:0"),  # one query head per layer reads memory
+], ids=["first", "fixed-chunk8", "none-dense", "capped", "gated", "sinks-chunk8", "sinks", "window", "heads"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_served_fot_equals_lcx_fot_over_any_prefill_split_and_interleaving(opts, seed):
     from lcx.registry import registry

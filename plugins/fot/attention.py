@@ -33,9 +33,11 @@ def memory_attention(
     dense: bool,
     block: int,
     gate: float | None = None,
+    heads: torch.Tensor | None = None,  # (H,) bool: the query heads that read memory (None: every head)
 ) -> torch.Tensor:
     """(B, T, H, Dv): each query head's softmax over its local keys (under ``mask``) joined with its KV head's
-    top-``k`` memory keys (``dense``: every memory key; ``gate``: see ``joint_softmax``).  All KV heads of a row are computed together (the G
+    top-``k`` memory keys (``dense``: every memory key; ``gate``: see ``joint_softmax``; a head left out of
+    ``heads`` attends to its local keys only).  All KV heads of a row are computed together (the G
     query heads of KV head h are rows g * c + i of a (Hkv, G * c, D) block); the search runs per store, or once
     per row where ``memory[row]`` holds all the row's KV heads (a store with ``search_heads``, as lcx's served
     fot keeps: ``lcx.integrations.vllm.attention.HeadsStore``)."""
@@ -60,6 +62,8 @@ def memory_attention(
             else:
                 qm = q_rel[b, :, s:e].float().reshape(Hkv, G * c, D)
                 mem, mv = row_search(memory, b, qm, k, dense)  # (Hkv, G*c, W), values (Hkv, [G*c,] W, Dv)
+                if heads is not None:
+                    mem = mem.masked_fill(~heads.view(Hkv, G).repeat_interleave(c, 1)[..., None], float("-inf"))
                 o = joint_softmax(local, vl, mem * scaling, mv, dense, gate)
             out[b, s:e] = o.view(H, c, -1).transpose(0, 1).to(out.dtype)
     return out

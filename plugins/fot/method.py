@@ -60,6 +60,11 @@ class FoT(Method):
                                         "layers; else the layers `lcx analyze retrieval` finds retrieving, measured "
                                         "once and cached beside the model; 3 at 1/4, 1/2, 3/4 depth where it finds "
                                         "none or the model has no folder), all, or indices like 7,15,22")
+    memory_heads: str = option("all", "query heads of the memory layers that read memory (the others attend to their "
+                                      "local keys only): all; auto (the heads `lcx analyze retrieval` finds putting "
+                                      "at least its threshold of their attention on a needle, measured once and "
+                                      "cached beside the model; all where the model has no folder); or LAYER:HEAD "
+                                      "pairs like 7:6,14:1")
     k: int = option(32, "memory keys retrieved per query and head")
     local: int = option(2048, "local context: keys each layer keeps in its cache (a sliding window); 0 = the model's window (memory then holds only what truncation to the window would drop)")
     chunk: int = option(0, "tokens ingested per forward pass; 0 = local (FoT); smaller keeps every query's local context >= local - chunk")
@@ -118,7 +123,11 @@ class FoT(Method):
         self.store_config().validate()
         crossbatch.parse_d_schedule(self.d_schedule)  # validates every field of the schedule
         self.crossbatch_layout(self.d)  # validates d, w and segments (against the largest d the schedule reaches)
+        self.memory_heads = str(self.memory_heads).strip()
+        parse_heads(self.memory_heads)  # validates LAYER:HEAD pairs (against the model at attach)
         self._auto_for: Path | None = None  # the model folder memory_layers=auto was measured on
+        self._heads_auto_for: Path | None = None  # and memory_heads=auto
+        self._head_masks: dict[int, torch.Tensor] = {}  # layer -> head_mask (cleared when the model changes)
         self._stores: dict[int, dict[tuple[int, int], MemoryStore]] | None = None  # multi-document memory
         self._shared: dict[int, dict[tuple[int, int], MemoryStore]] | None = None  # while a document is added
 
@@ -140,43 +149,54 @@ class FoT(Method):
 
     def resolve_auto(self, folder: Path, load) -> None:
         """memory_layers=auto on a model whose layers all attend fully: the layers that retrieve, by
-        ``lcx analyze retrieval`` on its own passkey probes (seed 12345; no evaluation uses those keys)."""
-        if self._auto_for is None and str(self.memory_layers).strip() != "auto":
-            return  # the user's choice
-        if self._auto_for == folder:
-            return
-        self.memory_layers, self._auto_for = "auto", None
+        ``lcx analyze retrieval`` on its own passkey probes (seed 12345; no evaluation uses those keys);
+        memory_heads=auto: the heads that retrieve, by the same analysis."""
+        layers_auto = self._auto_for != folder and (self._auto_for is not None or str(self.memory_layers).strip() == "auto")
+        heads_auto = self._heads_auto_for != folder and (self._heads_auto_for is not None or self.memory_heads == "auto")
+        if not (layers_auto or heads_auto):
+            return  # the user's choices, or measured on this model already
         config = json.loads((folder / "config.json").read_text())
         config = config.get("text_config", config)
-        types = config.get("layer_types") or []
-        if any(t != "full_attention" for t in types):
-            return  # the rule: its full-attention layers (layers_of)
         window = int(config.get("max_position_embeddings") or 0) or RETRIEVAL_PROBE["length"]
         inputs = {**RETRIEVAL_PROBE, "length": min(RETRIEVAL_PROBE["length"], window)}
+        analysis: dict = {}
 
-        def measure() -> str:
-            import random
+        def analyze(key: str) -> str:
+            if not analysis:  # once for both options
+                import random
 
-            from lcx.analyze import retrieval_layers
+                from lcx.analyze import retrieval_layers
 
-            model, tokenizer = load()
-            rng = random.Random(inputs["seed"])
-            keys = [rng.randint(10000, 99999) for _ in range(inputs["keys"])]
-            return retrieval_layers(model, tokenizer, inputs["length"], inputs["depths"], keys,
-                                    inputs["threshold"], progress=True)["suggested_memory_layers"]
+                model, tokenizer = load()
+                rng = random.Random(inputs["seed"])
+                keys = [rng.randint(10000, 99999) for _ in range(inputs["keys"])]
+                analysis.update(retrieval_layers(model, tokenizer, inputs["length"], inputs["depths"], keys,
+                                                 inputs["threshold"], progress=True))
+            return analysis[key]
 
-        def describe(found: str) -> str:
-            if found:
-                return f"fot: memory layers {found} chosen by retrieval analysis"
-            return "fot: retrieval analysis found no retrieving layer; memory layers at 1/4, 1/2, 3/4 depth"
-
-        found = auto.measured(folder, "fot.memory_layers", inputs, measure, describe)
-        if found:
-            self.memory_layers, self._auto_for = found, folder
+        if layers_auto:
+            self.memory_layers, self._auto_for = "auto", None
+            if not any(t != "full_attention" for t in config.get("layer_types") or []):  # else the rule (layers_of)
+                found = auto.measured(folder, "fot.memory_layers", inputs, lambda: analyze("suggested_memory_layers"),
+                                      lambda found: f"fot: memory layers {found} chosen by retrieval analysis" if found
+                                      else "fot: retrieval analysis found no retrieving layer; memory layers at 1/4, "
+                                           "1/2, 3/4 depth")
+                if found:
+                    self.memory_layers, self._auto_for = found, folder
+        if heads_auto:
+            self._head_masks.clear()
+            found = auto.measured(folder, "fot.memory_heads", inputs, lambda: analyze("suggested_memory_heads"),
+                                  lambda found: f"fot: memory heads {found} chosen by retrieval analysis" if found
+                                  else "fot: retrieval analysis found no retrieving head; every head reads memory")
+            self.memory_heads, self._heads_auto_for = (found, folder) if found else ("auto", None)
 
     def resolved(self, config: dict) -> dict:
         text = config.get("text_config", config)
-        out = {"memory_layers": ",".join(map(str, self.layers_of(int(text["num_hidden_layers"]), text.get("layer_types"))))}
+        layers = self.layers_of(int(text["num_hidden_layers"]), text.get("layer_types"))
+        out = {"memory_layers": ",".join(map(str, layers))}
+        if self.memory_heads != "all":
+            heads = self.heads_of(layers, int(text["num_attention_heads"]))
+            out["memory_heads"] = "all" if heads is None else ",".join(f"{i}:{h}" for i in layers for h in heads[i])
         return {**out, "local": families.json_window(config)} if self._local_is_window else out
 
     def reach(self, run, tokens: int, new: int, span: tuple[int, int]) -> tuple[bool, str]:
@@ -205,6 +225,38 @@ class FoT(Method):
             raise LcxError(f"memory layer {bad[0] if bad else spec!r} out of range: the model has {n} layers (0..{n - 1})")
         return idx
 
+    def heads_of(self, layers: list[int], n_heads: int) -> dict[int, list[int]] | None:
+        """The query heads of each memory layer in ``layers`` that read memory; None: every head.  Measured
+        heads (auto) outside the memory layers are left out; given ones are an error."""
+        pairs = parse_heads(self.memory_heads)
+        if pairs is None:
+            return None
+        out: dict[int, list[int]] = {i: [] for i in layers}
+        for i, h in pairs:
+            if not 0 <= h < n_heads:
+                raise LcxError(f"memory_heads: head {i}:{h} out of range: the model has {n_heads} query heads per "
+                               f"layer (0..{n_heads - 1})")
+            if i in out:
+                out[i].append(h)
+            elif self._heads_auto_for is None:
+                raise LcxError(f"memory_heads: {i}:{h} names layer {i}, which reads no memory (memory layers: "
+                               f"{','.join(map(str, layers))}); add it to memory_layers or drop the pair")
+        return out
+
+    def head_mask(self, config, layer: int, device) -> torch.Tensor | None:
+        """(H,) bool: the query heads of memory layer ``layer`` that read memory, for a model of ``config``
+        (its transformers config); None: all of them."""
+        if self.memory_heads in ("all", "auto"):
+            return None
+        if layer not in self._head_masks:
+            cfg = getattr(config, "text_config", None) or config
+            n = int(cfg.num_attention_heads)
+            heads = self.heads_of(self.layers_of(int(cfg.num_hidden_layers), getattr(cfg, "layer_types", None)), n)
+            for i, hs in heads.items():
+                self._head_masks[i] = torch.zeros(n, dtype=torch.bool)
+                self._head_masks[i][hs] = True
+        return self._head_masks[layer].to(device)
+
     def store_config(self) -> StoreConfig:
         return StoreConfig(kind=self.backend, max_entries=self.max_entries, nlist=self.nlist, nprobe=self.nprobe,
                            ivf_train=self.ivf_train, shards=self.shards, shard_kind=self.shard_backend,
@@ -231,7 +283,8 @@ class FoT(Method):
     @hookimpl
     def lcx_patch_model(self, run, model):
         self.fit_window(run.window)
-        self.layer_indices(run)  # validate at attach time, not mid-generation
+        self._head_masks.clear()
+        self.head_mask(run.model.config, self.layer_indices(run)[0], "cpu")  # validate at attach, not mid-generation
 
     @hookimpl
     def lcx_plan(self, run, input_ids, attention_mask, max_new_tokens):
@@ -281,6 +334,9 @@ class FoT(Method):
                            f"got {T}; set --seq-len {want} or change -o w / -o local")
         if not bool(batch["attention_mask"].all()):
             raise LcxError("fot crossbatch training takes full windows (no padding); train with --concat")
+        if self.memory_heads != "all":
+            raise LcxError(f"fot memory_heads={self.memory_heads} is an inference option: crossbatch training trains "
+                           f"every head of the memory layers; drop -o fot.memory_heads to train")
         sliding = getattr(run.model.config, "sliding_window", None)
         if sliding and sliding < self.local:  # crossbatch attends causally over whole contexts, no band
             raise LcxError(f"fot crossbatch training attends over whole {self.local}-token contexts, but this model's "
@@ -355,7 +411,7 @@ class FoT(Method):
         out = memory_attention(
             query, key, value, to_additive(mask, torch.float32), layer.memory, shift.to(torch.float64),
             layer.inv_freq, kwargs.get("scaling") or query.shape[-1] ** -0.5, self.k, self.dense, self.block,
-            self.gate_logit,
+            self.gate_logit, self.head_mask(run.model.config, module.layer_idx, query.device),
         )
         return out, None
 
@@ -499,3 +555,16 @@ class FoT(Method):
         return meta
 
     load = load_memory  # the name callers used before ``Method.load_memory``
+
+
+def parse_heads(spec: str) -> list[tuple[int, int]] | None:
+    """memory_heads as (layer, head) pairs; None for all (and for auto not yet measured: all)."""
+    if spec in ("all", "auto"):
+        return None
+    try:
+        pairs = [tuple(int(x) for x in p.split(":")) for p in spec.split(",") if p.strip()]
+    except ValueError:
+        pairs = []
+    if not pairs or any(len(p) != 2 for p in pairs):
+        raise ValueError(f"memory_heads must be all, auto or LAYER:HEAD pairs like 7:6,14:1; got {spec!r}")
+    return sorted(set(pairs))

@@ -273,7 +273,8 @@ class FoTServed(ServedAttention):
         mask = torch.zeros(allowed.shape, device=q.device).masked_fill_(~allowed, float("-inf"))[None, None]
         shift = self._shift(q_index[None], torch.tensor([[d["local_start"]]], device=q.device))
         out = memory_attention(q[None], keys[None], values[None], mask, memory, shift, self.inv_freq(module), scale,
-                               self.m.k, self.m.dense, self.m.block, self.m.gate_logit)
+                               self.m.k, self.m.dense, self.m.block, self.m.gate_logit,
+                               self.m.head_mask(module.config, int(module.layer_idx), q.device))
         return out[0].transpose(0, 1)
 
     def batches(self, st):
@@ -333,6 +334,9 @@ class FoTServed(ServedAttention):
                 if f is not None:
                     mem[i, ..., :f[0].shape[-1]] = f[0]
                     mv[i, ..., :f[0].shape[-1], :] = f[1]
+            heads = self.m.head_mask(module.config, int(module.layer_idx), dev)
+            if heads is not None:  # the other heads read their local keys only
+                mem.masked_fill_(~heads.view(Hkv, G)[None, ..., None], float("-inf"))
             kl, vl = keys.float(), values.float()
             local = torch.matmul(q.float(), kl.transpose(-1, -2)).mul_(scale)
             local.masked_fill_(~allowed[:, None, None, :], float("-inf"))
