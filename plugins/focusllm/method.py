@@ -62,9 +62,8 @@ class FocusLLM(CandidateTraining, Method):
     grads_through_cache = True  # its loss reaches the blocks through the candidates' cached keys and values
 
     chunk: int = option(2048, "memory chunk size in tokens (at most the model's window); each chunk makes one "
-                              "candidate, and a decoder reading too many loses keys: SmolLM2's passkey at 128K found "
-                              "16/25 with 2048 (63 candidates), 23/25 with 4096 (31; 22/25 on a held-out draw); at 64K "
-                              "23/25 with 2048 (31), 24/25 with 4096 (15) (results/README.md)")
+                              "candidate, and a decoder reading too many candidates loses keys: larger chunks for "
+                              "longer inputs (results/README.md, focusllm)")
     overlap: int = option(0, "tokens each chunk also reads from the end of the chunk before it (0 = the paper's "
                              "disjoint chunks): a fact that a chunk boundary cuts, such as a passkey sentence, is "
                              "then whole in one chunk; a chunk's forward reads up to chunk + overlap + fragment tokens")
