@@ -302,3 +302,10 @@ def test_crossbatch_contexts_longer_than_a_sliding_window_are_refused():
             _forward(run, _ids(1, 128))
     with lcx.attach(model, ["fot"], local=64, w=1, d=1, memory_layers="1") as run:
         assert _forward(run, _ids(1, 128)).loss.isfinite()
+
+
+def test_crossbatch_training_refuses_memory_heads():
+    """memory_heads is read at inference only: training would train every head of the memory layers."""
+    with lcx.attach(tiny_model("llama").train(), ["fot"], local=L, w=1, d=1, memory_heads="0:1") as run:
+        with pytest.raises(lcx.LcxError, match="memory_heads=0:1 is an inference option"):
+            _forward(run, _ids(1, 2 * L))
