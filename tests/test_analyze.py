@@ -62,6 +62,12 @@ def test_retrieval_mass_equals_output_attentions(family):
     want = torch.stack([a[0, :, -len(answer):, targets].sum(-1).mean(-1) for a in atts])  # (layers, heads)
     assert torch.allclose(torch.tensor(got["mass_by_layer_head"]), want, atol=1e-4)
     assert got["suggested_memory_layers"] == ",".join(str(i) for i in range(len(atts)))  # threshold 0: all
+    assert got["suggested_memory_heads"] == ",".join(f"{i}:{h}" for i in range(len(atts)) for h in range(want.shape[1]))
+    top = want.flatten().sort().values
+    cut = float(top[-2] + top[-1]) / 2  # only the head at the top is over it
+    above = retrieval_layers(model, tok, length=300, depths=[0.3], keys=[48213], threshold=cut, progress=False)
+    i, h = divmod(int(want.argmax()), want.shape[1])
+    assert (above["suggested_memory_heads"], above["suggested_memory_layers"]) == (f"{i}:{h}", str(i))
 
 
 def test_a_family_lcx_cannot_reach_is_refused_not_measured_as_zeros():

@@ -61,7 +61,7 @@ def analyze_attention(model, data, text_field, length, max_docs, chunk, out, as_
 @click.option("--depths", callback=_float_list, default="0.2,0.5,0.8", show_default=True, help="Needle depths.")
 @click.option("--keys", "n_keys", type=click.IntRange(1), default=1, show_default=True, help="Random keys per depth.")
 @click.option("--threshold", type=click.FloatRange(0, 1), default=0.15, show_default=True,
-              help="A layer is suggested when its best head puts at least this share of attention on the needle.")
+              help="A head (and its layer) is suggested when it puts at least this share of attention on the needle.")
 @click.option("--seed", type=int, default=12345, show_default=True, help="Keys differ from the eval's (seed 0).")
 @click.option("--out", type=OUT_DIR, default=Path("out/retrieval"), show_default=True,
               help="Folder for retrieval.json and retrieval.png.")
@@ -71,7 +71,8 @@ def analyze_retrieval(model, length, depths, n_keys, threshold, seed, out, as_js
     """Which layers copy from far context: attention mass on a passkey while the model repeats it.
 
     The suggested layers are the memory layers a training-free memory method needs, e.g.
-    lcx eval passkey --method fot -o memory_layers=<suggested> ...  Writes OUT/retrieval.{json,png}.
+    lcx eval passkey --method fot -o memory_layers=<suggested> ...  (and the heads over the threshold, for
+    -o fot.memory_heads=...; memory_heads=auto measures them the same way).  Writes OUT/retrieval.{json,png}.
     """
     import random
 
@@ -87,7 +88,9 @@ def analyze_retrieval(model, length, depths, n_keys, threshold, seed, out, as_js
     png = analyze.plot_retrieval(result, out / "retrieval.png", f"{model}: retrieval by layer and head")
     if as_json:
         _echo_json({"json": str(js), "plot": str(png), "suggested_memory_layers": result["suggested_memory_layers"],
+                    "suggested_memory_heads": result["suggested_memory_heads"],
                     "best_head_mass_by_layer": result["best_head_mass_by_layer"]})
     else:
         click.echo(f"suggested memory layers: {result['suggested_memory_layers'] or '(none over the threshold)'}")
+        click.echo(f"suggested memory heads:  {result['suggested_memory_heads'] or '(none over the threshold)'}")
         click.echo(f"wrote {js} and {png}")
