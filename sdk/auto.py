@@ -24,7 +24,8 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin")
 _said: set[tuple[str, str]] = set()  # (file, key) reported in this process: a value is announced once
 
 
-def _note(message: str) -> None:
+def note(message: str) -> None:
+    """A one-line note to the user, on stderr (stdout stays for results and JSON)."""
     print(message, file=sys.stderr)
 
 
@@ -107,7 +108,7 @@ def _write(path: Path, ident: dict[str, Any], entries: dict[str, Any]) -> None:
 
 
 def measured(folder: Path, key: str, inputs: dict[str, Any], measure: Callable[[], Any], describe: Callable[[Any], str],
-             log: Callable[[str], None] = _note) -> Any:
+             log: Callable[[str], None] = note) -> Any:
     """The value of ``key`` (e.g. ``"fot.memory_layers"``) for the model in ``folder``: cached when an entry with
     the same ``inputs`` exists, else ``measure()``'d and cached.  ``describe(value)`` words the one line said
     the first time a process uses it ("fot: memory layers 6,7,8 chosen by retrieval analysis")."""

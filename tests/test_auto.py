@@ -57,15 +57,40 @@ def test_auto_heads_come_from_the_same_analysis_and_keep_to_the_memory_layers(fo
     model, _ = load_model(str(folder))
     with lcx.attach(model, ["fot"], fot={"memory_heads": "auto"}) as run:
         fot = run.method("fot")
-        assert (fot.memory_layers, fot.memory_heads) == ("1", "0:1,1:0")
-        assert fot.head_mask(model.config, 1, "cpu").tolist() == [True, False]  # 0:1 is outside memory layer 1
+        assert (fot.memory_layers, fot.memory_heads) == ("1", "1:0")  # 0:1 is outside memory layer 1
+        assert fot.head_mask(model.config, 1, "cpu").tolist() == [True, False]
+        options = fot.to_options()
     assert probes == [512]  # one analysis for both options
     entries = json.loads((folder / auto.AUTO_FILE).read_text())["entries"]
-    assert entries["fot.memory_heads"]["value"] == "0:1,1:0"
+    assert entries["fot.memory_heads"]["value"] == "0:1,1:0"  # the analysis as measured; the layers filter it
     assert "fot: memory heads 0:1,1:0 chosen by retrieval analysis" in capsys.readouterr().err
+    with lcx.attach(model, ["fot"], fot=options) as run:  # what exports and result files record stands alone
+        assert run.method("fot").head_mask(model.config, 1, "cpu").tolist() == [True, False]
     with lcx.attach(model, ["fot"], fot={"memory_heads": "auto", "memory_layers": "all"}) as run:
         assert run.method("fot").head_mask(model.config, 0, "cpu").tolist() == [False, True]
     assert probes == [512]  # cached
+
+
+@pytest.mark.parametrize("layers, heads, note", [
+    ("0,1", "0:1,1:0", None),
+    ("0,1", "1:0", "memory layers 0 have no retrieving head: their memory is kept but not read"),
+    ("0", "1:0", "no retrieving head (1:0) is in a memory layer (0); every head reads memory"),
+])
+def test_auto_heads_outside_every_memory_layer_leave_every_head_reading(folder, monkeypatch, capsys, layers, heads,
+                                                                        note):
+    import lcx.analyze
+
+    monkeypatch.setattr(lcx.analyze, "retrieval_layers", lambda *a, **k: {"suggested_memory_layers": "1",
+                                                                          "suggested_memory_heads": heads})
+    model, _ = load_model(str(folder))
+    with lcx.attach(model, ["fot"], fot={"memory_heads": "auto", "memory_layers": layers}) as run:
+        mask = run.method("fot").head_mask(model.config, 0, "cpu")
+    err = capsys.readouterr().err
+    if layers == "0":
+        assert mask is None and note in err  # every head of layer 0
+    else:
+        assert mask.tolist() == [False, "0:1" in heads]
+        assert (note in err) if note else ("have no retrieving head" not in err)
 
 
 def test_an_explicit_option_wins_and_nothing_is_measured(folder, probes):

@@ -157,7 +157,7 @@ def test_memory_heads_left_out_attend_to_their_local_keys_only():
         return memory_attention(q, k, v, mask, mem, shift, None, D ** -0.5, 4, False, 2, None, heads)
 
     every, local = attend(memory), attend(empty)
-    heads = torch.tensor([True, False, False, True])  # one head of each KV head's group
+    heads = torch.tensor([True, False, True, False])  # the first head of each KV head's group (h * G + g)
     got = attend(memory, heads)
     assert not torch.allclose(every, local)
     torch.testing.assert_close(got[:, :, heads], every[:, :, heads])

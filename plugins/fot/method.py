@@ -127,7 +127,7 @@ class FoT(Method):
         parse_heads(self.memory_heads)  # validates LAYER:HEAD pairs (against the model at attach)
         self._auto_for: Path | None = None  # the model folder memory_layers=auto was measured on
         self._heads_auto_for: Path | None = None  # and memory_heads=auto
-        self._head_masks: dict[int, torch.Tensor] = {}  # layer -> head_mask (cleared when the model changes)
+        self._head_masks: dict[tuple[int, torch.device], torch.Tensor] = {}  # (layer, device) -> head_mask (cleared when the model changes)
         self._stores: dict[int, dict[tuple[int, int], MemoryStore]] | None = None  # multi-document memory
         self._shared: dict[int, dict[tuple[int, int], MemoryStore]] | None = None  # while a document is added
 
@@ -188,7 +188,20 @@ class FoT(Method):
             found = auto.measured(folder, "fot.memory_heads", inputs, lambda: analyze("suggested_memory_heads"),
                                   lambda found: f"fot: memory heads {found} chosen by retrieval analysis" if found
                                   else "fot: retrieval analysis found no retrieving head; every head reads memory")
-            self.memory_heads, self._heads_auto_for = (found, folder) if found else ("auto", None)
+            self.memory_heads, self._heads_auto_for = "auto", None
+            if found:  # kept to the memory layers, so the value stands alone (exports, result files, lcx.attach)
+                layers = self.layers_of(int(config["num_hidden_layers"]), config.get("layer_types"))
+                kept = [(i, h) for i, h in parse_heads(found) if i in layers]
+                if kept:
+                    self.memory_heads = ",".join(f"{i}:{h}" for i, h in kept)
+                    self._heads_auto_for = folder
+                    idle = [i for i in layers if all(i != j for j, _ in kept)]
+                    if idle:
+                        auto.note(f"fot: memory layers {','.join(map(str, idle))} have no retrieving head: their "
+                                  f"memory is kept but not read")
+                else:
+                    auto.note(f"fot: no retrieving head ({found}) is in a memory layer "
+                              f"({','.join(map(str, layers))}); every head reads memory")
 
     def resolved(self, config: dict) -> dict:
         text = config.get("text_config", config)
@@ -226,8 +239,8 @@ class FoT(Method):
         return idx
 
     def heads_of(self, layers: list[int], n_heads: int) -> dict[int, list[int]] | None:
-        """The query heads of each memory layer in ``layers`` that read memory; None: every head.  Measured
-        heads (auto) outside the memory layers are left out; given ones are an error."""
+        """The query heads of each memory layer in ``layers`` that read memory; None: every head.  A pair
+        outside the memory layers is an error (auto keeps to them when it resolves)."""
         pairs = parse_heads(self.memory_heads)
         if pairs is None:
             return None
@@ -238,7 +251,7 @@ class FoT(Method):
                                f"layer (0..{n_heads - 1})")
             if i in out:
                 out[i].append(h)
-            elif self._heads_auto_for is None:
+            else:
                 raise LcxError(f"memory_heads: {i}:{h} names layer {i}, which reads no memory (memory layers: "
                                f"{','.join(map(str, layers))}); add it to memory_layers or drop the pair")
         return out
@@ -248,14 +261,16 @@ class FoT(Method):
         (its transformers config); None: all of them."""
         if self.memory_heads in ("all", "auto"):
             return None
-        if layer not in self._head_masks:
+        device = torch.device(device)
+        if (layer, device) not in self._head_masks:  # built once per device: no host-to-device copy per step
             cfg = getattr(config, "text_config", None) or config
             n = int(cfg.num_attention_heads)
             heads = self.heads_of(self.layers_of(int(cfg.num_hidden_layers), getattr(cfg, "layer_types", None)), n)
             for i, hs in heads.items():
-                self._head_masks[i] = torch.zeros(n, dtype=torch.bool)
-                self._head_masks[i][hs] = True
-        return self._head_masks[layer].to(device)
+                mask = torch.zeros(n, dtype=torch.bool)
+                mask[hs] = True
+                self._head_masks[(i, device)] = mask.to(device)
+        return self._head_masks[(layer, device)]
 
     def store_config(self) -> StoreConfig:
         return StoreConfig(kind=self.backend, max_entries=self.max_entries, nlist=self.nlist, nprobe=self.nprobe,
