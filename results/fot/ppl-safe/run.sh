@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 52, build 2: fot configurations whose perplexity on ordinary text is not worse than truncation to the
 # window, measured side by side with truncation (vanilla), SmolLM2-135M, two books (as results/fot/run.sh ppl).
-#   bash results/fot/ppl-safe/run.sh [STEP...]     # steps: local8k gate sinks8k sinks sinks_fixed passkey passkey_far passkey_far_fixed
+#   bash results/fot/ppl-safe/run.sh [STEP...]     # steps: local8k gate sinks8k sinks sinks_fixed sinks_fixed_gate passkey passkey_far passkey_far_fixed passkey_far_fixed_gate heads_fixed passkey_far_heads fixed4096 passkey_far_fixed4096
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 LCX=.venv/bin/lcx
@@ -29,6 +29,21 @@ sinks_fixed() {  # the sinks candidate with memory keys at distance 1024 (positi
         -o fot.positions=fixed -o fot.fixed_distance=1024 \
         "${DOCS[@]}" --contexts 8K,16K,32K --room 32K --target 256 --out results/fot/ppl-safe/sinks-fixed1024 --json
 }
+sinks_fixed_gate() {  # sinks_fixed with gate 0: a memory key is read only where it beats every local key (16K)
+    $LCX eval compare ppl -m smollm2-135m --stack fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
+        -o fot.positions=fixed -o fot.fixed_distance=1024 -o fot.gate=0 \
+        "${DOCS[@]}" --contexts 16K --room 32K --target 256 --out results/fot/ppl-safe/sinks-fixed1024-gate0 --json
+}
+heads_fixed() {  # sinks_fixed with memory read only by the heads that retrieve (memory_heads=auto: 21 of the 12 layers' 108)
+    $LCX eval compare ppl -m smollm2-135m --stack fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
+        -o fot.positions=fixed -o fot.fixed_distance=1024 -o fot.memory_heads=auto \
+        "${DOCS[@]}" --contexts 16K --room 32K --target 256 --out results/fot/ppl-safe/heads-fixed1024 --json
+}
+fixed4096() {  # sinks_fixed with memory keys at distance 4096: between first (about 8K back) and 1024 (16K)
+    $LCX eval compare ppl -m smollm2-135m --stack fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
+        -o fot.positions=fixed -o fot.fixed_distance=4096 \
+        "${DOCS[@]}" --contexts 16K --room 32K --target 256 --out results/fot/ppl-safe/sinks-fixed4096 --json
+}
 passkey() {  # the sinks candidate's retrieval: filler passkey, 5 depths x 5 keys at 16K and 32K (journaled)
     for len in 16K 32K; do
         $LCX eval passkey -m smollm2-135m --method fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
@@ -43,6 +58,21 @@ passkey_far_fixed() {  # as passkey_far, memory keys at distance 1024 (positions
     $LCX eval passkey -m smollm2-135m --method fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
         -o fot.positions=fixed -o fot.fixed_distance=1024 \
         --lengths 16K --depths 0.1,0.3 --out results/fot/ppl-safe/passkey-sinks-fixed1024-16k-far --resume --json > /dev/null
+}
+passkey_far_fixed_gate() {  # passkey_far_fixed with gate 0 (depth 0.1 only)
+    $LCX eval passkey -m smollm2-135m --method fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
+        -o fot.positions=fixed -o fot.fixed_distance=1024 -o fot.gate=0 \
+        --lengths 16K --depths 0.1 --out results/fot/ppl-safe/passkey-sinks-fixed1024-gate0-16k-far --resume --json > /dev/null
+}
+passkey_far_heads() {  # passkey_far_fixed with memory_heads=auto (depth 0.1)
+    $LCX eval passkey -m smollm2-135m --method fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
+        -o fot.positions=fixed -o fot.fixed_distance=1024 -o fot.memory_heads=auto \
+        --lengths 16K --depths 0.1 --out results/fot/ppl-safe/passkey-heads-fixed1024-16k-far --resume --json > /dev/null
+}
+passkey_far_fixed4096() {  # passkey_far_fixed with memory keys at distance 4096 (depth 0.1)
+    $LCX eval passkey -m smollm2-135m --method fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
+        -o fot.positions=fixed -o fot.fixed_distance=4096 \
+        --lengths 16K --depths 0.1 --out results/fot/ppl-safe/passkey-sinks-fixed4096-16k-far --resume --json > /dev/null
 }
 [ $# -eq 0 ] && set -- local8k gate sinks passkey
 for s in "$@"; do "$s"; done
