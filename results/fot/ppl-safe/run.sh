@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 52, build 2: fot configurations whose perplexity on ordinary text is not worse than truncation to the
 # window, measured side by side with truncation (vanilla), SmolLM2-135M, two books (as results/fot/run.sh ppl).
-#   bash results/fot/ppl-safe/run.sh [STEP...]     # steps: local8k gate sinks8k sinks sinks_fixed sinks_fixed_gate passkey passkey_far passkey_far_fixed passkey_far_fixed_gate heads_fixed passkey_far_heads fixed4096 passkey_far_fixed4096 fixed4096_gate passkey_far_fixed4096_gate
+#   bash results/fot/ppl-safe/run.sh [STEP...]     # steps: local8k gate sinks8k sinks sinks_fixed sinks_fixed_gate passkey passkey_far passkey_far_fixed passkey_far_fixed_gate heads_fixed passkey_far_heads fixed4096 passkey_far_fixed4096 fixed4096_gate passkey_far_fixed4096_gate fixed4096_gate_m2
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 LCX=.venv/bin/lcx
@@ -48,6 +48,11 @@ fixed4096_gate() {  # fixed4096 with gate 0: a memory key is read only where it 
     $LCX eval compare ppl -m smollm2-135m --stack fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
         -o fot.positions=fixed -o fot.fixed_distance=4096 -o fot.gate=0 \
         "${DOCS[@]}" --contexts 16K --room 32K --target 256 --out results/fot/ppl-safe/sinks-fixed4096-gate0 --json
+}
+fixed4096_gate_m2() {  # fixed4096 with gate -2: memory keys within 2 (logits) of the best local key are read too (16K)
+    $LCX eval compare ppl -m smollm2-135m --stack fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
+        -o fot.positions=fixed -o fot.fixed_distance=4096 -o fot.gate=-2 \
+        "${DOCS[@]}" --contexts 16K --room 32K --target 256 --out results/fot/ppl-safe/sinks-fixed4096-gate-2 --json
 }
 passkey() {  # the sinks candidate's retrieval: filler passkey, 5 depths x 5 keys at 16K and 32K (journaled)
     for len in 16K 32K; do
