@@ -300,7 +300,7 @@ def test_attention_methods_serve_through_the_transformers_backend_with_prompt_le
     from lcx.integrations.vllm.attention import served_from_env
 
     monkeypatch.setenv(MODEL_ENV, env[MODEL_ENV])
-    served = served_from_env()  # what vLLM's worker builds: the served attention reads the 3 best candidates
+    served = served_from_env()()  # what vLLM's worker builds: the served attention reads the 3 best candidates
     assert served.name == "focusllm" and served.topk == 3
     cmd = vllm_command(focus, "127.0.0.1", 8000, "m", "float32", None)  # only lcx's attention can pick them
     assert cmd[cmd.index("--model-impl") + 1] == "transformers" and "--kv-transfer-config" not in cmd
@@ -311,7 +311,13 @@ def test_attention_methods_serve_through_the_transformers_backend_with_prompt_le
     assert served_from_env() is None  # without topk vLLM's own attention reads the candidates
 
 
-def test_a_served_document_memory_is_checked_before_the_server_starts(model_dir, tmp_path):
+def test_a_served_document_memory_is_checked_before_the_server_starts(model_dir, tmp_path, monkeypatch):
+    """...and loaded only where vLLM runs the model (its API server and engine core load lcx's plugin too)."""
+    import lcx.plugins.fot.memory as fot_memory
+    from lcx.integrations.vllm import vllm_env
+    from lcx.integrations.vllm.attention import served_from_env
+    from lcx.integrations.vllm.middleware import MODEL_ENV
+
     doc = tmp_path / "doc.txt"
     doc.write_text("the pass key is 4821. remember it. " * 10)
     r = CliRunner().invoke(main, ["memory", "build", "-m", str(model_dir), "-o", "local=16", "-o", "memory_layers=1",
@@ -320,6 +326,14 @@ def test_a_served_document_memory_is_checked_before_the_server_starts(model_dir,
     exp = export_for_vllm(str(model_dir), ["fot"], {"fot": {"local": 16, "memory_layers": "1"}}, out=tmp_path / "x",
                           memory=tmp_path / "mem")
     assert exp.memory == str((tmp_path / "mem").resolve()) and json.loads((tmp_path / "x" / "lcx-export.json").read_text())["memory"]
+    loads = []
+    load = fot_memory.load_memory
+    monkeypatch.setattr(fot_memory, "load_memory", lambda *a, **k: loads.append(a) or load(*a, **k))
+    monkeypatch.setenv(MODEL_ENV, vllm_env(exp, 1.0)[MODEL_ENV])
+    build = served_from_env()  # what vLLM's plugin does in each of its processes
+    assert not loads
+    served = build()  # what the first attention call does, in the process that runs the model
+    assert len(loads) == 1 and served.name == "fot" and served.shared
     with pytest.raises(LcxError, match=r"needs a method that reads document memories \(fot\); add --method fot"):
         export_for_vllm(str(model_dir), ["streaming"], out=tmp_path / "y", memory=tmp_path / "mem")
     with pytest.raises(LcxError, match="is not an lcx memory folder"):

@@ -46,6 +46,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -348,8 +349,21 @@ def kv_bytes(config: dict[str, Any]) -> int:
 
 
 
-#: The served memory method (set by ``install`` from ``LCX_SERVED_MODEL``), or None.
+#: The served memory method (built by ``served()`` from ``LCX_SERVED_MODEL``), or None.
 SERVED: ServedAttention | None = None
+#: What builds ``SERVED`` (set by ``install``).  vLLM's API server and engine core load lcx's plugin too, and a
+#: document memory (or a Ray cluster) is not theirs to load: it is built in the process that runs the model.
+_BUILD: Callable[[], ServedAttention] | None = None
+
+
+def served() -> ServedAttention:
+    """``SERVED``, built on first use."""
+    global SERVED
+    if SERVED is None:
+        SERVED = _BUILD()
+    return SERVED
+
+
 #: Persistent-batch row -> prompt length, kept by the ``PromptLengths`` logits processor.
 PROMPT_LENGTHS: dict[int, int] = {}
 #: Persistent-batch row -> the state key of the request in that row, as of the last forward pass that
@@ -429,8 +443,10 @@ def served_class(spec: dict[str, Any]) -> type[ServedAttention]:
     return cls
 
 
-def served_from_env() -> ServedAttention | None:
-    """The served attention ``lcx serve`` named (``LCX_SERVED_MODEL``), built by its method's served class."""
+def served_from_env() -> Callable[[], ServedAttention] | None:
+    """What builds the served attention ``lcx serve`` named (``LCX_SERVED_MODEL``) with its method's served
+    class, or None; the method and its options are checked here, the building (a document memory's load) is
+    left to the call."""
     from lcx.integrations.vllm.middleware import MODEL_ENV, prefix_kv
 
     info = json.loads(os.environ.get(MODEL_ENV) or "{}")
@@ -438,7 +454,13 @@ def served_from_env() -> ServedAttention | None:
     if not spec or prefix_kv(spec):  # vLLM's own attention reads it (lcx.integrations.vllm.connector)
         return None
     context = ServeContext(window=int(info["window"]), spool=info.get("spool"), memory=info.get("memory"))
-    return served_class(spec).from_method(served_method(spec), context)
+    cls, method = served_class(spec), served_method(spec)
+
+    def build() -> ServedAttention:
+        return cls.from_method(method, context)
+
+    build.served_name = cls.name  # type: ignore[attr-defined]
+    return build
 
 
 def __getattr__(name: str) -> Any:
@@ -455,6 +477,8 @@ def _prompt_lengths_class() -> type:
         """Tells the served attention where each request's prompt ends (changes no logits)."""
 
         def __init__(self, vllm_config, device, is_pin_memory) -> None:
+            if _BUILD is not None:  # the model runner makes it at start: the served attention is built there
+                served()
             PROMPT_LENGTHS.clear()
             ROW_OUTPUTS.clear()
             ROW_STATES.clear()
@@ -484,10 +508,11 @@ PROMPT_LENGTHS_FQCN = f"{__name__}:PromptLengths"
 
 def install() -> None:
     """Wrap vLLM's Transformers-backend attention function (called from the plugin's ``register``)."""
-    global SERVED
-    SERVED = served_from_env()
-    if SERVED is None:
+    global _BUILD
+    build = served_from_env()
+    if build is None:
         return
+    _BUILD = build
     import vllm.model_executor.models.transformers  # noqa: F401  (registers "vllm" first: wrap it, not be replaced)
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -498,6 +523,7 @@ def install() -> None:
     def lcx_attention(module, query, key, value, attention_mask, **kwargs):
         from vllm.forward_context import get_forward_context
 
+        served()
         md = get_forward_context().attn_metadata
         if isinstance(md, dict):
             md = md.get(getattr(module, "attn").layer_name)
@@ -525,4 +551,4 @@ def install() -> None:
 
     lcx_attention._lcx = True  # type: ignore[attr-defined]
     ALL_ATTENTION_FUNCTIONS["vllm"] = lcx_attention
-    print(f"lcx: {SERVED.name} answers vLLM's attention in process {os.getpid()}", file=sys.stderr, flush=True)
+    print(f"lcx: {build.served_name} answers vLLM's attention in process {os.getpid()}", file=sys.stderr, flush=True)
