@@ -125,6 +125,14 @@ def test_a_ray_memory_saves_and_loads_per_shard_and_refuses_another_shard_count(
         load_memory(tmp_path / "mem", StoreConfig(kind="ray", shards=4))
     with pytest.raises(LcxError, match=r"sharded over 2 Ray actors; read it with -o fot.backend=ray -o fot.shards=2"):
         load_memory(tmp_path / "mem", StoreConfig(kind="faiss-flat"))
+    # lcx serve's check, before vLLM starts (its worker is where the memory is loaded)
+    from lcx.plugins.fot.method import FoT
+
+    for options, problem in (({}, "read it with -o fot.backend=ray -o fot.shards=2"),
+                             ({"backend": "ray", "shards": 3}, "-o fot.shards=3 asks for 3")):
+        with pytest.raises(LcxError, match=re.escape(problem)):
+            FoT.from_options(**options).check_memory(tmp_path / "mem", {"model_type": "llama"})
+    assert FoT.from_options(backend="ray", shards=2).check_memory(tmp_path / "mem", {"model_type": "llama"})["shards"]
     # a one-process memory is dealt over any number of shards
     save_memory(local, tmp_path / "one", {"model": {"model_type": "llama"}})
     dealt, _ = load_memory(tmp_path / "one", StoreConfig(kind="ray", shards=4))

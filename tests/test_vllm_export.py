@@ -314,7 +314,7 @@ def test_attention_methods_serve_through_the_transformers_backend_with_prompt_le
 def test_a_served_document_memory_is_checked_before_the_server_starts(model_dir, tmp_path, monkeypatch):
     """...and loaded only where vLLM runs the model (its API server and engine core load lcx's plugin too)."""
     import lcx.plugins.fot.memory as fot_memory
-    from lcx.integrations.vllm import vllm_env
+    from lcx.integrations.vllm import attention, vllm_env
     from lcx.integrations.vllm.attention import served_from_env
     from lcx.integrations.vllm.middleware import MODEL_ENV
 
@@ -332,8 +332,10 @@ def test_a_served_document_memory_is_checked_before_the_server_starts(model_dir,
     monkeypatch.setenv(MODEL_ENV, vllm_env(exp, 1.0)[MODEL_ENV])
     build = served_from_env()  # what vLLM's plugin does in each of its processes
     assert not loads
-    served = build()  # what the first attention call does, in the process that runs the model
-    assert len(loads) == 1 and served.name == "fot" and served.shared
+    monkeypatch.setattr(attention, "_BUILD", build)
+    monkeypatch.setattr(attention, "SERVED", None)
+    attention.PromptLengths(None, torch.device("cpu"), False)  # what vLLM's model runner makes at its start
+    assert len(loads) == 1 and attention.SERVED.name == "fot" and attention.SERVED.shared
     with pytest.raises(LcxError, match=r"needs a method that reads document memories \(fot\); add --method fot"):
         export_for_vllm(str(model_dir), ["streaming"], out=tmp_path / "y", memory=tmp_path / "mem")
     with pytest.raises(LcxError, match="is not an lcx memory folder"):

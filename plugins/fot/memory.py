@@ -517,17 +517,29 @@ def save_memory(stores: dict[tuple[int, int], MemoryStore], path: str | os.PathL
     return commit_files(path, write)
 
 
+def check_shards(path: str | os.PathLike, meta: dict, config: StoreConfig) -> None:
+    """A sharded memory (``meta``: its memory.json) is read only into a Ray memory of as many shards: each
+    shard reads its own file (dealing it again would pull every entry through one process)."""
+    files = meta.get("shards")
+    if files is None:
+        return
+    if config.kind != "ray":
+        raise LcxError(f"memory {str(path)!r} is sharded over {len(files)} Ray actors; read it with "
+                       f"-o fot.backend=ray -o fot.shards={len(files)}")
+    if len(files) != config.shards:
+        raise LcxError(f"memory {str(path)!r} is sharded over {len(files)} Ray actors, and -o fot.shards="
+                       f"{config.shards} asks for {config.shards}; read it with -o fot.shards={len(files)}, or "
+                       f"rebuild it with {config.shards} shards")
+
+
 def load_memory(path: str | os.PathLike, config: StoreConfig | None = None) -> tuple[dict[tuple[int, int], MemoryStore], dict]:
     """Read a memory written by ``save_memory`` into stores of ``config`` (default: as it was saved); every
     tensor file must match its recorded sha256.  A one-file memory can be read into a Ray memory (dealt over
     its shards); a sharded one only into a Ray memory of as many shards (each reads its own file)."""
     meta = check_memory_files(path, checksums=False)
     cfg = config or StoreConfig(**(meta.get("store_config") or {}))
-    sharded = meta.get("shards")
-    if sharded is not None:
-        if cfg.kind != "ray":
-            raise LcxError(f"memory {str(path)!r} is sharded over {len(sharded)} Ray actors; read it with "
-                           f"-o fot.backend=ray -o fot.shards={len(sharded)}")
+    check_shards(path, meta, cfg)
+    if meta.get("shards") is not None:
         from lcx.plugins.fot.ray_memory import load_sharded
 
         return load_sharded(path, meta, cfg), meta  # type: ignore[return-value]

@@ -535,10 +535,11 @@ class FoT(Method):
     def check_memory(self, path: str | Path, model: dict) -> dict:
         """A memory (``lcx memory build``) for a server of ``model`` (its identity: config.json's model_type,
         num_hidden_layers, hidden_size, layer_types and its embedding_sha256): its files whole, built with that
-        model, holding the memory layers fot reads here; returns its metadata."""
-        from lcx.plugins.fot.memory import check_memory_files
+        model, holding the memory layers fot reads here, sharded as fot here reads it; returns its metadata."""
+        from lcx.plugins.fot.memory import check_memory_files, check_shards
 
         meta = check_memory_files(path)
+        check_shards(path, meta, self.store_config())
         built = meta.get("model", {})
         for key in ("model_type", "num_hidden_layers", "hidden_size", "embedding_sha256"):
             if built.get(key) != model.get(key):

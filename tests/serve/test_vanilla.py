@@ -39,7 +39,7 @@ def test_vanilla_server_truncates_as_the_hf_path_does_past_the_window(tmp_path_f
     assert served == _niah_through_lm_eval("lcx", f"model={MODEL},method=vanilla") and len(served) == 2
 
 
-_TASKS = None  # lm-eval's TaskManager, shared by the runs
+_TASKS: dict = {}  # tokenizer -> lm-eval's TaskManager for it, shared by the runs
 
 
 def _niah_through_lm_eval(model: str, model_args: str) -> list[tuple[str, float]]:
@@ -52,12 +52,11 @@ def _niah_through_lm_eval(model: str, model_args: str) -> list[tuple[str, float]
     import lcx.integrations.lm_eval  # noqa: F401  (registers `lcx`)
     from lcx.models import resolve_model_path
 
-    global _TASKS
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     tokenizer = str(resolve_model_path(MODEL))
-    # what simple_evaluate's own TaskManager would carry for the task (its tokenizer and lengths), made once:
-    # it indexes every lm-eval task folder
-    _TASKS = _TASKS or TaskManager(metadata={"tokenizer": tokenizer, "max_seq_lengths": [2048]})
+    if tokenizer not in _TASKS:  # what simple_evaluate's own TaskManager would carry for the task (its tokenizer
+        # and lengths), made once per tokenizer: it indexes every lm-eval task folder
+        _TASKS[tokenizer] = TaskManager(metadata={"tokenizer": tokenizer, "max_seq_lengths": [2048]})
     out = lm_eval.simple_evaluate(model=model, model_args=f"{model_args},tokenizer={tokenizer}", tasks=["niah_single_1"],
-                                  task_manager=_TASKS, limit=2, log_samples=True, gen_kwargs="max_gen_toks=8")
+                                  task_manager=_TASKS[tokenizer], limit=2, log_samples=True, gen_kwargs="max_gen_toks=8")
     return [(x["resps"][0][0], x["2048"]) for x in out["samples"]["niah_single_1"]]
