@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 52, build 2: fot configurations whose perplexity on ordinary text is not worse than truncation to the
 # window, measured side by side with truncation (vanilla), SmolLM2-135M, two books (as results/fot/run.sh ppl).
-#   bash results/fot/ppl-safe/run.sh [STEP...]     # steps: local8k gate sinks8k sinks sinks_fixed sinks_fixed_gate passkey passkey_far passkey_far_fixed passkey_far_fixed_gate heads_fixed passkey_far_heads fixed4096 passkey_far_fixed4096 fixed4096_gate passkey_far_fixed4096_gate fixed4096_gate_m2 passkey_far_fixed4096_gate_m2
+#   bash results/fot/ppl-safe/run.sh [STEP...]     # steps: local8k gate sinks8k sinks sinks_fixed sinks_fixed_gate passkey passkey_far passkey_far_fixed passkey_far_fixed_gate heads_fixed passkey_far_heads fixed4096 passkey_far_fixed4096 fixed4096_gate passkey_far_fixed4096_gate fixed4096_gate_m2 passkey_far_fixed4096_gate_m2 fixed4096_gate_m1 passkey_far_fixed4096_gate_m1
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 LCX=.venv/bin/lcx
@@ -93,6 +93,16 @@ passkey_far_fixed4096_gate_m2() {  # passkey_far_fixed4096 with gate -2 (depth 0
     $LCX eval passkey -m smollm2-135m --method fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
         -o fot.positions=fixed -o fot.fixed_distance=4096 -o fot.gate=-2 \
         --lengths 16K --depths 0.1 --out results/fot/ppl-safe/passkey-sinks-fixed4096-gate-2-16k-far --resume --json > /dev/null
+}
+fixed4096_gate_m1() {  # fixed4096 with gate -1: between gate -2 (5/5, +2.0%) and gate 0 (0/2, level with truncation) (16K)
+    $LCX eval compare ppl -m smollm2-135m --stack fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
+        -o fot.positions=fixed -o fot.fixed_distance=4096 -o fot.gate=-1 \
+        "${DOCS[@]}" --contexts 16K --room 32K --target 256 --out results/fot/ppl-safe/sinks-fixed4096-gate-1 --json
+}
+passkey_far_fixed4096_gate_m1() {  # passkey_far_fixed4096 with gate -1 (depth 0.1)
+    $LCX eval passkey -m smollm2-135m --method fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
+        -o fot.positions=fixed -o fot.fixed_distance=4096 -o fot.gate=-1 \
+        --lengths 16K --depths 0.1 --out results/fot/ppl-safe/passkey-sinks-fixed4096-gate-1-16k-far --resume --json > /dev/null
 }
 [ $# -eq 0 ] && set -- local8k gate sinks passkey
 for s in "$@"; do "$s"; done
