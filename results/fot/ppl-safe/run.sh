@@ -4,10 +4,21 @@
 #   bash results/fot/ppl-safe/run.sh [STEP...]     # steps: local8k gate sinks8k sinks sinks_fixed sinks_fixed_gate passkey passkey_far passkey_far_fixed passkey_far_fixed_gate heads_fixed passkey_far_heads fixed4096 passkey_far_fixed4096 fixed4096_gate passkey_far_fixed4096_gate fixed4096_gate_m2 passkey_far_fixed4096_gate_m2 fixed4096_gate_m1 passkey_far_fixed4096_gate_m1
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-LCX=.venv/bin/lcx
+LCX=${LCX:-.venv/bin/lcx}  # LCX=echo prints the commands
 BOOKS=../shared/data/books
 DOCS=(-d $BOOKS/wells_invisible_man.txt -d $BOOKS/doyle_hound_of_the_baskervilles.txt)
 IVF=(-o fot.backend=faiss-ivf)  # exact below 32,768 entries, as results/fot/ppl
+SINKS=(-o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}")  # the sinks candidate every later step varies
+ppl16k() {  # OUT OPTION...: the sinks candidate with OPTIONs, perplexity at 16K
+    local out=$1; shift
+    $LCX eval compare ppl -m smollm2-135m --stack fot "${SINKS[@]}" "$@" \
+        "${DOCS[@]}" --contexts 16K --room 32K --target 256 --out results/fot/ppl-safe/$out --json
+}
+far() {  # OUT DEPTHS OPTION...: the sinks candidate with OPTIONs, filler passkey at 16K, needles at DEPTHS (journaled)
+    local out=$1 depths=$2; shift 2
+    $LCX eval passkey -m smollm2-135m --method fot "${SINKS[@]}" "$@" \
+        --lengths 16K --depths $depths --out results/fot/ppl-safe/$out --resume --json > /dev/null
+}
 local8k() {  # the local window at the model's window (8K): memory adds only what truncation drops
     $LCX eval compare ppl -m smollm2-135m --stack fot --stack vanilla -o fot.local=8192 -o fot.chunk=256 "${IVF[@]}" \
         "${DOCS[@]}" --contexts 2K,4K,8K,16K,32K --target 256 --out results/fot/ppl-safe/local8k --json
@@ -30,29 +41,19 @@ sinks_fixed() {  # the sinks candidate with memory keys at distance 1024 (positi
         "${DOCS[@]}" --contexts 8K,16K,32K --room 32K --target 256 --out results/fot/ppl-safe/sinks-fixed1024 --json
 }
 sinks_fixed_gate() {  # sinks_fixed with gate 0: a memory key is read only where it beats every local key (16K)
-    $LCX eval compare ppl -m smollm2-135m --stack fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
-        -o fot.positions=fixed -o fot.fixed_distance=1024 -o fot.gate=0 \
-        "${DOCS[@]}" --contexts 16K --room 32K --target 256 --out results/fot/ppl-safe/sinks-fixed1024-gate0 --json
+    ppl16k sinks-fixed1024-gate0 -o fot.positions=fixed -o fot.fixed_distance=1024 -o fot.gate=0
 }
 heads_fixed() {  # sinks_fixed with memory read only by the heads that retrieve (memory_heads=auto: 21 of the 12 layers' 108)
-    $LCX eval compare ppl -m smollm2-135m --stack fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
-        -o fot.positions=fixed -o fot.fixed_distance=1024 -o fot.memory_heads=auto \
-        "${DOCS[@]}" --contexts 16K --room 32K --target 256 --out results/fot/ppl-safe/heads-fixed1024 --json
+    ppl16k heads-fixed1024 -o fot.positions=fixed -o fot.fixed_distance=1024 -o fot.memory_heads=auto
 }
 fixed4096() {  # sinks_fixed with memory keys at distance 4096: between first (about 8K back) and 1024 (16K)
-    $LCX eval compare ppl -m smollm2-135m --stack fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
-        -o fot.positions=fixed -o fot.fixed_distance=4096 \
-        "${DOCS[@]}" --contexts 16K --room 32K --target 256 --out results/fot/ppl-safe/sinks-fixed4096 --json
+    ppl16k sinks-fixed4096 -o fot.positions=fixed -o fot.fixed_distance=4096
 }
 fixed4096_gate() {  # fixed4096 with gate 0: a memory key is read only where it beats every local key (16K)
-    $LCX eval compare ppl -m smollm2-135m --stack fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
-        -o fot.positions=fixed -o fot.fixed_distance=4096 -o fot.gate=0 \
-        "${DOCS[@]}" --contexts 16K --room 32K --target 256 --out results/fot/ppl-safe/sinks-fixed4096-gate0 --json
+    ppl16k sinks-fixed4096-gate0 -o fot.positions=fixed -o fot.fixed_distance=4096 -o fot.gate=0
 }
 fixed4096_gate_m2() {  # fixed4096 with gate -2: memory keys within 2 (logits) of the best local key are read too (16K)
-    $LCX eval compare ppl -m smollm2-135m --stack fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
-        -o fot.positions=fixed -o fot.fixed_distance=4096 -o fot.gate=-2 \
-        "${DOCS[@]}" --contexts 16K --room 32K --target 256 --out results/fot/ppl-safe/sinks-fixed4096-gate-2 --json
+    ppl16k sinks-fixed4096-gate-2 -o fot.positions=fixed -o fot.fixed_distance=4096 -o fot.gate=-2
 }
 passkey() {  # the sinks candidate's retrieval: filler passkey, 5 depths x 5 keys at 16K and 32K (journaled)
     for len in 16K 32K; do
@@ -61,48 +62,31 @@ passkey() {  # the sinks candidate's retrieval: filler passkey, 5 depths x 5 key
     done
 }
 passkey_far() {  # the cells whose needle is past the 8K local window (16K, depths 0.1 and 0.3): read from memory
-    $LCX eval passkey -m smollm2-135m --method fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
-        --lengths 16K --depths 0.1,0.3 --out results/fot/ppl-safe/passkey-sinks-16k-far --resume --json > /dev/null
+    far passkey-sinks-16k-far 0.1,0.3
 }
 passkey_far_fixed() {  # as passkey_far, memory keys at distance 1024 (positions=fixed), as near as the passkey configuration's
-    $LCX eval passkey -m smollm2-135m --method fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
-        -o fot.positions=fixed -o fot.fixed_distance=1024 \
-        --lengths 16K --depths 0.1,0.3 --out results/fot/ppl-safe/passkey-sinks-fixed1024-16k-far --resume --json > /dev/null
+    far passkey-sinks-fixed1024-16k-far 0.1,0.3 -o fot.positions=fixed -o fot.fixed_distance=1024
 }
 passkey_far_fixed_gate() {  # passkey_far_fixed with gate 0 (depth 0.1 only)
-    $LCX eval passkey -m smollm2-135m --method fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
-        -o fot.positions=fixed -o fot.fixed_distance=1024 -o fot.gate=0 \
-        --lengths 16K --depths 0.1 --out results/fot/ppl-safe/passkey-sinks-fixed1024-gate0-16k-far --resume --json > /dev/null
+    far passkey-sinks-fixed1024-gate0-16k-far 0.1 -o fot.positions=fixed -o fot.fixed_distance=1024 -o fot.gate=0
 }
 passkey_far_heads() {  # passkey_far_fixed with memory_heads=auto (depth 0.1)
-    $LCX eval passkey -m smollm2-135m --method fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
-        -o fot.positions=fixed -o fot.fixed_distance=1024 -o fot.memory_heads=auto \
-        --lengths 16K --depths 0.1 --out results/fot/ppl-safe/passkey-heads-fixed1024-16k-far --resume --json > /dev/null
+    far passkey-heads-fixed1024-16k-far 0.1 -o fot.positions=fixed -o fot.fixed_distance=1024 -o fot.memory_heads=auto
 }
 passkey_far_fixed4096() {  # passkey_far_fixed with memory keys at distance 4096 (depth 0.1)
-    $LCX eval passkey -m smollm2-135m --method fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
-        -o fot.positions=fixed -o fot.fixed_distance=4096 \
-        --lengths 16K --depths 0.1 --out results/fot/ppl-safe/passkey-sinks-fixed4096-16k-far --resume --json > /dev/null
+    far passkey-sinks-fixed4096-16k-far 0.1 -o fot.positions=fixed -o fot.fixed_distance=4096
 }
 passkey_far_fixed4096_gate() {  # passkey_far_fixed4096 with gate 0 (depth 0.1)
-    $LCX eval passkey -m smollm2-135m --method fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
-        -o fot.positions=fixed -o fot.fixed_distance=4096 -o fot.gate=0 \
-        --lengths 16K --depths 0.1 --out results/fot/ppl-safe/passkey-sinks-fixed4096-gate0-16k-far --resume --json > /dev/null
+    far passkey-sinks-fixed4096-gate0-16k-far 0.1 -o fot.positions=fixed -o fot.fixed_distance=4096 -o fot.gate=0
 }
 passkey_far_fixed4096_gate_m2() {  # passkey_far_fixed4096 with gate -2 (depth 0.1)
-    $LCX eval passkey -m smollm2-135m --method fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
-        -o fot.positions=fixed -o fot.fixed_distance=4096 -o fot.gate=-2 \
-        --lengths 16K --depths 0.1 --out results/fot/ppl-safe/passkey-sinks-fixed4096-gate-2-16k-far --resume --json > /dev/null
+    far passkey-sinks-fixed4096-gate-2-16k-far 0.1 -o fot.positions=fixed -o fot.fixed_distance=4096 -o fot.gate=-2
 }
-fixed4096_gate_m1() {  # fixed4096 with gate -1: between gate -2 (5/5, +2.0%) and gate 0 (0/2, level with truncation) (16K)
-    $LCX eval compare ppl -m smollm2-135m --stack fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
-        -o fot.positions=fixed -o fot.fixed_distance=4096 -o fot.gate=-1 \
-        "${DOCS[@]}" --contexts 16K --room 32K --target 256 --out results/fot/ppl-safe/sinks-fixed4096-gate-1 --json
+fixed4096_gate_m1() {  # fixed4096 with gate -1: between gate -2 and gate 0 (16K)
+    ppl16k sinks-fixed4096-gate-1 -o fot.positions=fixed -o fot.fixed_distance=4096 -o fot.gate=-1
 }
 passkey_far_fixed4096_gate_m1() {  # passkey_far_fixed4096 with gate -1 (depth 0.1)
-    $LCX eval passkey -m smollm2-135m --method fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
-        -o fot.positions=fixed -o fot.fixed_distance=4096 -o fot.gate=-1 \
-        --lengths 16K --depths 0.1 --out results/fot/ppl-safe/passkey-sinks-fixed4096-gate-1-16k-far --resume --json > /dev/null
+    far passkey-sinks-fixed4096-gate-1-16k-far 0.1 -o fot.positions=fixed -o fot.fixed_distance=4096 -o fot.gate=-1
 }
 [ $# -eq 0 ] && set -- local8k gate sinks passkey
 for s in "$@"; do "$s"; done
