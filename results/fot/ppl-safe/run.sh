@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 52, build 2: fot configurations whose perplexity on ordinary text is not worse than truncation to the
 # window, measured side by side with truncation (vanilla), SmolLM2-135M, two books (as results/fot/run.sh ppl).
-#   bash results/fot/ppl-safe/run.sh [STEP...]     # steps: local8k gate sinks8k sinks sinks_fixed sinks_fixed_gate passkey passkey_far passkey_far_fixed passkey_far_fixed_gate heads_fixed passkey_far_heads fixed4096 passkey_far_fixed4096 fixed4096_gate passkey_far_fixed4096_gate fixed4096_gate_m2 passkey_far_fixed4096_gate_m2 fixed4096_gate_m1 passkey_far_fixed4096_gate_m1
+#   bash results/fot/ppl-safe/run.sh [STEP...]     # steps: local8k gate sinks8k sinks sinks_fixed sinks_fixed_gate passkey passkey_far passkey_far_fixed passkey_far_fixed_gate heads_fixed passkey_far_heads fixed4096 passkey_far_fixed4096 fixed4096_gate passkey_far_fixed4096_gate fixed4096_gate_m2 passkey_far_fixed4096_gate_m2 fixed4096_gate_m1 passkey_far_fixed4096_gate_m1 confirm_books confirm_seed confirm_32k
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 LCX=${LCX:-.venv/bin/lcx}  # LCX=echo prints the commands
@@ -87,6 +87,20 @@ fixed4096_gate_m1() {  # fixed4096 with gate -1: between gate -2 and gate 0 (16K
 }
 passkey_far_fixed4096_gate_m1() {  # passkey_far_fixed4096 with gate -1 (depth 0.1)
     far passkey-sinks-fixed4096-gate-1-16k-far 0.1 -o fot.positions=fixed -o fot.fixed_distance=4096 -o fot.gate=-1
+}
+CANDIDATE=("${SINKS[@]}" -o fot.positions=fixed -o fot.fixed_distance=4096 -o fot.gate=-1)  # fixed4096_gate_m1: the cell to confirm
+FRESH=(-d $BOOKS/austen_pride_and_prejudice.txt -d $BOOKS/dickens_tale_of_two_cities.txt)  # the first two MANIFEST books not used above
+confirm_books() {  # the candidate beside truncation on the fresh books, 16K and 32K
+    $LCX eval compare ppl -m smollm2-135m --stack fot --stack vanilla "${CANDIDATE[@]}" \
+        "${FRESH[@]}" --contexts 16K,32K --room 32K --target 256 --out results/fot/ppl-safe/confirm-books --json
+}
+confirm_seed() {  # the candidate's far passkey (16K, depth 0.1) with other keys and filler draws (seed 1)
+    $LCX eval passkey -m smollm2-135m --method fot "${CANDIDATE[@]}" --seed 1 \
+        --lengths 16K --depths 0.1 --out results/fot/ppl-safe/confirm-seed1 --resume --json > /dev/null
+}
+confirm_32k() {  # the candidate's passkey at 32K, needles ~29K and ~16K back (depths 0.1, 0.5)
+    $LCX eval passkey -m smollm2-135m --method fot "${CANDIDATE[@]}" \
+        --lengths 32K --depths 0.1,0.5 --out results/fot/ppl-safe/confirm-32k --resume --json > /dev/null
 }
 [ $# -eq 0 ] && set -- local8k gate sinks passkey
 for s in "$@"; do "$s"; done
