@@ -16,9 +16,15 @@ from lcx.errors import LcxError
 from lcx.hookspecs import STAGES
 
 
-def option(default: Any, help: str, **kwargs: Any) -> Any:
-    """A dataclass field with help text (shown by ``lcx methods -v`` and ``--help``)."""
-    return dataclasses.field(default=default, metadata={"help": help}, **kwargs)
+_NO_BEFORE = object()
+
+
+def option(default: Any, help: str, before: Any = _NO_BEFORE, **kwargs: Any) -> Any:
+    """A dataclass field with help text (shown by ``lcx methods -v`` and ``--help``).  ``before``: the value
+    records written without this option (older journals, adapter sidecars) ran with, when that is not
+    ``default`` (the option was added, or its default changed, after they were written)."""
+    meta = {"help": help} if before is _NO_BEFORE else {"help": help, "before": before}
+    return dataclasses.field(default=default, metadata=meta, **kwargs)
 
 
 @dataclasses.dataclass
@@ -235,6 +241,13 @@ class Method:
     def default_options(cls) -> dict[str, Any]:
         """The options' defaults: what ``to_options`` gives when the user sets nothing."""
         return cls.from_options().to_options()
+
+    @classmethod
+    def unrecorded_options(cls) -> dict[str, Any]:
+        """What a record that lacks an option (a journal or sidecar written before it existed or before its
+        default changed) ran with: its ``before`` value, else its default."""
+        return {**cls.default_options(),
+                **{f.name: f.metadata["before"] for f in cls.options() if "before" in f.metadata}}
 
     # ------------------------------------------------------------------ introspection
     @classmethod

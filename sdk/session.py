@@ -96,8 +96,20 @@ def _note_dtype(sidecar: dict[str, Any], model: Any, adapter) -> None:
 
 
 def trained_methods(sidecar: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """{method: its options} an adapter's sidecar says it was trained with."""
-    return {m["name"]: dict(m.get("options") or {}) for m in sidecar.get("methods", [])}
+    """{method: its options} an adapter's sidecar says it was trained with (an option it lacks: the value
+    it had when the sidecar was written, see ``Method.unrecorded_options``)."""
+    from lcx.registry import registry
+
+    reg = registry()
+    out = {}
+    for m in sidecar.get("methods", []):
+        recorded = dict(m.get("options") or {})
+        if m["name"] in reg.methods:
+            unrecorded = reg.get(m["name"]).unrecorded_options()
+            before = {f.name for f in reg.get(m["name"]).options() if "before" in f.metadata}
+            recorded = {**{k: unrecorded[k] for k in before if k not in recorded}, **recorded}
+        out[m["name"]] = recorded
+    return out
 
 
 def check_adapter_methods(trained: dict[str, dict], options: dict[str, Any], methods: list[str], adapter) -> None:

@@ -75,6 +75,32 @@ def test_an_option_added_since_the_journal_was_written_matches_at_its_default_on
         Journal(path, grown, resume=True)
 
 
+def test_an_option_whose_default_changed_matches_old_journals_at_its_value_before(tmp_path):
+    """A journal written before an option existed ran it at its ``before`` value, not at today's default: a
+    run at today's default must not reuse those samples, a run at the old value may."""
+    import dataclasses
+    from typing import ClassVar
+
+    from lcx.method import Method, option
+
+    @dataclasses.dataclass
+    class Grown(Method):
+        name: ClassVar[str] = "grown"
+        k: int = option(32, "k")
+        sinks: int = option(4, "sinks", before=0)
+
+    assert Grown.default_options() == {"k": 32, "sinks": 4}
+    assert Grown.unrecorded_options() == {"k": 32, "sinks": 0}
+    path = tmp_path / "j.jsonl"
+    Journal(path, {**FP, "methods": [{"name": "grown", "options": {"k": 32}}]}).append("a", {"found": True})
+    defaults = {"methods": [{"options": Grown.unrecorded_options()}]}
+    as_before = {**FP, "methods": [{"name": "grown", "options": {"k": 32, "sinks": 0}}]}
+    assert Journal(path, as_before, resume=True, defaults=defaults).get("a") == {"id": "a", "found": True}
+    today = {**FP, "methods": [{"name": "grown", "options": Grown.default_options()}]}
+    with pytest.raises(LcxError, match="differs in: methods"):
+        Journal(path, today, resume=True, defaults=defaults)
+
+
 @pytest.mark.parametrize("text,found", [(" 60494. Remember", True), ("60494", True), (" 6 0 4 9 4", True),
                                          ("key:60494!", True), (" 8604945", False), (" 604941", False),
                                          ("56049 4", False), ("1 60 4947", False), (" 6049", False), ("", False)])

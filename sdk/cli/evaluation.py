@@ -176,10 +176,10 @@ def _journal(path: Path, model: str, run, adapter, cfg, resume: bool):
     digest = adapter_digest(adapter) if adapter else None
     fingerprint = {"model": model, **run.describe(), "adapter": str(adapter) if adapter else None,
                    "adapter_sha256": digest, "config": asdict(cfg)}
-    # options added to a method after a journal was written match it at their defaults; a journal written
+    # an option a journal lacks matches at the value runs had before it was recorded; a journal written
     # before lcx recorded the adapter's digest is taken as this adapter's (said below)
     # journals from before lcx recorded the dtype were all float32
-    defaults = {"methods": [{"options": m.default_options()} for m in run.methods], "adapter_sha256": digest,
+    defaults = {"methods": [{"options": m.unrecorded_options()} for m in run.methods], "adapter_sha256": digest,
                 "dtype": "float32", "config": {"haystack": None}}
     journal = Journal(path, fingerprint, resume=resume, defaults=defaults)
     if journal.reused:
