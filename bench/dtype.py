@@ -30,6 +30,9 @@ from lcx.session import parse_options
 
 OUT = Path(__file__).parent / "results" / "dtype.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# fot at its defaults before issue 52, pinned (dtype.json measured them); -o fot.KEY=VALUE still overrides
+FOT_BEFORE = ("fot.local=2048", "fot.chunk=0", "fot.sinks=0", "fot.positions=first", "fot.fixed_distance=0",
+              "fot.gate=off")
 
 
 # ---------------------------------------------------------------------- the roofline
@@ -124,7 +127,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     tokens = token_counts(args.tokens)[0]
-    options = parse_options(tuple(args.option))
+    options = parse_options((*FOT_BEFORE, *args.option))
 
     sizes = {name: matmul_peak(dt) for name, dt in DTYPES.items()}
     peaks = {name: s["peak"] for name, s in sizes.items()}

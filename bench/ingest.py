@@ -37,6 +37,8 @@ from loading import bench_model, device_name, gpu_peak, reset_gpu_peak, sync
 OUT = Path(__file__).parent / "results"
 # the training-free configuration of results/fot (memory layers from `lcx analyze retrieval`)
 DEFAULT = ["local=1024", "chunk=256", "memory_layers=6,7,8,14,15,17,18,19,20,21,22,23", "backend=faiss-ivf"]
+# fot's defaults before issue 52, under any -o (ingest*.json were measured with them)
+FOT_BEFORE = ["local=2048", "chunk=0", "sinks=0", "positions=first", "fixed_distance=0", "gate=off"]
 
 
 def ingest(model, ids: torch.Tensor, options: dict) -> dict:
@@ -83,7 +85,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=OUT / "ingest.json")
     args = ap.parse_args()
     lengths = token_counts(args.lengths)
-    options = parse_options(args.option or DEFAULT)
+    options = parse_options(FOT_BEFORE + (args.option or DEFAULT))
 
     model, tok = bench_model(args.model, args.device, args.random_weights)
     ids = book_tokens(tok, max(lengths))

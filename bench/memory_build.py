@@ -24,6 +24,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 OUT = Path(__file__).parent / "results"
 CONFIGS = {"in-process": ["--workers", "0"], "ray-1-worker": ["--workers", "1"], "ray-2-workers": ["--workers", "2"]}
+# fot at its defaults before issue 52, pinned (memory_build.json measured them); -o still overrides
+FOT_BEFORE = ("fot.local=2048", "fot.chunk=0", "fot.sinks=0", "fot.positions=first", "fot.fixed_distance=0",
+              "fot.gate=off")
 
 
 def documents(tokenizer, folder: Path, n: int, tokens: int) -> list[Path]:
@@ -62,7 +65,7 @@ def main() -> None:
     ap.add_argument("--option", "-o", action="append", default=[], help="passed on as -o (fot options)")
     ap.add_argument("--out", type=Path, default=OUT / "memory_build.json")
     args = ap.parse_args()
-    args.option = [x for o in args.option for x in ("-o", o)]
+    args.option = [x for o in (*FOT_BEFORE, *args.option) for x in ("-o", o)]
     from lcx.models import load_model
 
     _, tok = load_model(args.model)

@@ -22,6 +22,10 @@ from lcx.evals.passkey import prompt_and_needle
 from lcx.limits import check_request, trim_heap
 from lcx.models import load_model
 
+# fot at its defaults before issue 52, pinned (memory_estimate*.json measured them); -o fot.KEY=VALUE overrides
+FOT_BEFORE = ("fot.local=2048", "fot.chunk=0", "fot.sinks=0", "fot.positions=first", "fot.fixed_distance=0",
+              "fot.gate=off")
+
 
 def rss() -> int:
     with open("/proc/self/statm") as f:
@@ -47,7 +51,7 @@ def main() -> None:
     a = ap.parse_args()
     os.environ["LCX_BOUNDED_HEAP"] = "1" if a.heap == "bounded" else "0"  # read by the first request's check
     options: dict[str, dict[str, str]] = {}
-    for o in a.option:
+    for o in (*FOT_BEFORE, *a.option):
         key, _, value = o.partition("=")
         method, _, k = key.partition(".")
         if not (k and value):

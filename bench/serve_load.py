@@ -35,6 +35,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 OUT = Path(__file__).parent / "results"
+# fot's defaults before issue 52, under any -o when fot is served (serve_load-fot.json was measured with them)
+FOT_BEFORE = ["fot.local=2048", "fot.chunk=0", "fot.sinks=0", "fot.positions=first", "fot.fixed_distance=0",
+              "fot.gate=off"]
 
 
 def tree_rss(pid: int) -> int:
@@ -81,6 +84,8 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=2, help="random q/k LoRA adapters served beside the base model")
     ap.add_argument("--out", type=Path, default=None, help="default: bench/results/serve_load[-METHODS].json")
     args = ap.parse_args()
+    if "fot" in args.method:
+        args.option = [*FOT_BEFORE, *args.option]
 
     from transformers import AutoTokenizer
 

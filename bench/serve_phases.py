@@ -28,6 +28,8 @@ from serve_throughput import prompts, run_vllm  # bench/serve_throughput.py (scr
 
 OUT = Path(__file__).parent / "results"
 FOT = "--method fot -o fot.local=1024 -o fot.chunk=256 -o fot.memory_layers=6,7,8,14,15,17,18,19,20,21,22,23"
+# fot's defaults before issue 52 (serve_phases.json was measured with them)
+FOT += " -o fot.sinks=0 -o fot.positions=first -o fot.fixed_distance=0 -o fot.gate=off"
 DEFAULT = [
     "base=",  # vLLM's own Llama, prefix caching on (the 8 passkey prompts share their filler)
     "base, Transformers backend, no prefix cache=-- --no-enable-prefix-caching --model-impl transformers",

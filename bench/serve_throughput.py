@@ -28,6 +28,9 @@ from pathlib import Path
 import torch
 
 OUT = Path(__file__).parent / "results"
+# fot's defaults before issue 52, under any -o when fot is served (serve_throughput-fot*.json were measured with them)
+FOT_BEFORE = ["fot.local=2048", "fot.chunk=0", "fot.sinks=0", "fot.positions=first", "fot.fixed_distance=0",
+              "fot.gate=off"]
 
 
 def prompts(tok, n: int, length: int, seed: int, unshared: bool = False) -> list[tuple[list[int], int]]:
@@ -80,6 +83,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None,
                     help="default: bench/results/serve_throughput[-METHODS].json")
     args = ap.parse_args()
+    if "fot" in args.method:
+        args.option = [*FOT_BEFORE, *args.option]
     from lcx.evals.passkey import passkey_found
     from lcx.integrations.vllm import ServerProcess
     from lcx.session import open_session, parse_options

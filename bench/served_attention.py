@@ -27,7 +27,9 @@ import torch
 
 OUT = Path(__file__).parent / "results"
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, WINDOW = 30, 9, 3, 64, 8192  # SmolLM2-135M
-FOT = dict(local=1024, chunk=256, memory_layers="6,7,8,14,15,17,18,19,20,21,22,23")
+FOT = dict(local=1024, chunk=256, memory_layers="6,7,8,14,15,17,18,19,20,21,22,23",
+           # fot's defaults before issue 52 (served_attention*.json were measured with them; sinks: served())
+           positions="first", fixed_distance=0, gate="off")
 
 
 def served(method: str):

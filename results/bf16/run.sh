@@ -10,6 +10,8 @@ LCX=.venv/bin/lcx
 BOOKS=../shared/data/books
 BF16=(--dtype bfloat16)
 FOT=(-o fot.local=1024 -o fot.chunk=256 -o fot.memory_layers=6,7,8,14,15,17,18,19,20,21,22,23)
+# fot's defaults before issue 52 (these results were made with them)
+FOT+=(-o fot.sinks=0 -o fot.positions=first -o fot.fixed_distance=0 -o fot.gate=off)
 EVAL_BOOKS=(-d $BOOKS/wells_invisible_man.txt -d $BOOKS/doyle_hound_of_the_baskervilles.txt)
 
 ppl_fot() {  # results/fot/run.sh ppl

@@ -139,6 +139,7 @@ compare16_topk() {  # the topk stack (adapter-recall-local, overlap 64, topk 4) 
     $LCX eval compare passkey -m smollm2-135m --stack focusllm@results/focusllm/adapter-recall-local \
         --stack vanilla --stack streaming --stack fot -o focusllm.overlap=64 -o focusllm.topk=4 \
         -o fot.local=1024 -o fot.chunk=256 -o fot.memory_layers=6,7,8,14,15,17,18,19,20,21,22,23 \
+        -o fot.sinks=0 -o fot.positions=first -o fot.fixed_distance=0 -o fot.gate=off \
         --lengths 16K --depths 0.1,0.5,0.9 --samples 2 --out $D --resume
 }
 compare16() {  # focusllm, training-free and with the trained adapter (focusllm@DIR), against vanilla, streaming
@@ -147,6 +148,7 @@ compare16() {  # focusllm, training-free and with the trained adapter (focusllm@
     $LCX eval compare passkey -m smollm2-135m --stack focusllm --stack focusllm@results/focusllm/adapter \
         --stack vanilla --stack streaming --stack fot \
         -o fot.local=1024 -o fot.chunk=256 -o fot.memory_layers=6,7,8,14,15,17,18,19,20,21,22,23 \
+        -o fot.sinks=0 -o fot.positions=first -o fot.fixed_distance=0 -o fot.gate=off \
         --lengths 16K --depths 0.1,0.5,0.9 --samples 2 --out results/focusllm/compare-16k --resume
 }
 

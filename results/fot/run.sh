@@ -11,6 +11,8 @@ LCX=.venv/bin/lcx
 BOOKS=../shared/data/books
 # memory layers = what step `retrieval` suggests; faiss-ivf is exact until 32768 entries (ivf_train)
 FOT=(-o fot.local=1024 -o fot.chunk=256 -o fot.memory_layers=6,7,8,14,15,17,18,19,20,21,22,23)
+# fot's defaults before issue 52 (these results were made with them)
+FOT+=(-o fot.sinks=0 -o fot.positions=first -o fot.fixed_distance=0 -o fot.gate=off)
 IVF=(-o fot.backend=faiss-ivf)
 # past 32768 entries the lists are in use; nprobe 32 finds 97% of the needle's exact top-32 entries at 64K
 # (results/fot/passkey-64k/recall), nprobe 8 94%
@@ -41,6 +43,7 @@ passkey64() {
 }
 distraction() {  # FoT Figure 3 measure before crossbatch training (the base model)
     $LCX analyze distraction -m smollm2-135m -d $BOOKS -o local=256 -o memory_layers=6,7,8,14,15,17,18,19,20,21,22,23 \
+        -o chunk=0 -o sinks=0 -o positions=first -o fixed_distance=0 -o gate=off \
         --ds 1,2,4,8 --batches 3 --label "SmolLM2-135M (no training)" --out results/fot/distraction
 }
 multidoc() {  # answers about A and about B from one multi-document memory

@@ -16,7 +16,9 @@ from lcx.models import load_model
 OUT = Path(__file__).parent
 STACKS = {"none": [], "vanilla": ["vanilla"], "rope": ["rope"], "streaming": ["streaming"], "fot": ["fot"],
           "focusllm": ["focusllm"]}
-OPTIONS = {"rope": {"factor": 4.0}}
+OPTIONS = {"rope": {"factor": 4.0},
+           # fot's defaults before issue 52 (estimates.md was made with them)
+           "fot": {"local": 2048, "chunk": 0, "sinks": 0, "positions": "first", "fixed_distance": 0, "gate": "off"}}
 rows = []
 free = available_ram()
 for name in ("gemma3-270m", "qwen2.5-0.5b"):

@@ -11,6 +11,8 @@ BOOKS=../shared/data/books
 COMMON=(--dtype bfloat16 --resume)
 WIN4K=(-o fot.local=4096 -o fot.chunk=1024 -o streaming.window=4096 -o focusllm.chunk=4096 -o focusllm.local=4096
        -o vanilla.window=4096)
+# fot's defaults before issue 52, which gemma_fot64's committed figure was made with
+FOT_BEFORE=(-o fot.sinks=0 -o fot.positions=first -o fot.fixed_distance=0 -o fot.gate=off)
 # Qwen2.5 0.5B retrieves with memory in every layer (tried by hand); Gemma 3: auto = its 3 full-attention layers
 QWEN_FOT=(-o fot.memory_layers=all)
 
@@ -19,7 +21,7 @@ retrieval() {  # $1 model: which layers copy from far context (lcx analyze retri
 }
 gemma_fot64() {  # the first figure past the window: fot training-free at 64K (2x Gemma's window), one key per depth
     $LCX eval passkey -m gemma3-270m --method fot -o local=4096 -o chunk=1024 --lengths 64K --samples 1 \
-        --haystack $BOOKS --out results/models/gemma3-270m/fot-64k-prose "${COMMON[@]}"
+        "${FOT_BEFORE[@]}" --haystack $BOOKS --out results/models/gemma3-270m/fot-64k-prose "${COMMON[@]}"
 }
 inside() {  # $1 model, $2 length: each method at a 4K window against the bare model's full attention, prose
     local extra=(); [ "$1" = qwen2.5-0.5b ] && extra=("${QWEN_FOT[@]}")

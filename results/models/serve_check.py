@@ -25,7 +25,8 @@ STACKS = {
     "vanilla": {"window": 2048},
     "rope": {"factor": 2},
     "streaming": {"window": 1024, "chunk": 256},
-    "fot": {"local": 1024, "chunk": 256},
+    # fot: its defaults before issue 52 pinned (serve/ was made with them)
+    "fot": {"local": 1024, "chunk": 256, "sinks": 0, "positions": "first", "fixed_distance": 0, "gate": "off"},
     "focusllm": {"chunk": 1024, "local": 1024, "fragment": 256, "refresh": 0},
 }
 # fot's memory layers as `auto` chooses them (tests/test_real_models.py): given, so no run pays the measurement

@@ -25,7 +25,9 @@ bare() {  # $1 model, $2 lengths: the model alone, inside its window
 beyond() {  # $1 model, $2 stack, $3 lengths[, $4 rope's YaRN factor]: one stack past the window
     local opts=()
     case $2 in
-        fot) read -ra opts <<< "$(fot_options "$1")" ;;
+        fot) read -ra opts <<< "$(fot_options "$1")"
+             # fot's defaults before issue 52 (these results were made with them)
+             opts+=(-o fot.sinks=0 -o fot.positions=first -o fot.fixed_distance=0 -o fot.gate=off) ;;
         rope) opts=(-o rope.type=yarn -o rope.factor="$4") ;;
     esac
     $LCX eval compare ruler -m "$1" --stack "$2" "${opts[@]}" --lengths "$3" "${COMMON[@]}" \

@@ -17,6 +17,7 @@ FOT=(-o fot.local=1024 -o fot.chunk=256 -o fot.memory_layers=$ML)
 train() {  # crossbatch: local 256, rows of 2 contexts (w=1), each memory layer sees its row's document + 3 others
     local resume=(); [ -d $OUT/adapter/checkpoints ] && resume=(--resume)   # an interrupted run continues
     $LCX train -m smollm2-135m --method fot -o fot.local=256 -o fot.w=1 -o fot.d=4 -o fot.memory_layers=$ML \
+        -o fot.chunk=0 -o fot.sinks=0 -o fot.positions=first -o fot.fixed_distance=0 -o fot.gate=off \
         -d $BOOKS --seq-len 512 --batch-size 4 --steps 150 --lr 3e-4 --warmup 10 --schedule cosine \
         --save-every 25 --out $OUT/adapter "${resume[@]}"
 }

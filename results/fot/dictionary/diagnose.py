@@ -25,7 +25,9 @@ from lcx.io import token_counts
 from lcx.plugins.fot.memory import make_store
 from lcx.session import open_session, parse_options
 
-OPTIONS = ("fot.w=1", "fot.memory_layers=all", "fot.local=256", "fot.k=32")
+OPTIONS = ("fot.w=1", "fot.memory_layers=all", "fot.local=256", "fot.k=32",
+           # fot's defaults before issue 52 (these results were made with them)
+           "fot.chunk=0", "fot.sinks=0", "fot.positions=first", "fot.fixed_distance=0", "fot.gate=off")
 
 
 def main() -> None:

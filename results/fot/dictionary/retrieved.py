@@ -45,7 +45,9 @@ def main() -> None:
     (n,) = token_counts(a.dict_tokens)
     if n % 256:
         sys.exit(f"--dict-tokens must be a multiple of 256 (the query window must be one forward pass), got {n}")
-    options = ("fot.w=1", f"fot.memory_layers={a.memory_layers}", "fot.local=256", f"fot.k={a.k}")
+    options = ("fot.w=1", f"fot.memory_layers={a.memory_layers}", "fot.local=256", f"fot.k={a.k}",
+               # fot's defaults before issue 52 (these results were made with them)
+               "fot.chunk=0", "fot.sinks=0", "fot.positions=first", "fot.fixed_distance=0", "fot.gate=off")
 
     state: dict = {"layer": 0, "record": False, "found": {}}
     memory_scores = fot_attention._memory_scores

@@ -29,7 +29,9 @@ OUT=results/fot/dictionary
 RUNS=${DICT_RUNS:-out/dictionary}   # model folders (not committed)
 SIZES=${DICT_SIZES:-512,1K,4K,16K,64K}
 SAMPLES=${DICT_SAMPLES:-4}          # documents per size (25 queries each); a 64K document takes ~2.5 min
-FOT=(--method fot -o fot.w=1 -o fot.memory_layers=all)
+# fot's defaults before issue 52 (these results were made with them; chunk 0 = local, also in warmup's local 40)
+FOT_BEFORE=(-o fot.chunk=0 -o fot.sinks=0 -o fot.positions=first -o fot.fixed_distance=0 -o fot.gate=off)
+FOT=(--method fot -o fot.w=1 -o fot.memory_layers=all "${FOT_BEFORE[@]}")
 TASK=(--full all -d task:dictionary --save-every 50)
 
 init() {
@@ -78,6 +80,7 @@ s4() {  # from s3: rows of two 512-token documents back to back (4 contexts, w =
         # evaluation) and 31 contexts of earlier rows; 2 torch threads
     OMP_NUM_THREADS=2 $LCX train -m $RUNS/s3 --method fot -o fot.w=3 -o fot.segments=0:0,1:31,2:31,3:31 \
         -o fot.memory_layers=all -o fot.local=256 -o fot.d=16 --full all -d task:dictionary:512 --save-every 10 \
+        "${FOT_BEFORE[@]}" \
         --seq-len 1024 --batch-size 16 --warmup 3 --steps 30 --lr 1e-3 --out $RUNS/s4 --overwrite
     log s4
 }
@@ -119,7 +122,7 @@ s3_bank_80() {  # 40 more bank steps from s3-bank40 (80 in all, far over the bud
 # against a bank of the last 256 contexts of earlier steps (64K entries, as many as a 64K dictionary) at
 # lr 2e-4: at 1e-3 the bank's keys, computed by earlier steps' weights, go stale within the 4 steps they are
 # kept and distract less than a fresh memory does (l1_bank_lr1e3: 64K 0.79 after 40 steps).
-L1=(--method fot -o fot.w=1 -o fot.memory_layers=1 -o fot.local=256)
+L1=(--method fot -o fot.w=1 -o fot.memory_layers=1 -o fot.local=256 "${FOT_BEFORE[@]}")
 l1_stage() {  # l1_stage FROM TO D BATCH WARMUP STEPS LR [extra lcx train options]
     local from=$1 to=$2 d=$3 batch=$4 warm=$5 steps=$6 lr=$7; shift 7
     $LCX train -m $RUNS/$from "${L1[@]}" -o fot.d=$d "${TASK[@]}" "$@" --seq-len 512 --batch-size $batch \
@@ -152,7 +155,7 @@ explore_s3() {  # 64K on seed 99's documents (3, ~3 min each): s3 at k = 1 and 4
                 # s3 with memory in layer 1 only, s3-near50 at k = 32; then what kNN ranks first (retrieved.py)
     for k in 1 4; do explore64k s3 $k; done
     $LCX eval dictionary -m $RUNS/s3 --method fot -o fot.memory_layers=1 -o fot.local=256 -o fot.k=32 --dict-tokens 64K \
-        --samples 3 --seed 99 --label "s3 layer1" --out $RUNS/eval-s3-layer1
+        "${FOT_BEFORE[@]}" --samples 3 --seed 99 --label "s3 layer1" --out $RUNS/eval-s3-layer1
     cp $RUNS/eval-s3-layer1/dictionary.json $OUT/explore/s3.64k-layer1.json
     $LCX eval dictionary -m $RUNS/s3-near50 "${FOT[@]}" -o fot.local=256 -o fot.k=32 --dict-tokens 64K --samples 3 \
         --seed 99 --label "s3-near50" --out $RUNS/eval-s3-near50

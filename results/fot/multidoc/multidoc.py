@@ -46,6 +46,8 @@ TASKS = {
     },
 }
 LAYERS = "6,7,8,14,15,17,18,19,20,21,22,23"  # results/fot/retrieval
+# fot's defaults before issue 52 (these results were made with them); a variant's own options override them
+FOT_BEFORE = dict(sinks=0, positions="first", fixed_distance=0, gate="off")
 VARIANTS = {
     "in context (no memory)": None,
     "memory, retrieval layers": dict(memory_layers=LAYERS),
@@ -85,7 +87,8 @@ def main() -> None:
                 o = dict(opts)
                 order = docs[::-1] if o.pop("order", None) == "reversed" else docs
                 order = order[: o.pop("docs", len(order))]
-                with lcx.attach(model, ["fot"], fot=dict(local=1024, chunk=256, mode="multi", **o)) as run:
+                fot_options = {**FOT_BEFORE, **dict(local=1024, chunk=256, mode="multi", **o)}
+                with lcx.attach(model, ["fot"], fot=fot_options) as run:
                     for i, d in enumerate(order):
                         run.method("fot").ingest(run, enc(d), i)
                     out = generate(run, enc(q), max_new_tokens=6)

@@ -17,6 +17,7 @@ python3 -c "import lcx; print('lcx from', lcx.__file__)" || exit 1
 mkdir -p /root/pk128
 timeout 520 python3 -m lcx.cli eval compare passkey -m $M --stack fot --stack vanilla --lengths 128K \
   -o fot.local=1024 -o fot.chunk=256 -o fot.memory_layers=6,7,8,14,15,17,18,19,20,21,22,23 -o fot.backend=torch \
+  -o fot.sinks=0 -o fot.positions=first -o fot.fixed_distance=0 -o fot.gate=off \
   --device cuda --out /root/pk128 --resume > /root/pk128/log.txt 2>&1
 echo "eval rc $?"
 tr '\r' '\n' < /root/pk128/log.txt | grep -v "sample/s\]$\|s/sample\]$" | tail -25

@@ -21,7 +21,9 @@ from lcx.generation import PrefixReuse, generate
 from lcx.models import load_model
 
 MISSED = [(65536, 0.5, 86465), (65536, 0.5, 76150)]  # from ../compare-passkey.fot.samples.jsonl
-FOT = {"local": 1024, "chunk": 256, "memory_layers": "6,7,8,14,15,17,18,19,20,21,22,23", "backend": "torch"}
+FOT = {"local": 1024, "chunk": 256, "memory_layers": "6,7,8,14,15,17,18,19,20,21,22,23", "backend": "torch",
+       # fot's defaults before issue 52 (these results were made with them)
+       "sinks": 0, "positions": "first", "fixed_distance": 0, "gate": "off"}
 
 
 def main() -> None:

@@ -34,7 +34,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
 
-    opts = {"local": 1024, "chunk": 256, "memory_layers": LAYERS, "backend": "torch"}
+    opts = {"local": 1024, "chunk": 256, "memory_layers": LAYERS, "backend": "torch",
+            # fot's defaults before issue 52 (these results were made with them)
+            "sinks": 0, "positions": "first", "fixed_distance": 0, "gate": "off"}
     s = open_session("smollm2-135m", ["fot"], {"fot": opts})
     ids = build_prompt_ids(s.tokenizer, a.length, a.depth, a.key)
     seen: dict[int, tuple] = {}  # id(memory dict) -> (call order, memory, q_rel of its last call)
