@@ -3,10 +3,9 @@
 .PHONY: setup demo test test-fast bench
 
 VENV ?= .venv
-# fot's windows as results/fot measured them on SmolLM2-135M (local 1024, chunk 256); its memory layers are its
-# default, auto: measured on the model at first use and cached beside it.  Every other method runs its defaults.
-# `make demo DEMO_OPTIONS=` runs fot's defaults too.
-DEMO_OPTIONS ?= -o fot.local=1024 -o fot.chunk=256
+# Every method runs its defaults (fot's memory layers are measured on the model at first use and cached beside
+# it); `make demo DEMO_OPTIONS="-o fot.local=1024"` sets a row's options.
+DEMO_OPTIONS ?=
 
 setup:
 	@bash scripts/setup.sh

@@ -179,9 +179,9 @@ def test_lcx_methods_on_a_model_shows_what_auto_comes_to_there(folder, probes, t
         return {m["name"]: m["on_model"] for m in json.loads(r.stdout)["methods"]}
 
     llama = on(folder)
-    assert llama["fot"] == {"memory_layers": "1"} and probes == [512]  # measured, then cached beside the model
+    assert llama["fot"] == {"memory_layers": "1", "local": 512} and probes == [512]  # measured, then cached beside it
     assert llama["vanilla"] == {"window": 512}
     assert "streaming.chunk=" in llama["streaming"]["error"]  # its default chunk (512) fills this window: said, listed
     assert "512" in llama["rope"]["factor"] and llama["smt"] == {}
     gemma = make_tiny_model_dir(tmp_path / "gemma", family="gemma3_text", max_position_embeddings=512)
-    assert on(gemma)["fot"] == {"memory_layers": "1"} and probes == [512]  # its full-attention layer, unmeasured
+    assert on(gemma)["fot"] == {"memory_layers": "1", "local": 512} and probes == [512]  # its full-attention layer

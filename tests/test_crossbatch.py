@@ -105,9 +105,10 @@ def test_training_forward_equals_inference_with_memory_of_the_previous_context()
     computes the second window of that document with all of the first in memory (dense)."""
     model = tiny_model("llama")
     ids = _ids(1, 2 * L)
-    with lcx.attach(model, ["fot"], local=L, w=1, d=1, memory_layers="1") as run:
+    paper = {"sinks": 0, "positions": "first", "gate": "off"}  # FoT's own inference, which training mirrors
+    with lcx.attach(model, ["fot"], local=L, w=1, d=1, memory_layers="1", **paper) as run:
         train_logits = _forward(run, ids).logits[0, L:]
-    with lcx.attach(model, ["fot"], local=L, memory_layers="1", dense=True) as run:
+    with lcx.attach(model, ["fot"], local=L, memory_layers="1", dense=True, **paper) as run:
         infer_logits = tail_logits(run, torch.cat([ids, ids[:, :1]], 1), L)
     torch.testing.assert_close(train_logits, infer_logits, rtol=1e-4, atol=1e-4)
 

@@ -18,8 +18,13 @@ def _ids(n=N, seed=0):
     return torch.randint(3, 256, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
+# FoT's own settings (memory keys at the local window's start, no sinks, every top-k key read): the invariants
+# below are stated for them; tests of lcx's other settings name theirs
+PAPER = {"sinks": 0, "positions": "first", "gate": "off"}
+
+
 def _logits(model, ids, n=40, **opts):
-    with lcx.attach(model, ["fot"], **opts) as run:
+    with lcx.attach(model, ["fot"], **{**PAPER, **opts}) as run:
         out = tail_logits(run, ids, n)
         stores = run.memory.lcx_stores
     return out, stores
@@ -194,7 +199,7 @@ def test_generate_batch_and_long_inputs_keep_memory_per_row():
     ids = torch.cat([_ids(seed=1), _ids(seed=2)])
     mask = torch.ones_like(ids)
     mask[1, :30] = 0
-    with lcx.attach(model, ["fot"], local=32) as run:
+    with lcx.attach(model, ["fot"], local=32, **PAPER) as run:  # sinks refuse a padded batch past the window
         new = lcx.generate(run, ids, mask, max_new_tokens=5)
         stores = run.memory.lcx_stores
     assert new.shape == (2, 5)
@@ -216,10 +221,10 @@ def test_a_row_padded_longer_than_a_chunk_answers_as_it_does_alone():
     logits = []
     hook = model.lm_head.register_forward_hook(lambda m, i, o: logits.append(o[-1, -1].detach().clone()))
     try:
-        with lcx.attach(model, ["fot"], local=32, memory_layers="0,1") as run:
+        with lcx.attach(model, ["fot"], local=32, memory_layers="0,1", **PAPER) as run:
             batch = lcx.generate(run, ids, mask, max_new_tokens=4)[1]
         padded, logits[:] = list(logits), []
-        with lcx.attach(model, ["fot"], local=32, memory_layers="0,1") as run:
+        with lcx.attach(model, ["fot"], local=32, memory_layers="0,1", **PAPER) as run:
             alone = lcx.generate(run, short, None, max_new_tokens=4)[0]
     finally:
         hook.remove()
@@ -306,15 +311,17 @@ def test_memory_build_then_generate_with_it(tmp_path):
 def test_chunk_slides_the_local_window():
     """chunk < local: every layer keeps exactly ``local`` keys, memory holds everything before them, in order."""
     model = tiny_model("llama")
-    with lcx.attach(model, ["fot"], local=32, chunk=8, memory_layers="0") as run:
+    with lcx.attach(model, ["fot"], local=32, chunk=8, memory_layers="0", **PAPER) as run:
         tail_logits(run, _ids(), 40)
         cache = run.memory
         assert [e - s for s, e in run.plan.windows] == [8] * (N // 8)
     assert all(layer.keys.shape[-2] == 32 for layer in cache.layers)
     store = cache.lcx_stores[0][(0, 0)]
     assert torch.equal(store.positions, torch.arange(N - 32))
-    with pytest.raises(lcx.LcxError, match=r"chunk must be in 0..local \(32\), got 64"):
-        lcx.attach(model, ["fot"], local=32, chunk=64)
+    with lcx.attach(model, ["fot"], local=32, chunk=64) as run:  # more than local is cut to local
+        assert run.method("fot").chunk == 32 and run.method("fot").to_options()["chunk"] == 32
+    with pytest.raises(lcx.LcxError, match=r"chunk and sinks must be >= 0 \(got chunk=-1, sinks=4\)"):
+        lcx.attach(model, ["fot"], chunk=-1)
 
 
 def test_sinks_keep_the_prompts_first_tokens_beside_the_window_as_streaming_does():
@@ -389,7 +396,7 @@ def test_smollm2_multi_doc_memory_answers_about_a_and_about_b():
     questions = {"58203": prompt + "What is the pass key? The pass key is",
                  "Quenmoor": prompt + "What is the secret city called? The secret city is called"}
     for order in (docs, docs[::-1], []):
-        with lcx.attach(model, ["fot"], local=1024, chunk=256, memory_layers="all", mode="multi") as run:
+        with lcx.attach(model, ["fot"], local=1024, chunk=256, memory_layers="all", mode="multi", **PAPER) as run:
             for i, d in enumerate(order):
                 run.method("fot").ingest(run, enc(d), i)
             answers = {want: tok.decode(generate(run, enc(q), max_new_tokens=6)[0]) for want, q in questions.items()}
@@ -419,7 +426,22 @@ def test_local_0_is_the_models_window_so_memory_holds_only_what_truncation_drops
             assert run.method("fot").local == 128
             got[local] = tail_logits(run, ids, 4)
     torch.testing.assert_close(got[0], got[128])
-    with pytest.raises(lcx.LcxError, match=r"chunk must be in 0..local \(128\), got 200"):
-        lcx.attach(model, ["fot"], local=0, chunk=200)
+    with lcx.attach(model, ["fot"], local=0, chunk=200) as run:  # cut to the window once it is known
+        assert run.method("fot").chunk == 128
+    with pytest.raises(lcx.LcxError, match=r"sinks must be in 0..local - 1 \(127\), got 200"):
+        lcx.attach(model, ["fot"], local=0, sinks=200)
     config = {"model_type": "llama", "num_hidden_layers": 4, "max_position_embeddings": 128}
     assert FoT.from_options(local=0, memory_layers="1").resolved(config) == {"memory_layers": "1", "local": 128}
+
+
+def test_records_written_before_the_defaults_changed_keep_fots_own_settings():
+    """fot's defaults became results/fot/ppl-safe's (the whole window local, sinks, memory keys at 4096, gate
+    -1): an adapter sidecar or journal that lacks those options ran FoT's own, and is read so, not at today's."""
+    from lcx.session import trained_methods
+
+    changed = ("local", "chunk", "sinks", "positions", "fixed_distance", "gate")
+    assert [FoT.default_options()[k] for k in changed] == [0, 256, 4, "fixed", 4096, -1.0]
+    assert [FoT.unrecorded_options()[k] for k in changed] == [2048, 0, 0, "first", 0, "off"]
+    old = {"methods": [{"name": "fot", "options": {"local": 256, "chunk": 0, "positions": "first", "k": 32}}]}
+    assert trained_methods(old)["fot"] == {"local": 256, "chunk": 0, "positions": "first", "k": 32,
+                                           "sinks": 0, "fixed_distance": 0, "gate": "off"}

@@ -130,7 +130,8 @@ def test_windowed_caches_are_estimated_by_their_window_and_fots_memory_by_what_i
         est = check_request(run, T, new)["kv_bytes"]
         fot = run.method("fot")
         memory = fot.memory_bytes(run, T)
-        assert fot.cache_tokens(run, T + new) == 64 and est == 64 * per_token + memory
+        # its sinks (4), local window (32) and one chunk (32)
+        assert fot.cache_tokens(run, T + new) == 68 and est == 68 * per_token + memory
     with lcx.attach(model, ["streaming"], **stream_opts) as run:
         assert check_request(run, T, new)["kv_bytes"] == (4 + 24 + 32) * per_token
     # room for fot's estimate and 300 more tokens of every layer: the windowed methods run, the bare model
@@ -165,7 +166,7 @@ def test_a_model_on_a_gpu_is_checked_against_the_gpus_free_memory(monkeypatch):
     opts = dict(local=32, memory_layers="0", mode="multi")
     with lcx.attach(model, ["fot"], backend="faiss-flat", **opts) as run:
         memory = run.method("fot").memory_bytes(run, 4000)
-        free["cuda:0"] = 100 * per_token  # the 64-token window fits the GPU; the memory goes to the host
+        free["cuda:0"] = 100 * per_token  # the 68-token window fits the GPU; the memory goes to the host
         check_request(run, 4000, 4)
         free["cpu"] = memory  # the host has less than the memory needs (over 0.9 of it)
         with pytest.raises(LimitError, match=r"on this machine, more than") as e:
@@ -173,9 +174,9 @@ def test_a_model_on_a_gpu_is_checked_against_the_gpus_free_memory(monkeypatch):
         assert "cached tokens" not in str(e.value) and "4,000 memory entries" in str(e.value)
     with lcx.attach(model, ["fot"], backend="torch", **opts) as run:
         free["cpu"] = 10**12
-        with pytest.raises(LimitError, match=r"\(1 x 64 cached tokens .* memory entries\) on the GPU cuda:0"):
+        with pytest.raises(LimitError, match=r"\(1 x 68 cached tokens .* memory entries\) on the GPU cuda:0"):
             check_request(run, 4000, 4)  # the torch store lives with the model: on the GPU
-        free["cuda:0"] = int((64 * per_token + run.method("fot").memory_bytes(run, 4000)) / 0.85)
+        free["cuda:0"] = int((68 * per_token + run.method("fot").memory_bytes(run, 4000)) / 0.85)
         check_request(run, 4000, 4)
 
 
@@ -256,7 +257,8 @@ def test_the_largest_forward_pass_is_in_the_estimate_and_prefill_is_windowed(mon
         assert check_request(run, 80, 4)["forward_bytes"] == limits.forward_bytes(model, [(1, 84, 84)])
     with lcx.attach(model, ["fot"], local=32, chunk=8) as run:  # fot's joint softmax: float32 scores, every head
         (shape,) = run.method("fot").forward_shapes(run, 84)
-        assert shape[:3] == (1, 8, 40) and shape[3] == 3 * 4 * model.config.num_attention_heads * 8 * (40 + 32)
+        # a chunk of 8 queries over its 4 sinks, 32 local keys and itself, plus k = 32 memory keys
+        assert shape[:3] == (1, 8, 44) and shape[3] == 3 * 4 * model.config.num_attention_heads * 8 * (44 + 32)
         assert check_request(run, 80, 4)["forward_bytes"] == limits.forward_bytes(model, [shape])
 
 

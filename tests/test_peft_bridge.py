@@ -81,9 +81,10 @@ def test_named_methods_keep_what_the_adapters_training_fixed_and_route_flat_opti
     adapter = peft_bridge.random_adapter(tiny_model("llama"), tmp_path / "a", seed=1,
                                          methods=[{"name": "fot", "options": {"positions": "none", "local": 16}}])
     _, _, methods, options = apply_adapter(tiny_model("llama"), adapter, ["fot"], {})
-    assert options["fot"] == {"positions": "none"}  # local: the default, as documented for named methods
+    # local: the default, as documented for named methods; fixed_distance: the sidecar lacks it, so FoT's own
+    assert options["fot"] == {"positions": "none", "fixed_distance": 0}
     _, _, methods, options = apply_adapter(tiny_model("llama"), adapter, ["rope", "fot"], {"k": 8, "factor": 2.0})
-    assert options["fot"] == {"positions": "none", "k": 8} and options["rope"] == {"factor": 2.0}
+    assert options["fot"] == {"positions": "none", "fixed_distance": 0, "k": 8} and options["rope"] == {"factor": 2.0}
     with pytest.raises(lcx.LcxError, match="trained with fot positions=none; positions=first is incompatible"):
         apply_adapter(tiny_model("llama"), adapter, ["fot"], {"positions": "first"})
 

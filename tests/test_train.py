@@ -308,10 +308,10 @@ def test_fot_crossbatch_trains_and_resumes_with_its_d_schedule(model_dir, corpus
     fot = s.run.method("fot")
     assert (fot.local, fot.memory_layers, fot.k) == (16, "1", 8)
     s.close()
-    with pytest.raises(LcxError, match=r"trained with fot positions=first; positions=none is incompatible"):
+    with pytest.raises(LcxError, match=r"trained with fot positions=fixed; positions=none is incompatible"):
         open_session(str(model_dir), adapter=full, options={"fot": {"positions": "none"}})
-    with pytest.raises(LcxError, match=r"positions=fixed is incompatible"):
-        open_session(str(model_dir), ["fot"], {"positions": "fixed"}, adapter=full)
+    with pytest.raises(LcxError, match=r"positions=first is incompatible"):
+        open_session(str(model_dir), ["fot"], {"positions": "first"}, adapter=full)
 
 
 def test_from_scratch_full_training_on_the_dictionary_task(tmp_path):

@@ -21,7 +21,7 @@ from lcx.plugins.streaming.served import StreamingServed
 from tests.conftest import tiny_model
 
 OPTS = dict(sinks=4, window=24, chunk=16)
-FOT = dict(local=24, memory_layers="all", k=4)
+FOT = dict(local=24, memory_layers="all", k=4, sinks=0, positions="first", gate="off")  # FoT's own; cases vary one
 
 
 class FakeEngine:
@@ -195,7 +195,9 @@ def test_without_prompt_lengths_one_token_prompt_pieces_are_the_only_difference(
     dict(FOT, sinks=5, memory_layers="1"),  # sinks in layers without memory too
     dict(FOT, local=0, chunk=16, sinks=2),  # local = the model's window (128): its prompts of 150 reach memory
     dict(FOT, chunk=8, memory_heads="0:1,1:0"),  # one query head per layer reads memory
-], ids=["first", "fixed-chunk8", "none-dense", "capped", "gated", "sinks-chunk8", "sinks", "window", "heads"])
+    dict(local=24, memory_layers="all", k=4),  # fot's defaults: sinks, chunks, keys at a fixed distance, a gate
+], ids=["first", "fixed-chunk8", "none-dense", "capped", "gated", "sinks-chunk8", "sinks", "window", "heads",
+        "defaults"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_served_fot_equals_lcx_fot_over_any_prefill_split_and_interleaving(opts, seed):
     from lcx.registry import registry
@@ -216,7 +218,7 @@ def test_served_fot_equals_lcx_fot_over_any_prefill_split_and_interleaving(opts,
         for i, st in served.requests[k].layers.items():
             held = {len(s) for s in st.data["memory"].values()} if st.data["memory"] else {0}
             local = opts["local"] or model.config.max_position_embeddings
-            entries = max(0, total - local - opts.get("sinks", 0))
+            entries = max(0, total - local - served.m.sinks)
             entries = min(entries, opts["max_entries"]) if opts.get("max_entries") else entries
             assert held == ({entries} if i in layers else {0}), (k, i, held)
 

@@ -372,8 +372,8 @@ def test_the_state_of_served_memory_methods_bounds_the_requests_run_at_once(mode
     # in a window buffer with its spare rows
     recent = 2 * 4 + int((window - 4) * (1 + WINDOW_SLACK)) + 16
     assert request_state_bytes(spec, config, window, 4096) == config["num_hidden_layers"] * recent * per
-    fot = {"name": "fot", "options": {"local": 32, "chunk": 8, "memory_layers": "1"}}
-    local = int(32 * (1 + WINDOW_SLACK))  # a pool slot of local 32 (pools grow by a quarter at most)
+    fot = {"name": "fot", "options": {"local": 32, "chunk": 8, "sinks": 4, "memory_layers": "1"}}
+    local = int(32 * (1 + WINDOW_SLACK)) + 4  # a pool slot of local 32 (pools grow by a quarter at most), the sinks
     memory = 4096 + int(4096 * WINDOW_SLACK)  # every token of the request in a HeadsStore, with its spare rows
     assert request_state_bytes(fot, config, window, 4096) == (config["num_hidden_layers"] * local + memory) * per
     exp = export_for_vllm(str(model_dir), ["fot"], {"fot": fot["options"]}, out=tmp_path / "x", max_model_len=4096,

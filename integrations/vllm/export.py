@@ -271,7 +271,7 @@ def export_for_vllm(model: str, methods: list[str] | tuple[str, ...] = (), optio
     # with a method whose served state lcx's middleware computes (focusllm), the adapters are that state's
     # (lcx's path gates every LoRA to the candidate positions): the middleware applies them, not vLLM
     in_middleware = any(m.serving == "attention" and m.serve_state for m in insts)
-    window = int(config.get("max_position_embeddings") or 0)
+    window = families.json_window(config)  # as lcx generate resolves local=0 (a stretched rope: its original)
     for m in insts:
         if m.serving == "config":
             config = m.vllm_config(config)

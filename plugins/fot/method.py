@@ -1,11 +1,15 @@
 """fot: Focused Transformer / LongLLaMA memory attention at inference (Tworkowski et al. 2023).
 
-The prompt is ingested ``chunk`` tokens at a time (default: ``local``, FoT's
+The prompt is ingested ``chunk`` tokens at a time (``chunk=0``: ``local``, FoT's
 windows; smaller chunks give every query a sliding local context; the chunking
 stage).  Every layer keeps only its local window in the cache; the chosen memory
 layers move the tokens that leave it into a kNN memory (the memory stage), and
 attend to their local keys plus the top-``k`` memory keys per query and head
-under one softmax (the attention stage).  Training-free, a memory only helps in
+under one softmax (the attention stage).  The defaults keep the model's whole
+window local (memory adds only what truncation drops), the prompt's first tokens
+beside it, and read the memory keys near the best local key's score, placed at a
+fixed distance; FoT's own settings are ``-o fot.local=2048 -o fot.chunk=0
+-o fot.sinks=0 -o fot.positions=first -o fot.gate=off``.  Training-free, a memory only helps in
 the layers that copy from far context: ``lcx analyze retrieval`` finds them.  Generation continues with
 ``model.generate()``; new tokens join memory as the local window slides.
 
@@ -66,11 +70,13 @@ class FoT(Method):
                                       "cached beside the model; all where the model has no folder); or LAYER:HEAD "
                                       "pairs like 7:6,14:1")
     k: int = option(32, "memory keys retrieved per query and head")
-    local: int = option(2048, "local context: keys each layer keeps in its cache (a sliding window); 0 = the model's window (memory then holds only what truncation to the window would drop)")
-    chunk: int = option(0, "tokens ingested per forward pass; 0 = local (FoT); smaller keeps every query's local context >= local - chunk")
-    sinks: int = option(0, "the prompt's first tokens every layer keeps beside its local window instead of moving them to memory (attention sinks, as streaming's); 0 = none (FoT)")
-    positions: Literal["first", "fixed", "none"] = option("first", "memory key positions: first (as if at the local window's start, LongLLaMA), fixed (one distance), none")
-    fixed_distance: int = option(0, "distance of every memory key in positions=fixed; 0 = local")
+    # defaults: memory only adds what truncation to the window drops and reads only near-best keys (see
+    # results/fot/ppl-safe); ``before``: FoT's own, which records written without these options ran with
+    local: int = option(0, "local context: keys each layer keeps in its cache (a sliding window); 0 = the model's window (memory then holds only what truncation to the window would drop)", before=2048)
+    chunk: int = option(256, "tokens ingested per forward pass, at most local (a larger value is cut to local); 0 = local (FoT); smaller keeps every query's local context >= local - chunk", before=0)
+    sinks: int = option(4, "the prompt's first tokens every layer keeps beside its local window instead of moving them to memory (attention sinks, as streaming's); 0 = none (FoT)", before=0)
+    positions: Literal["first", "fixed", "none"] = option("fixed", "memory key positions: first (as if at the local window's start, LongLLaMA), fixed (one distance: fixed_distance), none", before="first")
+    fixed_distance: int = option(4096, "distance of every memory key in positions=fixed; 0 = local", before=0)
     dense: bool = option(False, "attend to all of memory (no kNN); exact but linear in memory size")
     backend: str = option("torch", f"kNN backend: {', '.join(KINDS)} (ray: the memory dealt over Ray actors, "
                                    f"see shards; pip install 'lcx[dist]')")
@@ -83,7 +89,7 @@ class FoT(Method):
     ivf_train: int = option(32768, "faiss-ivf: entries searched exactly before the lists are trained on them")
     max_entries: int = option(0, "memory entries kept per layer and head (oldest evicted first); 0 = unbounded")
     mode: Literal["single", "multi"] = option("single", "single: memory cleared per input; multi: kept across inputs (documents)")
-    gate: float | str = option("off", "memory keys a query reads: only those scoring at least its best local key's score + GATE (a logit; 0: only keys that beat every local key; negative: a margin below it); off: all its k best")
+    gate: float | str = option(-1.0, "memory keys a query reads: only those scoring at least its best local key's score + GATE (a logit; 0: only keys that beat every local key; negative: a margin below it); off: all its k best", before="off")
     block: int = option(256, "queries per block in memory attention (bounds peak memory)")
     # training (crossbatch; `lcx train --method fot`, training windows of (w + 1) * local tokens)
     d: int = option(1, "training: documents a memory layer sees (its own + d - 1 others as negatives)")
@@ -108,7 +114,10 @@ class FoT(Method):
         if self.local < 0 or self.block <= 0:
             raise ValueError(f"local must be >= 0 (0 = the model's window) and block > 0 (got local={self.local}, "
                              f"block={self.block})")
+        if self.chunk < 0 or self.sinks < 0:
+            raise ValueError(f"chunk and sinks must be >= 0 (got chunk={self.chunk}, sinks={self.sinks})")
         self._local_is_window = self.local == 0  # set per model by fit_window
+        self._chunk_asked = self.chunk  # cut to each model's local window by fit_window
         if self.local:
             self._check_windows(ValueError)
         if self.positions not in ("first", "fixed", "none"):
@@ -133,9 +142,8 @@ class FoT(Method):
 
     # ------------------------------------------------------------------ configuration
     def _check_windows(self, error: type[Exception]) -> None:
-        if not 0 <= self.chunk <= self.local:
-            raise error(f"chunk must be in 0..local ({self.local}), got {self.chunk}")
-        if not 0 <= self.sinks < self.local:
+        self.chunk = min(self._chunk_asked, self.local)
+        if self.sinks >= self.local:
             raise error(f"sinks must be in 0..local - 1 ({self.local - 1}), got {self.sinks}")
 
     def fit_window(self, window: int) -> None:

@@ -23,9 +23,10 @@ def demo_cmd(model, length, depth, methods, options, as_json) -> None:
     """Passkey at 2x the model's window with each installed method: found?, time, peak memory.
 
     \b
-    Example (what `make demo` runs: fot with the windows results/fot measured on SmolLM2-135M; its memory
-    layers are measured on the model the first time and cached beside it):
-      lcx demo -o fot.local=1024 -o fot.chunk=256
+    Examples (the first is what `make demo` runs: every method at its defaults; fot's memory layers are
+    measured on the model the first time and cached beside it):
+      lcx demo
+      lcx demo --method fot -o fot.local=1024 -o fot.chunk=256     # one method, with options
     """
     from lcx.demo import print_table, run_demo
     from lcx.session import parse_options
