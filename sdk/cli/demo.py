@@ -23,10 +23,10 @@ def demo_cmd(model, length, depth, methods, options, as_json) -> None:
     """Passkey at 2x the model's window with each installed method: found?, time, peak memory.
 
     \b
-    Examples (the first is what `make demo` runs: every method at its defaults; fot's memory layers are
-    measured on the model the first time and cached beside it):
-      lcx demo
-      lcx demo --method fot -o fot.local=1024 -o fot.chunk=256     # one method, with options
+    Examples (the second is what `make demo` runs: fot in the passkey configuration results/fot measured on
+    SmolLM2-135M; fot's memory layers are measured on the model the first time and cached beside it):
+      lcx demo                                       # every method at its defaults
+      lcx demo -o fot.local=1024 -o fot.chunk=256
     """
     from lcx.demo import print_table, run_demo
     from lcx.session import parse_options
