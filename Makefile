@@ -3,10 +3,11 @@
 .PHONY: setup demo test test-fast bench
 
 VENV ?= .venv
-# fot runs the passkey configuration results/fot measured on SmolLM2-135M (local 1024, chunk 256): its defaults
-# keep perplexity near truncation's but miss this key (results/fot/defaults).  Its memory layers are its default,
-# auto: measured on the model at first use and cached beside it.  `make demo DEMO_OPTIONS=` runs every default.
-DEMO_OPTIONS ?= -o fot.local=1024 -o fot.chunk=256
+# fot runs the passkey configuration results/fot measured on SmolLM2-135M (local 1024, chunk 256, FoT's own
+# positions, no sinks, no gate): its defaults keep perplexity near truncation's but miss this key
+# (results/fot/defaults).  Its memory layers are its default, auto: measured on the model at first use and cached
+# beside it.  `make demo DEMO_OPTIONS=` runs every default.
+DEMO_OPTIONS ?= -o fot.local=1024 -o fot.chunk=256 -o fot.sinks=0 -o fot.positions=first -o fot.gate=off
 
 setup:
 	@bash scripts/setup.sh

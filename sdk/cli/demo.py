@@ -26,7 +26,7 @@ def demo_cmd(model, length, depth, methods, options, as_json) -> None:
     Examples (the second is what `make demo` runs: fot in the passkey configuration results/fot measured on
     SmolLM2-135M; fot's memory layers are measured on the model the first time and cached beside it):
       lcx demo                                       # every method at its defaults
-      lcx demo -o fot.local=1024 -o fot.chunk=256
+      lcx demo -o fot.local=1024 -o fot.chunk=256 -o fot.sinks=0 -o fot.positions=first -o fot.gate=off
     """
     from lcx.demo import print_table, run_demo
     from lcx.session import parse_options
