@@ -243,11 +243,15 @@ class Method:
         return cls.from_options().to_options()
 
     @classmethod
+    def before_options(cls) -> dict[str, Any]:
+        """The options that name a ``before`` value, at it."""
+        return {f.name: f.metadata["before"] for f in cls.options() if "before" in f.metadata}
+
+    @classmethod
     def unrecorded_options(cls) -> dict[str, Any]:
         """What a record that lacks an option (a journal or sidecar written before it existed or before its
         default changed) ran with: its ``before`` value, else its default."""
-        return {**cls.default_options(),
-                **{f.name: f.metadata["before"] for f in cls.options() if "before" in f.metadata}}
+        return {**cls.default_options(), **cls.before_options()}
 
     # ------------------------------------------------------------------ introspection
     @classmethod

@@ -101,15 +101,8 @@ def trained_methods(sidecar: dict[str, Any]) -> dict[str, dict[str, Any]]:
     from lcx.registry import registry
 
     reg = registry()
-    out = {}
-    for m in sidecar.get("methods", []):
-        recorded = dict(m.get("options") or {})
-        if m["name"] in reg.methods:
-            unrecorded = reg.get(m["name"]).unrecorded_options()
-            before = {f.name for f in reg.get(m["name"]).options() if "before" in f.metadata}
-            recorded = {**{k: unrecorded[k] for k in before if k not in recorded}, **recorded}
-        out[m["name"]] = recorded
-    return out
+    return {m["name"]: {**(reg.get(m["name"]).before_options() if m["name"] in reg.methods else {}),
+                        **(m.get("options") or {})} for m in sidecar.get("methods", [])}
 
 
 def check_adapter_methods(trained: dict[str, dict], options: dict[str, Any], methods: list[str], adapter) -> None:

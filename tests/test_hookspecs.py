@@ -50,7 +50,7 @@ def test_every_question_lcx_asks_a_method_is_listed_with_the_stages():
     from lcx.method import Method
 
     not_extension_points = {"name", "description", "options", "from_options", "to_options", "default_options",
-                            "unrecorded_options", "stages"}
+                            "before_options", "unrecorded_options", "stages"}
     points = {n for n in vars(Method) if not n.startswith("_")} - not_extension_points
     listed = set(re.findall(r"[a-z_]+", hookspecs.__doc__.split("asked:")[1].split("What lcx shares")[0]))
     assert points and points <= listed, f"Method override points missing from hookspecs.py: {sorted(points - listed)}"
