@@ -130,6 +130,36 @@ def test_a_gate_reads_only_the_memory_keys_near_the_best_local_score():
     torch.testing.assert_close(joint_softmax(local, lv, mem, mv, False, -1e4), joint_softmax(local, lv, mem, mv, False))
 
 
+def test_a_gate_past_the_sinks_measures_against_the_marked_local_keys_only():
+    """gate_keys: the best local score a gate measures against is the best among the marked keys (the window's
+    own, the sinks left out); every local key still takes part in the softmax."""
+    from lcx.plugins.fot.attention import joint_softmax
+
+    g = torch.Generator().manual_seed(2)
+    local, lv = torch.randn(2, 4, 6, generator=g), torch.randn(2, 6, 5, generator=g)
+    mem, mv = torch.randn(2, 4, 7, generator=g), torch.randn(2, 4, 7, 5, generator=g)
+    local[..., 0] += 5.0  # a sink every query's best key
+    marked = torch.arange(6) >= 1
+    keep = mem >= local[..., 1:].amax(-1, keepdim=True)
+    assert keep.any() and not (mem >= local.amax(-1, keepdim=True)).any()
+    p = torch.cat([local, mem.masked_fill(~keep, float("-inf"))], -1).softmax(-1)
+    want = p[..., :6] @ lv + (p[..., 6:, None] * mv).sum(-2)
+    torch.testing.assert_close(joint_softmax(local, lv, mem, mv, False, 0.0, marked), want)
+    torch.testing.assert_close(joint_softmax(local, lv, mem, mv, False, 0.0, torch.ones(6, dtype=torch.bool)),
+                               joint_softmax(local, lv, mem, mv, False, 0.0))
+
+
+def test_gate_sinks_false_reads_memory_a_sink_would_have_gated_out():
+    """With sinks held, gate_sinks=false measures the gate against the window's own keys: on a model the output
+    differs from the gate against every key, and without sinks there is nothing to leave out."""
+    model, ids = tiny_model("llama"), _ids()
+    opts = dict(local=32, chunk=8, memory_layers="all", gate=0.0)
+    with_sinks = _logits(model, ids, sinks=4, **opts)[0]
+    assert not torch.allclose(_logits(model, ids, sinks=4, gate_sinks=False, **opts)[0], with_sinks)
+    torch.testing.assert_close(_logits(model, ids, sinks=0, gate_sinks=False, **opts)[0],
+                               _logits(model, ids, sinks=0, **opts)[0])
+
+
 def test_gate_on_a_model_changes_what_memory_adds_and_is_checked():
     model, ids = tiny_model("llama"), _ids()
     base = _logits(model, ids, local=32)[0]

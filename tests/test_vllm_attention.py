@@ -196,8 +196,9 @@ def test_without_prompt_lengths_one_token_prompt_pieces_are_the_only_difference(
     dict(FOT, local=0, chunk=16, sinks=2),  # local = the model's window (128): its prompts of 150 reach memory
     dict(FOT, chunk=8, memory_heads="0:1,1:0"),  # one query head per layer reads memory
     dict(local=24, memory_layers="all", k=4),  # fot's defaults: sinks, chunks, keys at a fixed distance, a gate
+    dict(local=24, memory_layers="all", k=4, gate=0.0, gate_sinks=False),  # the gate measured past the sinks
 ], ids=["first", "fixed-chunk8", "none-dense", "capped", "gated", "sinks-chunk8", "sinks", "window", "heads",
-        "defaults"])
+        "defaults", "gate-past-sinks"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_served_fot_equals_lcx_fot_over_any_prefill_split_and_interleaving(opts, seed):
     from lcx.registry import registry

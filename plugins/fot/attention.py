@@ -34,6 +34,7 @@ def memory_attention(
     block: int,
     gate: float | None = None,
     heads: torch.Tensor | None = None,  # (H,) bool: the query heads that read memory (None: every head)
+    gate_keys: torch.Tensor | None = None,  # (B|1, S) bool: the local keys the gate measures against (None: all)
 ) -> torch.Tensor:
     """(B, T, H, Dv): each query head's softmax over its local keys (under ``mask``) joined with its KV head's
     top-``k`` memory keys (``dense``: every memory key; ``gate``: see ``joint_softmax``; a head left out of
@@ -64,19 +65,22 @@ def memory_attention(
                 mem, mv = row_search(memory, b, qm, k, dense)  # (Hkv, G*c, W), values (Hkv, [G*c,] W, Dv)
                 if heads is not None:
                     mem = mem.masked_fill(~heads.view(Hkv, G).repeat_interleave(c, 1)[..., None], float("-inf"))
-                o = joint_softmax(local, vl, mem * scaling, mv, dense, gate)
+                ref = None if gate_keys is None else gate_keys[b if gate_keys.shape[0] > 1 else 0]
+                o = joint_softmax(local, vl, mem * scaling, mv, dense, gate, ref)
             out[b, s:e] = o.view(H, c, -1).transpose(0, 1).to(out.dtype)
     return out
 
 
 def joint_softmax(local: torch.Tensor, local_values: torch.Tensor, mem: torch.Tensor, mem_values: torch.Tensor,
-                  dense: bool, gate: float | None = None) -> torch.Tensor:
+                  dense: bool, gate: float | None = None, gate_keys: torch.Tensor | None = None) -> torch.Tensor:
     """One softmax over scaled local scores (..., Q, S) and memory scores (..., Q, W) together: the local
     values (..., S, Dv) weighted by the first part plus the memory values by the second, each query's own
     (..., Q, W, Dv), or shared by the queries when ``dense`` (..., W, Dv).  ``gate``: a memory key is read
-    only where its score is at least the query's best local score + gate (weak matches are left out)."""
+    only where its score is at least the query's best local score + gate (weak matches are left out), the best
+    among the local keys ``gate_keys`` (bool, broadcast to (..., S)) marks where given."""
     if gate is not None:
-        mem = mem.masked_fill(mem < local.amax(-1, keepdim=True) + gate, float("-inf"))
+        ref = local if gate_keys is None else local.masked_fill(~gate_keys, float("-inf"))
+        mem = mem.masked_fill(mem < ref.amax(-1, keepdim=True) + gate, float("-inf"))
     joint = torch.cat([local, mem], dim=-1).softmax(-1)
     pl, pm = joint[..., :local.shape[-1]], joint[..., local.shape[-1]:]
     mem_out = torch.matmul(pm, mem_values) if dense else (pm[..., None, :] @ mem_values)[..., 0, :]
