@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 52, build 2: fot configurations whose perplexity on ordinary text is not worse than truncation to the
 # window, measured side by side with truncation (vanilla), SmolLM2-135M, two books (as results/fot/run.sh ppl).
-#   bash results/fot/ppl-safe/run.sh [STEP...]     # steps: local8k gate sinks8k sinks sinks_fixed sinks_fixed_gate passkey passkey_far passkey_far_fixed passkey_far_fixed_gate heads_fixed passkey_far_heads fixed4096 passkey_far_fixed4096 fixed4096_gate passkey_far_fixed4096_gate fixed4096_gate_m2 passkey_far_fixed4096_gate_m2 fixed4096_gate_m1 passkey_far_fixed4096_gate_m1 confirm_books confirm_seed confirm_32k
+#   bash results/fot/ppl-safe/run.sh [STEP...]     # steps: local8k gate sinks8k sinks sinks_fixed sinks_fixed_gate passkey passkey_far passkey_far_fixed passkey_far_fixed_gate heads_fixed passkey_far_heads fixed4096 passkey_far_fixed4096 fixed4096_gate passkey_far_fixed4096_gate fixed4096_gate_m2 passkey_far_fixed4096_gate_m2 fixed4096_gate_m1 passkey_far_fixed4096_gate_m1 confirm_books confirm_seed confirm_32k gate_past_sinks passkey_mid_gate_past_sinks passkey_mid_gate_off passkey_edge_local7k
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 LCX=${LCX:-.venv/bin/lcx}  # LCX=echo prints the commands
@@ -101,6 +101,24 @@ confirm_seed() {  # the candidate's far passkey (16K, depth 0.1) with other keys
 confirm_32k() {  # the candidate's passkey at 32K, needles ~29K and ~16K back (depths 0.1, 0.5)
     $LCX eval passkey -m smollm2-135m --method fot "${CANDIDATE[@]}" \
         --lengths 32K --depths 0.1,0.5 --out results/fot/ppl-safe/confirm-32k --resume --json > /dev/null
+}
+PAST_SINKS=(-o fot.positions=fixed -o fot.fixed_distance=4096 -o fot.gate=0 -o fot.gate_sinks=false)
+gate_past_sinks() {  # fixed4096 with gate 0 measured against the window's own keys, not the sinks (16K)
+    ppl16k sinks-fixed4096-gate0-past-sinks "${PAST_SINKS[@]}"
+}
+passkey_mid_gate_past_sinks() {  # its passkey at the depths the defaults (gate -1 against every key) miss: 0.3, 0.5
+    $LCX eval passkey -m smollm2-135m --method fot "${SINKS[@]}" "${PAST_SINKS[@]}" --samples 2 \
+        --lengths 16K --depths 0.3,0.5 --out results/fot/ppl-safe/passkey-gate0-past-sinks-16k-mid --resume --json > /dev/null
+}
+passkey_mid_gate_off() {  # the same needles with no gate (distance 4096, every top-k memory key read: fixed4096)
+    $LCX eval passkey -m smollm2-135m --method fot "${SINKS[@]}" -o fot.positions=fixed -o fot.fixed_distance=4096 \
+        -o fot.gate=off --samples 2 --lengths 16K --depths 0.3,0.5 --out results/fot/ppl-safe/passkey-gate-off-16k-mid \
+        --resume --json > /dev/null
+}
+passkey_edge_local7k() {  # depth 0.5 at 16K puts the needle ~8.15K back, inside the 8K local window at its far edge:
+    # the past-sinks cell with a local window 1K under the model's, so that needle is read from memory instead
+    $LCX eval passkey -m smollm2-135m --method fot "${SINKS[@]}" "${PAST_SINKS[@]}" -o fot.local=7168 --samples 1 \
+        --lengths 16K --depths 0.5 --out results/fot/ppl-safe/passkey-gate0-past-sinks-local7k-16k-edge --resume --json > /dev/null
 }
 [ $# -eq 0 ] && set -- local8k gate sinks passkey
 for s in "$@"; do "$s"; done
