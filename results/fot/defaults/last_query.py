@@ -1,9 +1,11 @@
 """What fot's memory heads read at a passkey prompt's last query (the one that gives the first answer token).
 
     .venv/bin/python results/fot/defaults/last_query.py run DEPTH [KEY=VALUE ...]   # one 16K prompt, fot's options
+    .venv/bin/python results/fot/defaults/last_query.py run DEPTH passkey=65125 ...  # another key than the demo's
     .venv/bin/python results/fot/defaults/last_query.py summary                    # the runs' tables and JSON
 
-SmolLM2-135M, float32, the filler passkey of `lcx demo` (seed 0's key). `run` wraps fot's memory attention
+SmolLM2-135M, float32, the filler passkey of `lcx demo` (seed 0's key, or ``passkey=``: the filler does not depend
+on the key, so an eval's prompt is rebuilt from its key).  `run` wraps fot's memory attention
 (lcx.plugins.fot.attention) to record, per memory layer and query head at the last prompt position: the best
 local score, the best one past the 4 sinks (the window's own keys), the best score of a needle token among the
 head's top-k memory keys, the softmax mass on the needle and on all memory (after the gate), plus the query
@@ -23,7 +25,7 @@ OUT = Path(__file__).parent / "last-query"
 LENGTH, SINKS, G = 16384, 4, 3  # SmolLM2-135M: 9 query heads, 3 KV heads
 
 
-def run(depth: float, opts: dict) -> None:
+def run(depth: float, opts: dict, key: int | None = None) -> None:
     import lcx.plugins.fot.attention as A
     from lcx.composition import attach
     from lcx.evals.passkey import NEEDLE, passkey_found, prompt_and_needle
@@ -31,7 +33,7 @@ def run(depth: float, opts: dict) -> None:
     from lcx.models import load_model
 
     model, tok = load_model("smollm2-135m", dtype=torch.float32)
-    key = random.Random(0).randint(10000, 99999)
+    key = key or random.Random(0).randint(10000, 99999)
     ids, start = prompt_and_needle(tok, LENGTH, depth, key)
     span = (start, start + len(tok(" " + NEEDLE.format(key=key) + " ", add_special_tokens=False)["input_ids"]))
     calls, cur = [], {}
@@ -68,7 +70,8 @@ def run(depth: float, opts: dict) -> None:
     text = tok.decode(new[0], skip_special_tokens=True)
     prefill = [c for c in calls if c["T"] > 1][-len(layers):]  # the last chunk: one block per memory layer
     OUT.mkdir(exist_ok=True)
-    name = "-".join([f"depth{depth}", *(f"{k}={v}" for k, v in opts.items())])
+    name = "-".join([f"depth{depth}", *([f"key{key}"] if key != random.Random(0).randint(10000, 99999) else []),
+                     *(f"{k}={v}" for k, v in opts.items())])
     torch.save({"depth": depth, "opts": opts, "span": span, "tokens": int(ids.shape[0]), "key": key, "text": text,
                 "found": passkey_found(key, text), "layers": layers, "last": prefill}, OUT / f"{name}.pt")
     print(f"{name}: {text!r} found={passkey_found(key, text)}")
@@ -121,7 +124,8 @@ if __name__ == "__main__":
                 opts[k] = json.loads(v)
             except json.JSONDecodeError:
                 opts[k] = v
-        run(float(sys.argv[2]), opts)
+        passkey = opts.pop("passkey", None)
+        run(float(sys.argv[2]), opts, int(passkey) if passkey is not None else None)
     elif sys.argv[1:2] == ["summary"]:
         summary()
     else:
