@@ -149,15 +149,27 @@ def test_a_gate_past_the_sinks_measures_against_the_marked_local_keys_only():
                                joint_softmax(local, lv, mem, mv, False, 0.0))
 
 
-def test_gate_sinks_false_reads_memory_a_sink_would_have_gated_out():
-    """With sinks held, gate_sinks=false measures the gate against the window's own keys: on a model the output
-    differs from the gate against every key, and without sinks there is nothing to leave out."""
+def test_gate_sinks_false_reads_memory_a_sink_would_have_gated_out(monkeypatch):
+    """With sinks held, gate_sinks=false measures the gate against the window's own keys: memory attention is
+    handed exactly the held sinks as the keys to leave out, and on a model the output differs from the gate
+    against every key."""
+    import lcx.plugins.fot.method as fot_method
+
     model, ids = tiny_model("llama"), _ids()
-    opts = dict(local=32, chunk=8, memory_layers="all", gate=0.0)
-    with_sinks = _logits(model, ids, sinks=4, **opts)[0]
-    assert not torch.allclose(_logits(model, ids, sinks=4, gate_sinks=False, **opts)[0], with_sinks)
-    torch.testing.assert_close(_logits(model, ids, sinks=0, gate_sinks=False, **opts)[0],
-                               _logits(model, ids, sinks=0, **opts)[0])
+    opts = dict(local=32, chunk=8, memory_layers="all", gate=0.0, sinks=4)
+    with_sinks = _logits(model, ids, **opts)[0]
+    handed, attention = [], fot_method.memory_attention
+
+    def recording(*args, **kwargs):
+        handed.append(args[-1])
+        return attention(*args, **kwargs)
+
+    monkeypatch.setattr(fot_method, "memory_attention", recording)
+    past = _logits(model, ids, gate_sinks=False, **opts)[0]
+    assert not torch.allclose(past, with_sinks)
+    marks = [m for m in handed if m is not None]
+    assert marks and all(m.shape[0] == 1 and m[0, :4].logical_not().all() and m[0, 4:].all() for m in marks)
+    assert all(m.shape[-1] > 4 for m in marks)  # a window beside the 4 sinks
 
 
 def test_gate_on_a_model_changes_what_memory_adds_and_is_checked():

@@ -90,7 +90,7 @@ class FoT(Method):
     max_entries: int = option(0, "memory entries kept per layer and head (oldest evicted first); 0 = unbounded")
     mode: Literal["single", "multi"] = option("single", "single: memory cleared per input; multi: kept across inputs (documents)")
     gate: float | str = option(-1.0, "memory keys a query reads: only those scoring at least its best local key's score + GATE (a logit; 0: only keys that beat every local key; negative: a margin below it); off: all its k best", before="off")
-    gate_sinks: bool = option(True, "whether GATE's best local key may be a sink; false: the best of the window's own keys (a sink's score says how much a head attends nowhere, not how well a key matches)", before=True)
+    gate_sinks: bool = option(True, "whether GATE's best local key may be a sink; false: the best of the window's own keys (a sink's score says how much a head attends nowhere, not how well a key matches)")
     block: int = option(256, "queries per block in memory attention (bounds peak memory)")
     # training (crossbatch; `lcx train --method fot`, training windows of (w + 1) * local tokens)
     d: int = option(1, "training: documents a memory layer sees (its own + d - 1 others as negatives)")

@@ -250,10 +250,13 @@ class FoTServed(ServedAttention):
         at ``local_start`` (R, 1)."""
         return self.m.query_shift(positions, local_start).to(torch.float64)
 
-    def _gate_keys(self, held: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor | None:
-        """(R, W) bool: the window keys (positions ``held``) a gate measures against, past each row's ``sinks``
-        held (R,) where the gate leaves sinks out (``FoTLayer.kept`` on lcx's path); None: every key."""
-        return None if self.m.gate_sinks else held >= sinks[:, None]
+    def _gate_keys(self, held: torch.Tensor, sinks) -> torch.Tensor | None:
+        """(R, W) bool: the window keys (positions ``held``) a gate measures against, past the sinks each row
+        holds (``sinks()``: (R,) counts) where the gate leaves sinks out (``FoTLayer.kept`` on lcx's path); None:
+        every key."""
+        if self.m.gate_sinks:
+            return None
+        return held >= torch.as_tensor(sinks(), device=held.device)[:, None]
 
     def read(self, st, module, q, k, v, pos, scale):
         from lcx.plugins.fot.attention import memory_attention, row_entries
@@ -280,7 +283,7 @@ class FoTServed(ServedAttention):
         out = memory_attention(q[None], keys[None], values[None], mask, memory, shift, self.inv_freq(module), scale,
                                self.m.k, self.m.dense, self.m.block, self.m.gate_logit,
                                self.m.head_mask(module.config, int(module.layer_idx), q.device),
-                               self._gate_keys(held, torch.tensor([d["sink_k"].shape[1]], device=q.device)))
+                               self._gate_keys(held, lambda: [d["sink_k"].shape[1]]))
         return out[0].transpose(0, 1)
 
     def batches(self, st):
@@ -346,8 +349,8 @@ class FoTServed(ServedAttention):
             kl, vl = keys.float(), values.float()
             local = torch.matmul(q.float(), kl.transpose(-1, -2)).mul_(scale)
             local.masked_fill_(~allowed[:, None, None, :], float("-inf"))
-            ns = pos.new_zeros(R).index_copy_(0, sel, torch.tensor([d["sink_k"].shape[1] for d in states], device=dev))
-            ref = self._gate_keys(held, ns)
+            ref = self._gate_keys(held, lambda: pos.new_zeros(R).index_copy_(
+                0, sel, torch.tensor([d["sink_k"].shape[1] for d in states], device=dev)))
             o = joint_softmax(local, vl, mem * scale, mv, False, self.m.gate_logit,
                               None if ref is None else ref[:, None, None])
         out[rows] = o[sel].reshape(len(batch), H, -1).to(out.dtype)
