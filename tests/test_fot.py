@@ -170,6 +170,8 @@ def test_gate_sinks_false_reads_memory_a_sink_would_have_gated_out(monkeypatch):
     marks = [m for m in handed if m is not None]
     assert marks and all(m.shape[0] == 1 and m[0, :4].logical_not().all() and m[0, 4:].all() for m in marks)
     assert all(m.shape[-1] > 4 for m in marks)  # a window beside the 4 sinks
+    with pytest.raises(lcx.LcxError, match="gate_sinks=false says what a gate measures against, and gate is off"):
+        lcx.attach(model, ["fot"], gate="off", gate_sinks=False)
 
 
 def test_gate_on_a_model_changes_what_memory_adds_and_is_checked():

@@ -112,6 +112,9 @@ class FoT(Method):
             raise ValueError(f"bank must be >= 0 (contexts of earlier steps kept as memory; 0 = none), got {self.bank}")
         if self.gate != "off" and isinstance(self.gate, str):
             raise ValueError(f"gate must be a number (a logit: 0, -2, ...) or off, got {self.gate!r}")
+        if not self.gate_sinks and self.gate == "off":
+            raise ValueError("gate_sinks=false says what a gate measures against, and gate is off; give a gate "
+                             "(-o fot.gate=0) or drop gate_sinks")
         if self.local < 0 or self.block <= 0:
             raise ValueError(f"local must be >= 0 (0 = the model's window) and block > 0 (got local={self.local}, "
                              f"block={self.block})")
