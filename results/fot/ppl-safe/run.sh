@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 52, build 2: fot configurations whose perplexity on ordinary text is not worse than truncation to the
 # window, measured side by side with truncation (vanilla), SmolLM2-135M, two books (as results/fot/run.sh ppl).
-#   bash results/fot/ppl-safe/run.sh [STEP...]     # steps: local8k gate sinks8k sinks sinks_fixed sinks_fixed_gate passkey passkey_far passkey_far_fixed passkey_far_fixed_gate heads_fixed passkey_far_heads fixed4096 passkey_far_fixed4096 fixed4096_gate passkey_far_fixed4096_gate fixed4096_gate_m2 passkey_far_fixed4096_gate_m2 fixed4096_gate_m1 passkey_far_fixed4096_gate_m1 confirm_books confirm_seed confirm_32k gate_past_sinks passkey_mid_gate_past_sinks passkey_mid_gate_off passkey_edge_local7k
+#   bash results/fot/ppl-safe/run.sh [STEP...]     # steps: local8k gate sinks8k sinks sinks_fixed sinks_fixed_gate passkey passkey_far passkey_far_fixed passkey_far_fixed_gate heads_fixed passkey_far_heads fixed4096 passkey_far_fixed4096 fixed4096_gate passkey_far_fixed4096_gate fixed4096_gate_m2 passkey_far_fixed4096_gate_m2 fixed4096_gate_m1 passkey_far_fixed4096_gate_m1 confirm_books confirm_seed confirm_32k gate_past_sinks passkey_mid_gate_past_sinks passkey_mid_gate_off passkey_edge_local7k bare_window_edge bare_window_depths gate_m2_past_sinks passkey_mid_gate_m2_past_sinks
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 LCX=${LCX:-.venv/bin/lcx}  # LCX=echo prints the commands
@@ -119,6 +119,23 @@ passkey_edge_local7k() {  # depth 0.5 at 16K puts the needle ~8.15K back, inside
     # the past-sinks cell with a local window 1K under the model's, so that needle is read from memory instead
     $LCX eval passkey -m smollm2-135m --method fot "${SINKS[@]}" "${PAST_SINKS[@]}" -o fot.local=7168 --samples 1 \
         --lengths 16K --depths 0.5 --out results/fot/ppl-safe/passkey-gate0-past-sinks-local7k-16k-edge --resume --json > /dev/null
+}
+bare_window_edge() {  # the bare model (no method) with its needle as far back as its own window allows: an 8,150-token
+    # prompt, needles ~8.1K back (depth 0) and ~4K back (0.5, a control). Whether SmolLM2 reads its window's far edge at all
+    $LCX eval passkey -m smollm2-135m --samples 3 --lengths 8150 --depths 0,0.5 \
+        --out results/fot/ppl-safe/passkey-bare-8150-edge --resume --json > /dev/null
+}
+bare_window_depths() {  # the same 8,150-token prompt, needles ~7.3K, ~6.5K and ~5.7K back: how far back the bare model reads
+    $LCX eval passkey -m smollm2-135m --samples 3 --lengths 8150 --depths 0.1,0.2,0.3 \
+        --out results/fot/ppl-safe/passkey-bare-8150-depths --resume --json > /dev/null
+}
+PAST_SINKS_M2=(-o fot.positions=fixed -o fot.fixed_distance=4096 -o fot.gate=-2 -o fot.gate_sinks=false)
+gate_m2_past_sinks() {  # gate -2 measured against the window's own keys: what last_query.py found key 65125 with (16K)
+    ppl16k sinks-fixed4096-gate-2-past-sinks "${PAST_SINKS_M2[@]}"
+}
+passkey_mid_gate_m2_past_sinks() {  # its passkey at depth 0.3 (~11.4K back, in memory), 3 keys: the first two are passkey_mid_*'s
+    $LCX eval passkey -m smollm2-135m --method fot "${SINKS[@]}" "${PAST_SINKS_M2[@]}" --samples 3 \
+        --lengths 16K --depths 0.3 --out results/fot/ppl-safe/passkey-gate-2-past-sinks-16k-mid --resume --json > /dev/null
 }
 [ $# -eq 0 ] && set -- local8k gate sinks passkey
 for s in "$@"; do "$s"; done
