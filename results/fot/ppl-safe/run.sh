@@ -120,22 +120,23 @@ passkey_edge_local7k() {  # depth 0.5 at 16K puts the needle ~8.15K back, inside
     $LCX eval passkey -m smollm2-135m --method fot "${SINKS[@]}" "${PAST_SINKS[@]}" -o fot.local=7168 --samples 1 \
         --lengths 16K --depths 0.5 --out results/fot/ppl-safe/passkey-gate0-past-sinks-local7k-16k-edge --resume --json > /dev/null
 }
-bare_window_edge() {  # the bare model (no method) with its needle as far back as its own window allows: an 8,150-token
-    # prompt, needles ~8.1K back (depth 0) and ~4K back (0.5, a control). Whether SmolLM2 reads its window's far edge at all
-    $LCX eval passkey -m smollm2-135m --samples 3 --lengths 8150 --depths 0,0.5 \
-        --out results/fot/ppl-safe/passkey-bare-8150-edge --resume --json > /dev/null
+bare() {  # OUT DEPTHS: the bare model (no method), an 8,150-token filler passkey (as long as its window allows), 3 keys a depth
+    local out=$1 depths=$2
+    $LCX eval passkey -m smollm2-135m --samples 3 --lengths 8150 --depths $depths \
+        --out results/fot/ppl-safe/$out --resume --json > /dev/null
 }
-bare_window_depths() {  # the same 8,150-token prompt, needles ~7.3K, ~6.5K and ~5.7K back: how far back the bare model reads
-    $LCX eval passkey -m smollm2-135m --samples 3 --lengths 8150 --depths 0.1,0.2,0.3 \
-        --out results/fot/ppl-safe/passkey-bare-8150-depths --resume --json > /dev/null
+bare_window_edge() {  # needles ~8.1K back (depth 0) and ~4K back (0.5, a control): whether SmolLM2 reads its window's far edge at all
+    bare passkey-bare-8150-edge 0,0.5
+}
+bare_window_depths() {  # needles ~7.3K, ~6.5K and ~5.7K back: how far back the bare model reads
+    bare passkey-bare-8150-depths 0.1,0.2,0.3
 }
 PAST_SINKS_M2=(-o fot.positions=fixed -o fot.fixed_distance=4096 -o fot.gate=-2 -o fot.gate_sinks=false)
 gate_m2_past_sinks() {  # gate -2 measured against the window's own keys: what last_query.py found key 65125 with (16K)
     ppl16k sinks-fixed4096-gate-2-past-sinks "${PAST_SINKS_M2[@]}"
 }
 passkey_mid_gate_m2_past_sinks() {  # its passkey at depth 0.3 (~11.4K back, in memory), 3 keys: the first two are passkey_mid_*'s
-    $LCX eval passkey -m smollm2-135m --method fot "${SINKS[@]}" "${PAST_SINKS_M2[@]}" --samples 3 \
-        --lengths 16K --depths 0.3 --out results/fot/ppl-safe/passkey-gate-2-past-sinks-16k-mid --resume --json > /dev/null
+    far passkey-gate-2-past-sinks-16k-mid 0.3 "${PAST_SINKS_M2[@]}" --samples 3
 }
 [ $# -eq 0 ] && set -- local8k gate sinks passkey
 for s in "$@"; do "$s"; done
