@@ -18,7 +18,7 @@ pytestmark = SERVING
 
 
 def test_focusllm_server_equals_the_hf_path_and_keeps_concurrent_requests_apart(tmp_path_factory, tok):
-    """Past the window (1.5x) the served tokens equal `lcx generate --method focusllm -o focusllm.refresh=0`;
+    """Past the window (1.25x) the served tokens equal `lcx generate --method focusllm -o focusllm.refresh=0`;
     8 concurrent prompts, shuffled, each with its own key (one chunk of candidates, or short enough to be read
     as it is), get the tokens that prompt gets alone; every candidate file is gone after its request; a request
     over lcx's limits (the middleware reads the whole prompt) gets a 400 and the server serves on.

@@ -13,7 +13,7 @@ pytestmark = SERVING
 
 
 def test_streaming_server_equals_the_hf_path_and_keeps_concurrent_requests_apart(tmp_path_factory, tok):
-    """Past the window (1.5x) the served tokens equal lcx's streaming path; 8 concurrent requests, shuffled, those of
+    """Past the window (1.25x) the served tokens equal lcx's streaming path; 8 concurrent requests, shuffled, those of
     1,500 tokens longer than sinks + window (each evicting its own keys), passkeys in their recent windows, each
     get their own key (the per-request state is keyed and reset per request).  A 1,024-token recent window (not
     the default ~7.7K) makes the long prompt cheaper on both sides, and the 1,500-token prompts evict.

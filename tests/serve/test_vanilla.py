@@ -45,6 +45,7 @@ _TASKS: dict = {}  # tokenizer -> lm-eval's TaskManager for it, shared by the ru
 def _niah_through_lm_eval(model: str, model_args: str) -> list[tuple[str, float]]:
     """lm-eval's niah_single_1, 2 samples of 2,048 tokens, 8 new tokens each: (answer, score) per sample."""
     import os
+    from pathlib import Path
 
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -55,8 +56,10 @@ def _niah_through_lm_eval(model: str, model_args: str) -> list[tuple[str, float]
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     tokenizer = str(resolve_model_path(MODEL))
     if tokenizer not in _TASKS:  # what simple_evaluate's own TaskManager would carry for the task (its tokenizer
-        # and lengths), made once per tokenizer: it indexes every lm-eval task folder
-        _TASKS[tokenizer] = TaskManager(metadata={"tokenizer": tokenizer, "max_seq_lengths": [2048]})
+        # and lengths), indexing only the RULER folder: every lm-eval task folder takes seconds to index
+        ruler = Path(lm_eval.__file__).parent / "tasks" / "ruler"
+        _TASKS[tokenizer] = TaskManager(include_defaults=False, include_path=str(ruler),
+                                        metadata={"tokenizer": tokenizer, "max_seq_lengths": [2048]})
     out = lm_eval.simple_evaluate(model=model, model_args=f"{model_args},tokenizer={tokenizer}", tasks=["niah_single_1"],
                                   task_manager=_TASKS[tokenizer], limit=2, log_samples=True, gen_kwargs="max_gen_toks=8")
     return [(x["resps"][0][0], x["2048"]) for x in out["samples"]["niah_single_1"]]
