@@ -68,6 +68,19 @@ class Method:
     #: Whether this method reads a document memory built by ``lcx memory build`` (``lcx generate --memory``,
     #: ``lcx serve --memory``): the stack's method with this set gets :meth:`load_memory` / :meth:`check_memory`.
     reads_memory: ClassVar[bool] = False
+    #: For ``reads_memory`` methods: the options that shaped a memory's entries when it was built (a document's
+    #: later windows are encoded reading its earlier ones under them); :meth:`memory_built_otherwise` compares them.
+    shapes_memory: ClassVar[tuple[str, ...]] = ()
+
+    def memory_built_otherwise(self, meta: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+        """The :attr:`shapes_memory` options whose values a memory (``meta``: what ``load_memory`` returns, with
+        the ``method`` its build recorded) was built with and this instance, attached, does not have:
+        ``{option: (built, here)}``.  An option the build predates counts at its :meth:`unrecorded_options` value."""
+        recorded = meta.get("method") or {}
+        if recorded.get("name") != self.name:
+            return {}
+        built, here = {**self.unrecorded_options(), **(recorded.get("options") or {})}, self.to_options()
+        return {k: (built[k], here[k]) for k in self.shapes_memory if k in built and built[k] != here[k]}
 
     def load_memory(self, path: Any, model: Any) -> dict[str, Any]:
         """For ``reads_memory`` methods: use the document memory at ``path`` with ``model`` (refusing one built

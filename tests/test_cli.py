@@ -164,6 +164,31 @@ def test_a_memory_read_with_another_adapter_than_it_was_built_with_gets_a_note(t
         assert (note in r.stderr if note else "note:" not in r.stderr), (mem, adapter, r.stderr)
 
 
+def test_a_memory_read_under_other_options_than_it_was_built_with_gets_a_note(tiny_dir, tmp_path):
+    """The options that shaped a memory's entries (fot: local, k, ...) are compared with the reading ones: each
+    that differs is named with its built value and the -o that reads it as built; the same options say
+    nothing, and a memory whose build predates an option counts it at the value that build ran with."""
+    doc = tmp_path / "d.txt"
+    doc.write_text("some words to remember. " * 30)
+    fot = ["-o", "local=64", "-o", "memory_layers=1"]
+    mem = tmp_path / "mem"
+    assert run("memory", "build", "-m", str(tiny_dir), *fot, "--out", str(mem), str(doc)).exit_code == 0
+    gen = ["generate", "-m", str(tiny_dir), "--method", "fot", "-p", "words", "-n", "2", "--json", "--memory", str(mem)]
+    r = run(*gen, *fot)
+    assert r.exit_code == 0 and "note:" not in r.stderr, r.stderr
+    r = run(*gen, "-o", "local=128", "-o", "memory_layers=1", "-o", "k=8", "-o", "gate_sinks=false", "-o", "gate=0")
+    assert r.exit_code == 0, r.output
+    assert ("was built with fot local=64, chunk=64, k=32, gate=-1.0, gate_sinks=true, and is read with local=128, "
+            "chunk=128, k=8, gate=0.0, gate_sinks=false" in r.stderr), r.stderr  # chunk: the default, cut to local
+    assert "-o fot.local=64 -o fot.chunk=64 -o fot.k=32 -o fot.gate=-1.0 -o fot.gate_sinks=true" in r.stderr
+    meta = json.loads((mem / "memory.json").read_text())
+    del meta["method"]["options"]["gate_sinks"], meta["method"]["options"]["sinks"]  # as an older lcx recorded it
+    (mem / "memory.json").write_text(json.dumps(meta))
+    r = run(*gen, *fot)  # gate_sinks was then always true (its default); sinks were 0 (its `before`)
+    assert r.exit_code == 0 and "note:" in r.stderr and "sinks=0, and is read with sinks=4" in r.stderr, r.stderr
+    assert "gate_sinks" not in r.stderr
+
+
 def test_generate_json_says_the_rope_factor_its_request_ran_with(tiny_dir):
     r = run("generate", "-m", str(tiny_dir), "--method", "rope", "-p", "one two " * 400, "-n", "2", "--json")
     assert r.exit_code == 0, r.output

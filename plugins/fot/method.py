@@ -59,6 +59,9 @@ class FoT(Method):
     serving = "attention"
     #: Multi-document mode reads a memory built by `lcx memory build` (commands.py): ``load_memory``.
     reads_memory = True
+    #: What a document's later windows read of its earlier ones while `lcx memory build` encodes it.
+    shapes_memory = ("local", "chunk", "sinks", "positions", "fixed_distance", "dense", "k", "gate", "gate_sinks",
+                     "memory_heads")
 
     memory_layers: str = option("auto", "memory layers: auto (on a model with sliding-window layers, its full-attention "
                                         "layers; else the layers `lcx analyze retrieval` finds retrieving, measured "
