@@ -187,6 +187,14 @@ def test_a_memory_read_under_other_options_than_it_was_built_with_gets_a_note(ti
     r = run(*gen, *fot)  # gate_sinks was then always true (its default); sinks were 0 (its `before`)
     assert r.exit_code == 0 and "note:" in r.stderr and "sinks=0, and is read with sinks=4" in r.stderr, r.stderr
     assert "gate_sinks" not in r.stderr
+    # an option neither side reads is not named: fixed_distance without positions=fixed, k with dense memory
+    from lcx.plugins.fot.method import FoT
+
+    built = {"name": "fot", "options": {**FoT.default_options(), "positions": "first", "dense": True}}
+    here = FoT.from_options(positions="first", dense=True, fixed_distance=1024, k=8)
+    assert here.memory_built_otherwise({"method": built}) == {}
+    assert FoT.from_options(fixed_distance=1024).memory_built_otherwise({"method": built}) == \
+        {"positions": ("first", "fixed"), "fixed_distance": (4096, 1024), "dense": (True, False)}
 
 
 def test_generate_json_says_the_rope_factor_its_request_ran_with(tiny_dir):

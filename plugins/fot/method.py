@@ -59,9 +59,10 @@ class FoT(Method):
     serving = "attention"
     #: Multi-document mode reads a memory built by `lcx memory build` (commands.py): ``load_memory``.
     reads_memory = True
-    #: What a document's later windows read of its earlier ones while `lcx memory build` encodes it.
+    #: What a document's later windows read of its earlier ones while `lcx memory build` encodes it (the store's
+    #: search options are left out: a memory is read with another backend on purpose).
     shapes_memory = ("local", "chunk", "sinks", "positions", "fixed_distance", "dense", "k", "gate", "gate_sinks",
-                     "memory_heads")
+                     "memory_heads", "max_entries")
 
     memory_layers: str = option("auto", "memory layers: auto (on a model with sliding-window layers, its full-attention "
                                         "layers; else the layers `lcx analyze retrieval` finds retrieving, measured "
@@ -536,6 +537,14 @@ class FoT(Method):
 
     def stores_for_saving(self) -> dict[tuple[int, int], MemoryStore]:
         return {(layer, head): store for layer, per in (self._stores or {}).items() for (_, head), store in per.items()}
+
+    def memory_built_otherwise(self, meta: dict) -> dict:
+        differ = super().memory_built_otherwise(meta)
+        if "positions" not in differ and self.positions != "fixed":
+            differ.pop("fixed_distance", None)  # unread on both sides
+        if "dense" not in differ and self.dense:
+            differ.pop("k", None)
+        return differ
 
     def check_memory_layers(self, path: str | Path, meta: dict, n_layers: int,
                             layer_types: list[str] | None = None) -> None:
