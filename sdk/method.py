@@ -72,15 +72,30 @@ class Method:
     #: later windows are encoded reading its earlier ones under them); :meth:`memory_built_otherwise` compares them.
     shapes_memory: ClassVar[tuple[str, ...]] = ()
 
-    def memory_built_otherwise(self, meta: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-        """The :attr:`shapes_memory` options whose values a memory (``meta``: what ``load_memory`` returns, with
-        the ``method`` its build recorded) was built with and this instance, attached, does not have:
-        ``{option: (built, here)}``.  An option the build predates counts at its :meth:`unrecorded_options` value."""
+    def memory_built_otherwise(self, meta: dict[str, Any], window: int | None = None) -> dict[str, tuple[Any, Any]]:
+        """The :attr:`shapes_memory` options a memory (``meta``: what ``load_memory`` / ``check_memory`` return,
+        with the ``method`` its build recorded) was built with other values of than this instance has:
+        ``{option: (built, here)}``.  An option the build predates counts at its :meth:`unrecorded_options` value.
+        ``window``: the model's trained window, for an instance not attached to the model (a server's, before
+        vLLM loads it) whose options follow that window."""
         recorded = meta.get("method") or {}
         if recorded.get("name") != self.name:
             return {}
         built, here = {**self.unrecorded_options(), **(recorded.get("options") or {})}, self.to_options()
         return {k: (built[k], here[k]) for k in self.shapes_memory if k in built and built[k] != here[k]}
+
+    def memory_built_note(self, path: Any, meta: dict[str, Any], window: int | None = None) -> str | None:
+        """A note for a memory read under other values of :attr:`shapes_memory` than it was built with (allowed:
+        e.g. another k on purpose), naming both and the options that read it as built; None when they agree."""
+        differ = self.memory_built_otherwise(meta, window)
+        if not differ:
+            return None
+        word = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731  (as -o takes it)
+        built = ", ".join(f"{k}={word(b)}" for k, (b, _) in differ.items())
+        here = ", ".join(f"{k}={word(h)}" for k, (_, h) in differ.items())
+        again = " ".join(f"-o {self.name}.{k}={word(b)}" for k, (b, _) in differ.items())
+        return (f"note: memory {str(path)!r} was built with {self.name} {built}, and is read with {here}: its "
+                f"entries were encoded under the build's options (read it with {again}, or rebuild it with these)")
 
     def load_memory(self, path: Any, model: Any) -> dict[str, Any]:
         """For ``reads_memory`` methods: use the document memory at ``path`` with ``model`` (refusing one built

@@ -323,9 +323,23 @@ def test_a_served_document_memory_is_checked_before_the_server_starts(model_dir,
     r = CliRunner().invoke(main, ["memory", "build", "-m", str(model_dir), "-o", "local=16", "-o", "memory_layers=1",
                                   "--out", str(tmp_path / "mem"), str(doc)])
     assert r.exit_code == 0, r.output
+    notes: list[str] = []
     exp = export_for_vllm(str(model_dir), ["fot"], {"fot": {"local": 16, "memory_layers": "1"}}, out=tmp_path / "x",
-                          memory=tmp_path / "mem")
+                          memory=tmp_path / "mem", log=notes.append)
     assert exp.memory == str((tmp_path / "mem").resolve()) and json.loads((tmp_path / "x" / "lcx-export.json").read_text())["memory"]
+    assert not any("was built with" in n for n in notes), notes
+    # served under other options than it was built with: the server says so (and serves it)
+    export_for_vllm(str(model_dir), ["fot"], {"fot": {"local": 32, "memory_layers": "1"}}, out=tmp_path / "z",
+                    memory=tmp_path / "mem", log=notes.append)
+    assert any("was built with fot local=16, chunk=16, and is read with local=32, chunk=32" in n for n in notes), notes
+    # local=0 on both sides: the model's window, which the server's instance is not yet attached to
+    r = CliRunner().invoke(main, ["memory", "build", "-m", str(model_dir), "-o", "memory_layers=1",
+                                  "--out", str(tmp_path / "mem-window"), str(doc)])
+    assert r.exit_code == 0, r.output
+    notes.clear()
+    export_for_vllm(str(model_dir), ["fot"], {"fot": {"memory_layers": "1"}}, out=tmp_path / "w",
+                    memory=tmp_path / "mem-window", log=notes.append)
+    assert not any("was built with" in n for n in notes), notes
     loads = []
     load = fot_memory.load_memory
     monkeypatch.setattr(fot_memory, "load_memory", lambda *a, **k: loads.append(a) or load(*a, **k))

@@ -158,9 +158,11 @@ def served_state_budget(insts: list, config: dict[str, Any], window: int, max_mo
     return n
 
 
-def check_memory_for_serving(path: Path, model_dir: Path, methods: list[Any]) -> None:
+def check_memory_for_serving(path: Path, model_dir: Path, methods: list[Any],
+                             log: Callable[[str], None] = lambda s: None) -> None:
     """A memory for ``lcx serve --memory``: built by `lcx memory build` for this model, and accepted by the served
-    method that reads document memories (``Method.reads_memory``; ``methods``: the served method instances)."""
+    method that reads document memories (``Method.reads_memory``; ``methods``: the served method instances);
+    ``log`` gets a note when it was built under other options (``Method.memory_built_note``)."""
     from lcx.registry import registry
 
     reader = next((m for m in methods if m.reads_memory), None)
@@ -172,9 +174,12 @@ def check_memory_for_serving(path: Path, model_dir: Path, methods: list[Any]) ->
     model = {key: config.get(key) for key in ("model_type", "num_hidden_layers", "hidden_size", "layer_types")}
     model["embedding_sha256"] = (embedding_fingerprint(model_dir) or {}).get("embedding_sha256")
     try:  # whole files before vLLM starts (its worker would fail on them after the engine start)
-        reader.check_memory(path, model)
+        meta = reader.check_memory(path, model)
     except LcxError as e:
         raise LcxError(f"--memory: {e}") from None
+    note = reader.memory_built_note(path, meta, families.json_window(config))
+    if note:
+        log(note)
 
 
 def check_adapter_for_vllm(path: Path, model_dir: Path) -> dict[str, Any]:
@@ -287,7 +292,7 @@ def export_for_vllm(model: str, methods: list[str] | tuple[str, ...] = (), optio
         derived = max_model_len
     checked = {name: check_adapter_for_vllm(path, src) for name, path in adapters.items()}
     if memory is not None:
-        check_memory_for_serving(Path(memory), src, insts)
+        check_memory_for_serving(Path(memory), src, insts, log)
     max_concurrent = served_state_budget(insts, config, window, max_model_len or derived, state_gib, memory)
 
     if out.exists() and any(out.iterdir()):

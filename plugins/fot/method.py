@@ -20,6 +20,7 @@ differentiably, to earlier contexts of their own document and of ``d - 1`` other
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from dataclasses import dataclass
@@ -538,7 +539,11 @@ class FoT(Method):
     def stores_for_saving(self) -> dict[tuple[int, int], MemoryStore]:
         return {(layer, head): store for layer, per in (self._stores or {}).items() for (_, head), store in per.items()}
 
-    def memory_built_otherwise(self, meta: dict) -> dict:
+    def memory_built_otherwise(self, meta: dict, window: int | None = None) -> dict:
+        if window:  # local=0 and the chunk cut to it, as attaching to the model settles them
+            probe = copy.copy(self)
+            probe.fit_window(window)
+            return probe.memory_built_otherwise(meta)
         differ = super().memory_built_otherwise(meta)
         if "positions" not in differ and self.positions != "fixed":
             differ.pop("fixed_distance", None)  # unread on both sides

@@ -58,7 +58,9 @@ def generate_cmd(model, methods, options, adapter, trust_remote_code, input_file
             reader = _memory_reader(s.run, memory_dir)
             meta = reader.load_memory(memory_dir, s.model)
             _note_memory_adapter(memory_dir, meta, adapter)
-            _note_memory_options(memory_dir, reader, meta)
+            note = reader.memory_built_note(memory_dir, meta)
+            if note:
+                click.echo(note, err=True)
             built = meta.get("dtype", "float32")  # memories from before dtypes were float32
             if built != s.run.dtype:
                 click.echo(f"note: memory {str(memory_dir)!r} was built in {built} and is read in {s.run.dtype} (its "
@@ -99,21 +101,6 @@ def _memory_reader(run: Any, memory_dir: Path) -> Any:
     fix = f"add --method {readers[0]}" if len(readers) == 1 else "add one of them with --method NAME"
     raise LcxError(f"--memory {str(memory_dir)!r} needs a method that reads document memories ({', '.join(readers)}); "
                    f"{fix}")
-
-
-def _note_memory_options(memory_dir: Path, reader: Any, meta: dict[str, Any]) -> None:
-    """Say so when a memory is read under other values of the options that shaped its entries than it was built
-    with (allowed: a memory is read under other options on purpose, e.g. another k)."""
-    differ = reader.memory_built_otherwise(meta)
-    if not differ:
-        return
-    word = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731  (as -o takes it)
-    built = ", ".join(f"{k}={word(b)}" for k, (b, _) in differ.items())
-    here = ", ".join(f"{k}={word(h)}" for k, (_, h) in differ.items())
-    again = " ".join(f"-o {reader.name}.{k}={word(b)}" for k, (b, _) in differ.items())
-    click.echo(f"note: memory {str(memory_dir)!r} was built with {reader.name} {built}, and is read with {here}: "
-               f"its entries were encoded under the build's options (read it with {again}, or rebuild it with "
-               f"these)", err=True)
 
 
 def _note_memory_adapter(memory_dir: Path, meta: dict[str, Any], adapter: Path | None) -> None:
