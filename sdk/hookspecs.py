@@ -46,7 +46,9 @@ asked:
     listing       resolved                                its model-dependent options on a model
                                                           (``lcx methods -m``)
     documents     reads_memory, load_memory,              ``lcx generate|serve --memory``: a document memory
-                  check_memory                            it reads, checked before it is trusted
+                  check_memory, shapes_memory,            it reads, checked before it is trusted; the options
+                  memory_built_otherwise,                 that shaped its entries, and those it was built
+                  memory_built_note                       with otherwise (said in a note)
     training      lora_roles, lora_gated, data_order,     what ``lcx train`` adapts, how its data is ordered,
                   fixed_by_training, grads_through_cache, the options a trained adapter fixes, whether FSDP2
                   check_training                          keeps blocks gathered through backward, options

@@ -12,7 +12,7 @@ import torch
 
 from lcx.evals.passkey import build_prompt_ids
 
-from .harness import MODEL, NEW, SERVING, WINDOW, hf_tokens, method_args, server_starting
+from .harness import LONG_ANSWERED, MODEL, NEW, SERVING, WINDOW, hf_tokens, method_args, server_starting
 
 pytestmark = SERVING
 
@@ -35,9 +35,7 @@ def test_focusllm_server_equals_the_hf_path_and_keeps_concurrent_requests_apart(
     lora = random_adapter(load_model(MODEL)[0], tmp / "cand", 2, scale=1.0, roles=("q", "k", "v", "o"),
                           methods=[{"name": "focusllm", "options": {}}])
     mid = build_prompt_ids(tok, 1200, 0.5, 51846)  # one chunk of candidates (688 tokens, the key in it)
-    # the key among the local tokens (read, not summarised), 1.5x the window: at LONG, 1.25x, this key is missed on
-    # both sides, and the answer below would not be a real one
-    ids = build_prompt_ids(tok, WINDOW + WINDOW // 2, 0.98, 27094)
+    ids = build_prompt_ids(tok, LONG_ANSWERED, 0.98, 27094)  # the key among the local tokens: read, not summarised
     rng = random.Random(5)
     keys = rng.sample(range(10000, 99999), 8)
     jobs = [(build_prompt_ids(tok, rng.choice([400, 1400]), 0.9, k).tolist(), k) for k in keys]  # 0 or 1 chunk

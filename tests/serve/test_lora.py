@@ -1,5 +1,5 @@
 """YaRN x4 (`rope`) with two q/k LoRA adapters under it (the shape an smt adapter has: the two methods combined,
-so that one pair of generations past the window checks both), prompts up to 1.25x the window.  Every answer is compared
+so that one pair of generations past the window checks both), prompts up to 1.5x the window.  Every answer is compared
 with lcx's path applying the same rope and adapter; the passkey prompt past the window is read by adapter a1."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from lcx.evals.passkey import build_prompt_ids
 
-from .harness import LONG, MODEL, NEW, ROPE, ROPE_ARGS, SERVING, WINDOW, hf_tokens, server_starting, smt_adapter
+from .harness import LONG_ANSWERED, MODEL, NEW, ROPE, ROPE_ARGS, SERVING, WINDOW, hf_tokens, server_starting, smt_adapter
 
 pytestmark = SERVING
 
@@ -32,7 +32,7 @@ def adapters(tmp_path_factory):
 def started(adapters, tok, tmp_path_factory):
     """The server, and the passkey prompt past the window with lcx's answer to it (rope and a1), computed while
     the server starts."""
-    ids = build_prompt_ids(tok, LONG, 0.5, LONG_KEY)
+    ids = build_prompt_ids(tok, LONG_ANSWERED, 0.5, LONG_KEY)
     with server_starting(["--method", "rope", *ROPE_ARGS, *(f"--adapter={n}={p}" for n, p in adapters.items())],
                          tmp_path_factory.mktemp("lora")) as starting:
         want = hf_tokens(ids, ["rope"], ROPE, adapter=adapters["a1"])
@@ -77,7 +77,7 @@ def test_rope_and_adapter_past_the_window_equal_the_hf_path(started, tok):
     lora_server, (ids, want) = started
     got = lora_server.complete("a1", ids.tolist(), NEW)
     assert got == want
-    assert str(LONG_KEY) in tok.decode(got)  # YaRN x4 finds the key at 10K: a real answer
+    assert str(LONG_KEY) in tok.decode(got)  # YaRN x4 finds the key at 12K: a real answer
 
 
 @pytest.mark.parametrize("order_seed", [0, 1])
