@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from lcx.evals.passkey import build_prompt_ids
 
-from .harness import FOT_LAYERS, LONG, MODEL, NEW, SERVING, hf_tokens, method_args, server_starting
+from .harness import FOT_LAYERS, LONG, MODEL, NEW, SERVING, hf_tokens, method_args, model_path, server_starting
 
 pytestmark = SERVING
 
@@ -31,13 +31,13 @@ def test_fot_server_with_a_document_memory_equals_the_hf_path_for_concurrent_req
     tmp = tmp_path_factory.mktemp("fot")
     opts = {"local": 512, "k": 16, "memory_layers": FOT_LAYERS, "sinks": 4}  # sinks: served as lcx generate keeps them
     # q/k LoRA at scale 0.2 (the smt-shaped adapters of test_lora, at 0.05, happen not to change these answers)
-    lora = random_adapter(load_model(MODEL)[0], tmp / "lora", 1, scale=0.2)
+    lora = random_adapter(load_model(model_path())[0], tmp / "lora", 1, scale=0.2)
     counting = tok("One, two, three, four, five, six,")["input_ids"]
     docs = []
     for name, key in (("a", 61728), ("b", 94051)):  # two documents, each with its own passkey
         docs.append(tmp / f"{name}.txt")
         docs[-1].write_text(tok.decode(build_prompt_ids(tok, 1500, 0.5, key)))
-    r = CliRunner().invoke(main, ["memory", "build", "-m", MODEL, *(x for k, v in opts.items() for x in ("-o", f"{k}={v}")),
+    r = CliRunner().invoke(main, ["memory", "build", "-m", model_path(), *(x for k, v in opts.items() for x in ("-o", f"{k}={v}")),
                                   "--out", str(tmp / "mem"), *map(str, docs)])
     assert r.exit_code == 0, r.output
     mem = tmp / "mem"
@@ -50,13 +50,13 @@ def test_fot_server_with_a_document_memory_equals_the_hf_path_for_concurrent_req
     rng.shuffle(jobs)
 
     fot = (["fot"], {"fot": opts})
-    want = {"long": hf_tokens(ids, *fot, memory=mem),
-            "short": {MODEL: hf_tokens(torch.tensor(counting), *fot, memory=mem, max_new_tokens=16),
-                      "lora": hf_tokens(torch.tensor(counting), *fot, adapter=lora, memory=mem, max_new_tokens=16)},
-            "jobs": [hf_tokens(torch.tensor(j), *fot, memory=mem) for j in jobs],
-            "without memory": hf_tokens(torch.tensor(question), *fot)}
     with server_starting(["--method", "fot", *method_args("fot", opts), "--memory", str(mem),
                           "--adapter", f"lora={lora}", "--max-model-len", str(LONG + 64)], tmp) as starting:
+        want = {"long": hf_tokens(ids, *fot, memory=mem),
+                "short": {MODEL: hf_tokens(torch.tensor(counting), *fot, memory=mem, max_new_tokens=16),
+                          "lora": hf_tokens(torch.tensor(counting), *fot, adapter=lora, memory=mem, max_new_tokens=16)},
+                "jobs": [hf_tokens(torch.tensor(j), *fot, memory=mem) for j in jobs],
+                "without memory": hf_tokens(torch.tensor(question), *fot)}
         s = starting.wait_ready()
         got = s.complete(MODEL, ids.tolist(), NEW)
         short = {name: s.complete(name, counting, 16) for name in (MODEL, "lora")}

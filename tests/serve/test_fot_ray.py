@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from lcx.evals.passkey import build_prompt_ids
 
-from .harness import FOT_LAYERS, MODEL, NEW, SERVING, hf_tokens, method_args, server_starting
+from .harness import FOT_LAYERS, MODEL, NEW, SERVING, hf_tokens, method_args, model_path, server_starting
 
 pytestmark = SERVING
 
@@ -28,7 +28,7 @@ def test_fot_server_reads_a_ray_sharded_document_memory_as_the_one_process_one(l
         docs.append(tmp / f"{name}.txt")
         docs[-1].write_text(tok.decode(build_prompt_ids(tok, 1500, 0.5, key)))
     for out, o in (("mem", opts), ("mem-ray", ray_opts)):
-        r = CliRunner().invoke(main, ["memory", "build", "-m", MODEL, *(x for k, v in o.items() for x in ("-o", f"{k}={v}")),
+        r = CliRunner().invoke(main, ["memory", "build", "-m", model_path(), *(x for k, v in o.items() for x in ("-o", f"{k}={v}")),
                                       "--out", str(tmp / out), *map(str, docs)])
         assert r.exit_code == 0, r.output
     assert len(json.loads((tmp / "mem-ray" / "memory.json").read_text())["shards"]) == 2

@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from .harness import MODEL, NEW, ROPE, SERVING, WINDOW, hf_tokens
+from .harness import NEW, ROPE, SERVING, WINDOW, hf_tokens, model_path
 
 pytestmark = SERVING
 
@@ -20,11 +20,9 @@ def test_plain_vllm_serve_applies_the_sidecar_through_the_plugin(tmp_path, tok):
     import urllib.request
 
     from lcx.integrations.vllm import stop, wait_ready
-    from lcx.models import resolve_model_path
-
     d = tmp_path / "model"
     d.mkdir()
-    for f in resolve_model_path(MODEL).iterdir():
+    for f in Path(model_path()).iterdir():
         (d / f.name).symlink_to(f.resolve())
     rope = ROPE["rope"]
     (d / "lcx.json").write_text(json.dumps({"methods": [{"name": "rope", "options": rope}]}))

@@ -16,7 +16,7 @@ def test_streaming_server_equals_the_hf_path_and_keeps_concurrent_requests_apart
     """Past the window (1.25x) the served tokens equal lcx's streaming path; 8 concurrent requests, shuffled, those of
     1,500 tokens longer than sinks + window (each evicting its own keys), passkeys in their recent windows, each
     get their own key (the per-request state is keyed and reset per request).  A 1,024-token recent window (not
-    the default ~7.7K) makes the long prompt cheaper on both sides, and the 1,500-token prompts evict.
+    the default, near the model's window) has the 1,500-token prompts evict.
     A prompt whose first blocks vLLM's prefix cache holds (the long prompt's) gets the tokens of its own HF run."""
     opts = {"sinks": 4, "chunk": 512, "window": 1024}
     ids = build_prompt_ids(tok, LONG, 0.5, 60413)
@@ -24,13 +24,13 @@ def test_streaming_server_equals_the_hf_path_and_keeps_concurrent_requests_apart
     keys = rng.sample(range(10000, 99999), 8)
     jobs = [(build_prompt_ids(tok, rng.choice([600, 1500]), rng.uniform(0.55, 0.9), k).tolist(), k) for k in keys]
     rng.shuffle(jobs)
-    # the long prompt's first ~2.7K tokens (instruction and filler): vLLM's prefix cache holds them once the
-    # long prompt is computed, and this request is scheduled from there, its state rebuilt from those blocks
-    again = build_prompt_ids(tok, 3000, 0.9, 27182)
-    want = hf_tokens(ids, ["streaming"], {"streaming": opts})
-    want_again = hf_tokens(again, ["streaming"], {"streaming": opts})
+    # the long prompt's first ~1.3K tokens (instruction and filler, up to its needle): vLLM's prefix cache holds
+    # them once the long prompt is computed, and this request is scheduled from there, its state rebuilt from them
+    again = build_prompt_ids(tok, 2400, 0.9, 27182)
     with server_starting(["--method", "streaming", *method_args("streaming", opts), "--max-model-len", str(LONG + 64)],
                          tmp_path_factory.mktemp("streaming")) as starting:
+        want = hf_tokens(ids, ["streaming"], {"streaming": opts})
+        want_again = hf_tokens(again, ["streaming"], {"streaming": opts})
         s = starting.wait_ready()
         assert s.ready["methods"] == ["streaming"]
         got = s.complete(MODEL, ids.tolist(), NEW)

@@ -7,7 +7,7 @@ import torch
 
 from lcx.evals.passkey import build_prompt_ids
 
-from .harness import LONG, MODEL, NEW, SERVING, WINDOW, hf_tokens, server_starting
+from .harness import LONG, MODEL, NEW, SERVING, WINDOW, hf_tokens, model_path, server_starting
 
 pytestmark = SERVING
 
@@ -36,14 +36,16 @@ def test_vanilla_server_truncates_as_the_hf_path_does_past_the_window(tmp_path_f
     assert status == 400 and f"max_new_tokens={WINDOW} leaves no room in a window of {WINDOW}" in out["error"]["message"]
     # lm-eval's RULER needle task against the server (its local-completions model), and through lcx's own lm-eval
     # model: the same answers and scores
-    assert served == _niah_through_lm_eval("lcx", f"model={MODEL},method=vanilla") and len(served) == 2
+    assert served == _niah_through_lm_eval("lcx", f"model={model_path()},method=vanilla") and len(served) == 2
 
 
+RULER = 1024  # lm-eval's RULER length: inside the window, so both paths read the prompts whole
 _TASKS: dict = {}  # tokenizer -> lm-eval's TaskManager for it, shared by the runs
 
 
 def _niah_through_lm_eval(model: str, model_args: str) -> list[tuple[str, float]]:
-    """lm-eval's niah_single_1, 2 samples of 2,048 tokens, 8 new tokens each: (answer, score) per sample."""
+    """lm-eval's niah_single_1, 2 samples of 1,024 tokens (inside the window), 8 new tokens each: (answer, score)
+    per sample."""
     import os
     from pathlib import Path
 
@@ -59,7 +61,7 @@ def _niah_through_lm_eval(model: str, model_args: str) -> list[tuple[str, float]
         # and lengths), indexing only the RULER folder: every lm-eval task folder takes seconds to index
         ruler = Path(lm_eval.__file__).parent / "tasks" / "ruler"
         _TASKS[tokenizer] = TaskManager(include_defaults=False, include_path=str(ruler),
-                                        metadata={"tokenizer": tokenizer, "max_seq_lengths": [2048]})
+                                        metadata={"tokenizer": tokenizer, "max_seq_lengths": [RULER]})
     out = lm_eval.simple_evaluate(model=model, model_args=f"{model_args},tokenizer={tokenizer}", tasks=["niah_single_1"],
                                   task_manager=_TASKS[tokenizer], limit=2, log_samples=True, gen_kwargs="max_gen_toks=8")
-    return [(x["resps"][0][0], x["2048"]) for x in out["samples"]["niah_single_1"]]
+    return [(x["resps"][0][0], x[str(RULER)]) for x in out["samples"]["niah_single_1"]]
