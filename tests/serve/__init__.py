@@ -5,7 +5,7 @@ One module per server, each engine started once in its module and stopped when t
 model with YaRN x4 (`rope`) and two q/k LoRA adapters (test_lora), the model behind `vanilla`'s truncating
 middleware (test_vanilla), `streaming`, `fot` (with a document memory and a LoRA adapter) and `focusllm`
 inside vLLM's attention (test_streaming, test_fot, test_focusllm), and plain `vllm serve` with the plugin
-(test_plain).  Each parity past the window costs a 10K-token generation (test_lora's and test_focusllm's:
-12K) on both sides (~0.5-1.5 min each on 2 cores): the servers are few, and the prompts that check isolation
-are short.
+(test_plain).  The model is SmolLM2-135M's weights under a 2,048-token window (harness.model_path), so a parity
+past the window is a 2.5K-token generation (test_lora's: 3K) on both sides; the servers are few (each start
+costs more than its requests), and the prompts that check isolation are short.
 """

@@ -21,8 +21,9 @@ WINDOW = 2048
 LONG = WINDOW + WINDOW // 4  # the parity length: past the model's window by a quarter of it
 NEW = 8
 
-#: fot's memory layers as its `auto` measures them on this model (results/models/smollm2-135m/retrieval), given so
-#: that the serving tests do not pay the measurement (tests/test_auto.py checks auto, and that export serves it).
+#: fot's memory layers as its `auto` measures them on the catalog's SmolLM2 (results/models/smollm2-135m/retrieval),
+#: given so that the serving tests do not pay the measurement (tests/test_auto.py checks auto, and that export serves
+#: it).
 FOT_LAYERS = "6,7,8,14,15,17,18,19,20,21,22,23"
 
 #: Every serving test starts a vLLM engine on the real model (each module: ``pytestmark = SERVING``).
@@ -70,7 +71,7 @@ def model_path() -> str:
 @contextmanager
 def server_starting(args: list[str], tmp: Path) -> Iterator[ServerProcess]:
     """`lcx serve` launched, not yet ready: ``wait_ready()`` blocks until its ready line.  An engine start
-    leaves a core idle about half its start (vLLM imports itself in three processes, one after another), so the
+    leaves a core idle about half its start (vLLM imports itself in three processes, one after another), so most
     tests compute lcx's answers in between.  The server is stopped on leaving, and must exit cleanly when the
     body did."""
     s = ServerProcess(model_path(), [*args, "--export-dir", str(tmp / "export")], tmp / "serve.log", wait=False)
