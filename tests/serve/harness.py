@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -39,33 +40,28 @@ def method_args(method: str, opts: dict[str, Any]) -> list[str]:
     return [x for k, v in opts.items() for x in ("-o", f"{method}.{k}={v}")]
 
 
-_MODEL_PATH: Path | None = None
-
-
+@functools.cache
 def model_path() -> str:
     """The served model's folder, made on first use: the pulled model's files linked, its config's window set to
     WINDOW.  Past the window every path runs the same code at 2,048 as at 8,192, at a small part of the cost of
     a forward over 8K+ tokens (its attention grows with the square of the length).  Removed when the run ends."""
-    global _MODEL_PATH
-    if _MODEL_PATH is None:
-        import atexit
-        import shutil
-        import tempfile
+    import atexit
+    import shutil
+    import tempfile
 
-        from lcx.models import resolve_model_path
+    from lcx.models import resolve_model_path
 
-        src = resolve_model_path(MODEL)
-        d = Path(tempfile.mkdtemp(prefix="lcx-serve-model-")) / MODEL  # the folder's name is the served name
-        d.mkdir()
-        atexit.register(shutil.rmtree, d.parent, True)
-        for f in src.iterdir():  # a plain HF folder: not the catalog's record, nor its auto cache
-            if f.name not in ("config.json", "lcx-model.json", "lcx-auto.json"):
-                (d / f.name).symlink_to(f.resolve())
-        config = json.loads((src / "config.json").read_text())
-        config["max_position_embeddings"] = WINDOW
-        (d / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        _MODEL_PATH = d
-    return str(_MODEL_PATH)
+    src = resolve_model_path(MODEL)
+    d = Path(tempfile.mkdtemp(prefix="lcx-serve-model-")) / MODEL  # the folder's name is the served name
+    d.mkdir()
+    atexit.register(shutil.rmtree, d.parent, True)
+    for f in src.iterdir():  # a plain HF folder: not the catalog's record, nor its auto cache
+        if f.name not in ("config.json", "lcx-model.json", "lcx-auto.json"):
+            (d / f.name).symlink_to(f.resolve())
+    config = json.loads((src / "config.json").read_text())
+    config["max_position_embeddings"] = WINDOW
+    (d / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return str(d)
 
 
 @contextmanager

@@ -28,15 +28,15 @@ def test_focusllm_server_equals_the_hf_path_and_keeps_concurrent_requests_apart(
     from lcx.limits import Limits
     from lcx.models import load_model
 
-    # chunks of 1,024 (with the default 512-token fragment: within the 2,048-token window), 512 local tokens: the
-    # short prompts have candidates at a quarter of the cost the default 2,048 local tokens ask
+    # chunks of 1,024 and 512 local tokens: the defaults (2,048 each, with the 512-token fragment) do not fit the
+    # 2,048-token window
     opts = {"refresh": 0, "local": 512, "chunk": 1024}
     focus = (["focusllm"], {"focusllm": opts})
     tmp = tmp_path_factory.mktemp("focusllm")
     lora = random_adapter(load_model(model_path())[0], tmp / "cand", 2, scale=1.0, roles=("q", "k", "v", "o"),
                           methods=[{"name": "focusllm", "options": {}}])
     mid = build_prompt_ids(tok, 1200, 0.5, 51846)  # one chunk of candidates (688 tokens, the key in it)
-    ids = build_prompt_ids(tok, LONG, 0.98, 27094)  # the key among the local tokens, after 3 chunks of candidates
+    ids = build_prompt_ids(tok, LONG, 0.98, 27094)  # the key among the local tokens, the rest read as candidates
     over = Limits.from_env().max_new_tokens + 1  # the server's environment is this process's
     rng = random.Random(5)
     keys = rng.sample(range(10000, 99999), 8)

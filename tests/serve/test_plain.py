@@ -20,6 +20,7 @@ def test_plain_vllm_serve_applies_the_sidecar_through_the_plugin(tmp_path, tok):
     import urllib.request
 
     from lcx.integrations.vllm import stop, wait_ready
+
     d = tmp_path / "model"
     d.mkdir()
     for f in Path(model_path()).iterdir():
