@@ -3,13 +3,15 @@
 Honest results, whatever they are: ``none`` is the bare model on the whole
 prompt (beyond its trained window), each method row attaches that method alone
 with its default options, or with the ones ``options`` gives it (``{"fot": {"local": 1024}}``; each row
-says which).  Training-only methods (no inference stage, e.g. ``smt``) are left out.
+says which), over the adapter ``adapters`` gives it if any (``{"focusllm": "DIR"}``: its trained options under the
+given ones).  Training-only methods (no inference stage, e.g. ``smt``) are left out.
 """
 
 from __future__ import annotations
 
 import random
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 
@@ -35,7 +37,7 @@ def acts_at_inference(cls) -> bool:
 def run_demo(model_name: str = "smollm2-135m", length: int | None = None, depth: float = 0.5,
              methods: list[str] | None = None, seed: int = 0, progress: bool = True,
              options: dict[str, dict[str, Any]] | None = None, dtype: Any = None,
-             device: str | None = None) -> list[dict[str, Any]]:
+             device: str | None = None, adapters: dict[str, str] | None = None) -> list[dict[str, Any]]:
     from lcx.adapters.families import context_window
     from lcx.models import dtype_name, load_model
     from lcx.registry import registry
@@ -55,7 +57,21 @@ def run_demo(model_name: str = "smollm2-135m", length: int | None = None, depth:
         if name not in names:
             raise LcxError(f"options for {name!r}, which the demo does not run (it runs: {', '.join(names)}); "
                            f"add --method {name} or drop the option")
+    adapters = adapters or {}
+    for name in adapters:
+        if name not in registry().methods:
+            raise LcxError(f"an adapter for {name!r}: no installed method has that name; give --adapter METHOD=DIR, "
+                           f"e.g. --adapter focusllm=results/focusllm/adapter-recall-local")
+        if name not in names:
+            raise LcxError(f"an adapter for {name!r}, which the demo does not run (it runs: {', '.join(names)}); "
+                           f"add --method {name} or drop the adapter")
     model, tok = load_model(model_name, dtype=dtype, device=device)
+    for name, adapter in adapters.items():  # a wrong adapter is refused before the first row's minutes, not after
+        try:
+            with row_model(model, name, adapter, options.get(name, {})):
+                pass
+        except LcxError as e:
+            raise LcxError(f"--adapter {name}={adapter}: {e}") from None
     dtype_used = dtype_name(model.dtype)
     window = context_window(model)
     length = length or 2 * window
@@ -65,15 +81,16 @@ def run_demo(model_name: str = "smollm2-135m", length: int | None = None, depth:
     span = (start, start + len(tok(" " + NEEDLE.format(key=key) + " ", add_special_tokens=False)["input_ids"]))
     rows = []
     for name in names:
-        opts = options.get(name, {})
+        opts, adapter = options.get(name, {}), adapters.get(name)
         if progress:
-            said = f" ({' '.join(f'{k}={v}' for k, v in opts.items())})" if opts else ""
+            said = " ".join([*(f"{k}={v}" for k, v in opts.items()), *([f"adapter={adapter}"] if adapter else [])])
+            said = f" ({said})" if said else ""
             print(f"[demo] {name}{said}: passkey {key} at depth {depth} in {ids.shape[1]} tokens ...", flush=True)
-        row = {"method": name, "options": opts, "prompt_tokens": int(ids.shape[1]), "window": window, "key": key,
-               "dtype": dtype_used}
+        row = {"method": name, "options": opts, "adapter": adapter, "prompt_tokens": int(ids.shape[1]),
+               "window": window, "key": key, "dtype": dtype_used}
         try:
-            with attach(model, [] if name == NO_METHOD else [name], **({name: opts} if opts else {})) as run, \
-                    measure() as m:
+            with row_model(model, name, adapter, opts) as (on, methods, settled), \
+                    attach(on, methods, **settled) as run, measure() as m:
                 new = generate(run, ids, max_new_tokens=NEW_TOKENS)
         except LcxError as e:  # e.g. default options that do not fit a small model's window: one row, not the end
             rows.append({**row, "found": None, "output": f"error: {e}", "error": str(e), "seconds": None,
@@ -86,6 +103,22 @@ def run_demo(model_name: str = "smollm2-135m", length: int | None = None, depth:
                      "seconds": round(m.result.seconds, 1), "peak_rss_mib": round(m.result.peak_rss_mib)})
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return rows
+
+
+@contextmanager
+def row_model(model: Any, name: str, adapter: str | None, opts: dict[str, Any]) -> Iterator[tuple[Any, list[str], dict]]:
+    """The model one row attaches to, its methods and their options: over ``adapter`` (loaded for the row, removed
+    after it), the options the adapter was trained with under ``opts``."""
+    from lcx.evals.compare import stack_model
+
+    if adapter is None:
+        yield model, ([] if name == NO_METHOD else [name]), ({name: opts} if opts else {})
+        return
+    with stack_model(model, adapter, [], {name: opts}) as (on, methods, settled):
+        if methods != [name]:
+            raise LcxError(f"adapter {adapter!r} was trained with {', '.join(methods) or 'no method'}, not {name} "
+                           f"alone; give it to that method's row or drop it")
+        yield on, methods, settled
 
 
 def explain(run, tokens: int, new: int, span: tuple[int, int], window: int, found: bool) -> str:
@@ -117,7 +150,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         t.add_column(col)
     for r in rows:
         opts = r.get("options") or {}
-        method = r["method"] + "".join(f"\n {k}={v}" for k, v in opts.items())  # the options it ran with
+        said = [*(f"{k}={v}" for k, v in opts.items()), *([f"adapter={r['adapter']}"] if r.get("adapter") else [])]
+        method = r["method"] + "".join(f"\n {line}" for line in said)  # the options and adapter it ran with
         if r["seconds"] is None:
             t.add_row(method, "-", r["output"][:60], "-", "-")
         else:

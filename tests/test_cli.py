@@ -260,7 +260,9 @@ def test_reach_follows_where_the_key_sits(llama):
         assert run.methods[0].reach(run, 4 * w - 8, 8, (0, 8))[0] and not run.methods[0].reach(run, 4 * w, 8, (0, 8))[0]
     with lcx.attach(model, ["focusllm"], chunk=128, local=256, fragment=32) as run:
         ok, line = run.methods[0].reach(run, 1024, 8, (300, 308))
-        assert ok and "memory chunk 3 of 6" in line
+        assert ok and "memory chunk 3 of 6" in line and "best" not in line
+    with lcx.attach(model, ["focusllm"], chunk=128, local=256, fragment=32, topk=2) as run:
+        assert run.methods[0].reach(run, 1024, 8, (300, 308))[1].endswith("each query head reads only its best 2 of")
 
 
 def test_demo_rows_take_the_options_their_errors_suggest(tiny_dir):
@@ -275,6 +277,39 @@ def test_demo_rows_take_the_options_their_errors_suggest(tiny_dir):
     assert all(row["seconds"] is not None for row in rows.values()), rows  # the rows ran this time
     assert rows["focusllm"]["options"] == {"chunk": "256", "fragment": "64", "local": "256"}
     assert rows["streaming"]["options"] == {"chunk": "128"} and rows["fot"]["options"] == {}
+
+
+def test_a_demo_row_runs_over_the_adapter_given_for_its_method(tiny_dir, tmp_path):
+    """--adapter focusllm=DIR: that row reads the model with the adapter and the options it was trained with (here
+    ones that fit the tiny 512-token window, which focusllm's defaults do not: without the adapter the row is an
+    error); the other rows run without it."""
+    from lcx.adapters.peft_bridge import random_adapter
+    from lcx.models import load_model
+
+    fits = {"chunk": 256, "fragment": 64, "local": 256}
+    adapter = random_adapter(load_model(str(tiny_dir))[0], tmp_path / "ad", seed=3, scale=0.5,
+                             roles=("q", "k", "v", "o"), methods=[{"name": "focusllm", "options": fits}])
+    args = ["demo", "-m", str(tiny_dir), "--json", "--method", "none", "--method", "focusllm", "--method", "fot"]
+    bare = {row["method"]: row for row in json.loads(run(*args).stdout)}
+    assert bare["focusllm"]["seconds"] is None and bare["focusllm"]["adapter"] is None  # defaults do not fit
+    r = run(*args, "--adapter", f"focusllm={adapter}")
+    assert r.exit_code == 0, r.output
+    rows = {row["method"]: row for row in json.loads(r.stdout)}
+    assert rows["focusllm"]["seconds"] is not None and rows["focusllm"]["adapter"] == str(adapter)
+    assert rows["focusllm"]["options"] == {} and "memory chunk" in rows["focusllm"]["why"]
+    assert rows["none"]["adapter"] is None and rows["fot"]["adapter"] is None
+    assert [rows[m]["output"] for m in ("none", "fot")] == [bare[m]["output"] for m in ("none", "fot")]
+
+
+@pytest.mark.parametrize("given, needle", [
+    ("focusllm", "is not METHOD=DIR"),
+    ("smt={ad}", "an adapter for 'smt', which the demo does not run"),
+    ("nope={ad}", "an adapter for 'nope': no installed method has that name"),
+    ("focusllm={missing}", "--adapter focusllm="),
+])
+def test_demo_refuses_an_adapter_it_cannot_apply_before_the_first_row(tiny_dir, tmp_path, given, needle):
+    r = run("demo", "-m", str(tiny_dir), "--adapter", given.format(ad=tmp_path, missing=tmp_path / "missing"))
+    assert r.exit_code != 0 and needle in r.output and "[demo]" not in r.output, r.output
 
 
 @pytest.mark.parametrize("option, needle", [

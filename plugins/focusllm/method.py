@@ -260,8 +260,10 @@ class FocusLLM(CandidateTraining, Method):
             return True, f"the key was among the last {self.local:,} tokens, which the model reads as they are"
         spans = self._spans(tokens)
         i = next((i for i, (s, e) in enumerate(spans) if s <= span[0] < e), len(spans) - 1)
+        how = (f", one of the {len(spans)} that each query head reads only its best {self.topk} of"
+               if 0 < self.topk < len(spans) else "")
         return True, (f"the key was in memory chunk {i + 1} of {len(spans)} ({self.chunk:,} tokens each), which the "
-                      "model reads only through the one candidate token the chunk proposes")
+                      f"model reads only through the one candidate token the chunk proposes{how}")
 
     def release(self, run) -> None:
         for key in ("focusllm_candidates", "focusllm_groups", "focusllm_generation"):
