@@ -11,7 +11,9 @@ The random inputs' own cost is measured apart and subtracted.
         [--threads 1] [--out bench/results/served_attention.json]
 
 fot runs in its passkey configuration (local 1024, chunk 256, 12 memory layers: results/README.md), fot-sinks
-the same with 4 sinks;
+the same with 4 sinks, fot-defaults at fot's defaults (the local window at the model's, 4 sinks, memory keys at
+distance 4096, gate -1) with the same 12 memory layers: give it a prompt past the 8K window (--prompt 10240) or
+it reads no memory;
 streaming with 4 sinks and the recent window SmolLM2's 8K window leaves (7,676 tokens).
 """
 
@@ -39,6 +41,11 @@ def served(method: str):
 
     if method in ("fot", "fot-sinks"):  # fot-sinks: the same with the prompt's first 4 tokens kept as sinks
         return FoTServed(registry().get("fot").from_options(**FOT, sinks=4 * (method == "fot-sinks"))), FOT["chunk"]
+    if method == "fot-defaults":
+        m = registry().get("fot").from_options(memory_layers=FOT["memory_layers"], local=WINDOW)
+        return FoTServed(m), m.chunk
+    if method != "streaming":
+        raise SystemExit(f"--method {method!r}: give fot, fot-sinks, fot-defaults or streaming")
     m = registry().get("streaming").from_options(sinks=4)
     return StreamingServed(m.sinks, m.recent_for(WINDOW), m.chunk), m.chunk
 
@@ -83,7 +90,7 @@ def run(method: str, requests: int, prompt: int, steps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--method", default="fot,streaming", help="comma-separated: fot, fot-sinks, streaming")
+    ap.add_argument("--method", default="fot,streaming", help="comma-separated: fot, fot-sinks, fot-defaults, streaming")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=2048, help="prompt tokens per request")
     ap.add_argument("--steps", type=int, default=20, help="decode steps timed")
