@@ -30,7 +30,7 @@ def demo_cmd(model, length, depth, methods, options, adapters, as_json) -> None:
     SmolLM2-135M, focusllm over the candidate adapter results/focusllm trained, with the options it was measured
     with; fot's memory layers are measured on the model the first time and cached beside it):
       lcx demo                                       # every method at its defaults
-      lcx demo -o fot.local=1024 -o fot.chunk=256 -o fot.sinks=0 -o fot.positions=first -o fot.gate=off \
+      lcx demo -o fot.local=1024 -o fot.chunk=256 -o fot.sinks=0 -o fot.positions=first -o fot.gate=off \\
         --adapter focusllm=results/focusllm/adapter-recall-local -o focusllm.topk=4 -o focusllm.overlap=64
     """
     from lcx.demo import print_table, run_demo
