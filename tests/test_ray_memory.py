@@ -232,6 +232,8 @@ def test_an_unreachable_ray_address_is_an_error_within_the_timeout(monkeypatch):
     ({"shards": "4"}, "shards is an option of backend=ray"),
     ({"ray_address": "10.0.0.1:6379"}, "ray_address is an option of backend=ray"),
     ({"backend": "ray", "shard_backend": "faiss-gpu"}, "shards hold a torch, faiss-flat, faiss-ivf, faiss-hnsw store"),
+    ({"backend": "ray", "ray_address": "localhost6379"}, "Ray address 'localhost6379' is not host:port"),
+    ({"backend": "ray", "ray_address": "ray://head:99999"}, "Ray address 'ray://head:99999' is not host:port"),
 ])
 def test_bad_ray_options_are_refused(options, problem):
     from lcx.plugins.fot import FoT

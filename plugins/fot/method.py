@@ -138,6 +138,13 @@ class FoT(Method):
         if self.backend != "ray" and (self.shards != 1 or self.ray_address):
             raise ValueError(f"{'shards' if self.shards != 1 else 'ray_address'} is an option of backend=ray (the "
                              f"memory on Ray actors); add -o fot.backend=ray, or drop it for backend={self.backend}")
+        if self.ray_address not in ("", "auto", "local"):  # a typo refused here, not in a server's worker
+            from lcx.plugins.fot.ray_memory import split_address
+
+            try:
+                split_address(self.ray_address)
+            except LcxError as e:
+                raise ValueError(str(e)) from None
         self.store_config().validate()
         crossbatch.parse_d_schedule(self.d_schedule)  # validates every field of the schedule
         self.crossbatch_layout(self.d)  # validates d, w and segments (against the largest d the schedule reaches)

@@ -70,19 +70,25 @@ def connect(address: str = "") -> Any:
     return ray
 
 
+def split_address(address: str) -> tuple[str, int]:
+    """(host, port) of a Ray address (host:port, ray://host:port); anything else is an error naming the fix."""
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise LcxError(f"Ray address {address!r} is not host:port (or ray://host:port, or auto); fix "
+                       f"-o fot.ray_address / RAY_ADDRESS")
+    return host.strip("[]"), int(port)
+
+
 def _probe(address: str) -> None:
     """Refuse, within ``CONNECT_TIMEOUT_S``, an address where nothing accepts a connection or what does is not
     a gRPC server (no Ray cluster: ``ray.init`` would retry it for many minutes).  With TLS (RAY_USE_TLS) only
     the connection is checked."""
-    host, _, port = address.split("://", 1)[-1].rpartition(":")
-    if not host or not port.isdigit():
-        raise LcxError(f"Ray address {address!r} is not host:port (or ray://host:port, or auto); fix "
-                       f"-o fot.ray_address / RAY_ADDRESS")
+    host, port = split_address(address)
     fix = (f"waited at most {CONNECT_TIMEOUT_S} s): start one there (`ray start --head`), fix -o fot.ray_address / "
            f"RAY_ADDRESS, or leave both unset for a local Ray")
     deadline = time.monotonic() + CONNECT_TIMEOUT_S
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S) as sock:
+        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S) as sock:
             if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
                 return
             sock.settimeout(max(0.1, deadline - time.monotonic()))
