@@ -3,12 +3,14 @@
 # real prose (the 8 books, in file-name order) and in the repeated filler.
 #   bash results/models/run.sh gemma_fot64          # chosen steps (every passkey step journals: rerun continues)
 #   bash results/models/run.sh                      # every step, in order
+#   DTYPE=float32 bash results/models/run.sh "ppl_held qwen2.5-0.5b"   # a step with its argument; another precision
 # Windows held to 4K inside the native 32K window: fot local, streaming window, focusllm chunk and local, vanilla.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 LCX=.venv/bin/lcx
 BOOKS=../shared/data/books
-COMMON=(--dtype bfloat16 --resume)
+DTYPE="${DTYPE:-bfloat16}"
+COMMON=(--dtype "$DTYPE" --resume)
 WIN4K=(-o fot.local=4096 -o fot.chunk=1024 -o streaming.window=4096 -o focusllm.chunk=4096 -o focusllm.local=4096
        -o vanilla.window=4096)
 # fot's defaults before issue 52, which gemma_fot64's committed figure was made with
@@ -33,7 +35,13 @@ ppl() {  # $1 model: perplexity at 16K and 32K, two books, same stacks
     local extra=(); [ "$1" = qwen2.5-0.5b ] && extra=("${QWEN_FOT[@]}")
     $LCX eval compare ppl -m "$1" --stack none --stack fot --stack streaming --stack focusllm --stack vanilla \
         "${WIN4K[@]}" "${extra[@]}" -d $BOOKS/wells_invisible_man.txt -d $BOOKS/doyle_hound_of_the_baskervilles.txt \
-        --contexts 16K,32K --target 256 --dtype bfloat16 --out "results/models/$1/ppl"
+        --contexts 16K,32K --target 256 --dtype "$DTYPE" --out "results/models/$1/ppl"
+}
+ppl_held() {  # $1 model: perplexity past a window held to 4K (2x it: 8K), fot at its defaults against truncation to
+    # the same 4K and the bare model reading all 8K (inside its real 32K window: the ceiling), the books of ppl()
+    $LCX eval compare ppl -m "$1" --stack none --stack vanilla --stack fot -o vanilla.window=4096 -o fot.local=4096 \
+        -d $BOOKS/wells_invisible_man.txt -d $BOOKS/doyle_hound_of_the_baskervilles.txt --contexts 4K,8K --target 256 \
+        --dtype "$DTYPE" --out "results/models/$1/ppl-held-4k-$DTYPE"
 }
 beyond() {  # $1 model, $2 haystack (prose|filler): 64K, every training-free stack and YaRN x2
     local extra=(); [ "$1" = qwen2.5-0.5b ] && extra=("${QWEN_FOT[@]}")
