@@ -59,6 +59,9 @@ def run_demo(model_name: str = "smollm2-135m", length: int | None = None, depth:
                            f"add --method {name} or drop the option")
     adapters = adapters or {}
     for name in adapters:
+        if name == NO_METHOD:
+            raise LcxError(f"an adapter for {NO_METHOD!r}: that row is the bare model, with no method and no adapter; "
+                           f"give the adapter to the method it was trained with (--adapter METHOD=DIR)")
         if name not in registry().methods:
             raise LcxError(f"an adapter for {name!r}: no installed method has that name; give --adapter METHOD=DIR, "
                            f"e.g. --adapter focusllm=results/focusllm/adapter-recall-local")
@@ -109,15 +112,22 @@ def run_demo(model_name: str = "smollm2-135m", length: int | None = None, depth:
 def row_model(model: Any, name: str, adapter: str | None, opts: dict[str, Any]) -> Iterator[tuple[Any, list[str], dict]]:
     """The model one row attaches to, its methods and their options: over ``adapter`` (loaded for the row, removed
     after it), the options the adapter was trained with under ``opts``."""
+    from pathlib import Path
+
+    from lcx.adapters.peft_bridge import SIDECAR, read_sidecar
     from lcx.evals.compare import stack_model
+    from lcx.session import trained_methods
 
     if adapter is None:
         yield model, ([] if name == NO_METHOD else [name]), ({name: opts} if opts else {})
         return
+    if (Path(adapter) / SIDECAR).is_file():  # else loading it says what the folder is instead
+        trained = list(trained_methods(read_sidecar(adapter)))
+        if trained != [name]:
+            raise LcxError(f"adapter {adapter!r} was trained with {', '.join(trained) or 'no method'}, not {name} "
+                           f"alone; give it to that method's row (--adapter {trained[0] if trained else 'METHOD'}=...) "
+                           f"or drop it")
     with stack_model(model, adapter, [], {name: opts}) as (on, methods, settled):
-        if methods != [name]:
-            raise LcxError(f"adapter {adapter!r} was trained with {', '.join(methods) or 'no method'}, not {name} "
-                           f"alone; give it to that method's row or drop it")
         yield on, methods, settled
 
 

@@ -70,13 +70,17 @@ def apply_adapter(model: Any, adapter: str | Path, methods: list[str],
     from lcx.adapters.peft_bridge import load_adapter
 
     peft_model, sidecar = load_adapter(model, adapter)
-    trained = trained_methods(sidecar)
-    if not methods:  # default to the methods (and options) the adapter was trained with
-        methods = list(trained)
-        options = merge_options(trained, options, methods)
-    else:  # the named methods with the user's options, but what the adapter's training fixed stays fixed
-        options = merge_options({m: _fixed(m, trained) for m in methods}, options, methods)
-    check_adapter_methods(trained, options, methods, adapter)
+    try:
+        trained = trained_methods(sidecar)
+        if not methods:  # default to the methods (and options) the adapter was trained with
+            methods = list(trained)
+            options = merge_options(trained, options, methods)
+        else:  # the named methods with the user's options, but what the adapter's training fixed stays fixed
+            options = merge_options({m: _fixed(m, trained) for m in methods}, options, methods)
+        check_adapter_methods(trained, options, methods, adapter)
+    except BaseException:
+        peft_model.unload()  # a refused adapter leaves the caller's model as it was
+        raise
     _note_dtype(sidecar, model, adapter)
     return peft_model, sidecar, methods, options
 

@@ -262,7 +262,8 @@ def test_reach_follows_where_the_key_sits(llama):
         ok, line = run.methods[0].reach(run, 1024, 8, (300, 308))
         assert ok and "memory chunk 3 of 6" in line and "best" not in line
     with lcx.attach(model, ["focusllm"], chunk=128, local=256, fragment=32, topk=2) as run:
-        assert run.methods[0].reach(run, 1024, 8, (300, 308))[1].endswith("each query head reads only its best 2 of")
+        assert run.methods[0].reach(run, 1024, 8, (300, 308))[1].endswith(
+            "; each query head reads only the best 2 of these 6 candidates")
 
 
 def test_demo_rows_take_the_options_their_errors_suggest(tiny_dir):
@@ -305,10 +306,17 @@ def test_a_demo_row_runs_over_the_adapter_given_for_its_method(tiny_dir, tmp_pat
     ("focusllm", "is not METHOD=DIR"),
     ("smt={ad}", "an adapter for 'smt', which the demo does not run"),
     ("nope={ad}", "an adapter for 'nope': no installed method has that name"),
-    ("focusllm={missing}", "--adapter focusllm="),
+    ("none={ad}", "that row is the bare model"),
+    ("focusllm={missing}", "does not exist"),
+    ("focusllm={smt}", "was trained with smt, not focusllm alone; give it to that method's row (--adapter smt=...)"),
 ])
 def test_demo_refuses_an_adapter_it_cannot_apply_before_the_first_row(tiny_dir, tmp_path, given, needle):
-    r = run("demo", "-m", str(tiny_dir), "--adapter", given.format(ad=tmp_path, missing=tmp_path / "missing"))
+    from lcx.adapters.peft_bridge import random_adapter
+    from lcx.models import load_model
+
+    smt = random_adapter(load_model(str(tiny_dir))[0], tmp_path / "smt", seed=0) if "{smt}" in given else None
+    r = run("demo", "-m", str(tiny_dir), "--adapter", given.format(ad=tmp_path, missing=tmp_path / "missing", smt=smt),
+            "-o", "focusllm.chunk=256")
     assert r.exit_code != 0 and needle in r.output and "[demo]" not in r.output, r.output
 
 

@@ -613,8 +613,10 @@ def test_a_focusllm_adapter_is_read_only_under_focusllm_and_another_adapter_not_
     focus = random_adapter(tiny_model("llama"), tmp_path / "f", seed=0, roles=("q", "k", "v", "o"),
                            methods=[{"name": "focusllm", "options": {}}])
     smt = random_adapter(tiny_model("llama"), tmp_path / "s", seed=0)
+    model = tiny_model("llama")
     with pytest.raises(lcx.LcxError, match="trained with focusllm.*every token: add --method focusllm"):
-        apply_adapter(tiny_model("llama"), focus, ["vanilla"], {})
+        apply_adapter(model, focus, ["vanilla"], {})
+    assert not [n for n, _ in model.named_modules() if "lora" in n]  # the refused adapter was taken out again
     with pytest.raises(lcx.LcxError, match="trained with smt, not focusllm"):
         apply_adapter(tiny_model("llama"), smt, ["focusllm"], {})
     for methods in (["focusllm"], []):

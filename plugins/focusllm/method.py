@@ -260,7 +260,7 @@ class FocusLLM(CandidateTraining, Method):
             return True, f"the key was among the last {self.local:,} tokens, which the model reads as they are"
         spans = self._spans(tokens)
         i = next((i for i, (s, e) in enumerate(spans) if s <= span[0] < e), len(spans) - 1)
-        how = (f", one of the {len(spans)} that each query head reads only its best {self.topk} of"
+        how = (f"; each query head reads only the best {self.topk} of these {len(spans)} candidates"
                if 0 < self.topk < len(spans) else "")
         return True, (f"the key was in memory chunk {i + 1} of {len(spans)} ({self.chunk:,} tokens each), which the "
                       f"model reads only through the one candidate token the chunk proposes{how}")

@@ -142,7 +142,7 @@ class FoT(Method):
             from lcx.plugins.fot.ray_memory import split_address
 
             try:
-                split_address(self.ray_address)
+                split_address(self.ray_address, "-o fot.ray_address")
             except LcxError as e:
                 raise ValueError(str(e)) from None
         self.store_config().validate()

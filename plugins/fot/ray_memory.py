@@ -70,12 +70,11 @@ def connect(address: str = "") -> Any:
     return ray
 
 
-def split_address(address: str) -> tuple[str, int]:
+def split_address(address: str, given_as: str = "-o fot.ray_address / RAY_ADDRESS") -> tuple[str, int]:
     """(host, port) of a Ray address (host:port, ray://host:port); anything else is an error naming the fix."""
     host, _, port = address.split("://", 1)[-1].rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise LcxError(f"Ray address {address!r} is not host:port (or ray://host:port, or auto); fix "
-                       f"-o fot.ray_address / RAY_ADDRESS")
+        raise LcxError(f"Ray address {address!r} is not host:port (or ray://host:port, or auto); fix {given_as}")
     return host.strip("[]"), int(port)
 
 
