@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# results/models/: lcx on models that can read (issue 50): Gemma 3 270M and Qwen2.5 0.5B, bfloat16, the needle in
-# real prose (the 8 books, in file-name order) and in the repeated filler.
+# results/models/: lcx on models that can read (issue 50): Gemma 3 270M and Qwen2.5 0.5B, bfloat16 (DTYPE), the
+# needle in real prose (the 8 books, in file-name order) and in the repeated filler.
 #   bash results/models/run.sh gemma_fot64          # chosen steps (every passkey step journals: rerun continues)
 #   bash results/models/run.sh                      # every step, in order
 #   DTYPE=float32 bash results/models/run.sh "ppl_held qwen2.5-0.5b"   # a step with its argument; another precision
@@ -35,7 +35,7 @@ ppl() {  # $1 model: perplexity at 16K and 32K, two books, same stacks
     local extra=(); [ "$1" = qwen2.5-0.5b ] && extra=("${QWEN_FOT[@]}")
     $LCX eval compare ppl -m "$1" --stack none --stack fot --stack streaming --stack focusllm --stack vanilla \
         "${WIN4K[@]}" "${extra[@]}" -d $BOOKS/wells_invisible_man.txt -d $BOOKS/doyle_hound_of_the_baskervilles.txt \
-        --contexts 16K,32K --target 256 --dtype "$DTYPE" --out "results/models/$1/ppl"
+        --contexts 16K,32K --target 256 --dtype "$DTYPE" --out "results/models/$1/ppl-$DTYPE"
 }
 ppl_held() {  # $1 model: perplexity past a window held to 4K (2x it: 8K), fot at its defaults against truncation to
     # the same 4K and the bare model reading all 8K (inside its real 32K window: the ceiling), the books of ppl()
@@ -53,6 +53,7 @@ beyond() {  # $1 model, $2 haystack (prose|filler): 64K, every training-free sta
 
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=("retrieval smollm2-135m" "retrieval gemma3-270m" "retrieval qwen2.5-0.5b" gemma_fot64 "inside gemma3-270m 16K" "inside qwen2.5-0.5b 16K" "ppl gemma3-270m"
-    "ppl qwen2.5-0.5b" "inside gemma3-270m 32K" "inside qwen2.5-0.5b 32K" "beyond gemma3-270m prose"
+    "ppl qwen2.5-0.5b" "ppl_held gemma3-270m" "ppl_held qwen2.5-0.5b"
+    "inside gemma3-270m 32K" "inside qwen2.5-0.5b 32K" "beyond gemma3-270m prose"
     "beyond qwen2.5-0.5b prose" "beyond gemma3-270m filler" "beyond qwen2.5-0.5b filler")
 for s in "${steps[@]}"; do echo "== $s"; $s; done
