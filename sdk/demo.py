@@ -52,22 +52,13 @@ def run_demo(model_name: str = "smollm2-135m", length: int | None = None, depth:
         if not isinstance(opts, dict):
             raise LcxError(f"demo option {name}={opts!r} names no method; give METHOD.KEY=VALUE, "
                            f"e.g. -o fot.local=1024")
-        if name not in registry().methods:
-            raise LcxError(f"options for {name!r}: no installed method has that name (`lcx methods` lists them)")
-        if name not in names:
-            raise LcxError(f"options for {name!r}, which the demo does not run (it runs: {', '.join(names)}); "
-                           f"add --method {name} or drop the option")
+        _check_row(name, names, "options", "the option")
     adapters = adapters or {}
     for name in adapters:
         if name == NO_METHOD:
             raise LcxError(f"an adapter for {NO_METHOD!r}: that row is the bare model, with no method and no adapter; "
                            f"give the adapter to the method it was trained with (--adapter METHOD=DIR)")
-        if name not in registry().methods:
-            raise LcxError(f"an adapter for {name!r}: no installed method has that name; give --adapter METHOD=DIR, "
-                           f"e.g. --adapter focusllm=results/focusllm/adapter-recall-local")
-        if name not in names:
-            raise LcxError(f"an adapter for {name!r}, which the demo does not run (it runs: {', '.join(names)}); "
-                           f"add --method {name} or drop the adapter")
+        _check_row(name, names, "an adapter", "the adapter")
     model, tok = load_model(model_name, dtype=dtype, device=device)
     for name, adapter in adapters.items():  # a wrong adapter is refused before the first row's minutes, not after
         try:
@@ -106,6 +97,17 @@ def run_demo(model_name: str = "smollm2-135m", length: int | None = None, depth:
                      "seconds": round(m.result.seconds, 1), "peak_rss_mib": round(m.result.peak_rss_mib)})
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return rows
+
+
+def _check_row(name: str, names: list[str], given: str, drop: str) -> None:
+    """Refuse ``given`` (options, an adapter) for a method that is not installed or has no row in this demo."""
+    from lcx.registry import registry
+
+    if name not in registry().methods:
+        raise LcxError(f"{given} for {name!r}: no installed method has that name (`lcx methods` lists them)")
+    if name not in names:
+        raise LcxError(f"{given} for {name!r}, which the demo does not run (it runs: {', '.join(names)}); "
+                       f"add --method {name} or drop {drop}")
 
 
 @contextmanager
