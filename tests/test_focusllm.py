@@ -46,7 +46,7 @@ def test_chunks_and_a_plan_of_placeholders_then_the_local_tokens():
     ids = _ids()
     with lcx.attach(model, ["focusllm"], focusllm=OPTS) as run:
         plan = make_plan(run, ids, None, 0)
-    assert plan.windows == [(0, 5), (5, 29)] and plan.info == {"candidates": 5, "memory_tokens": 76}
+    assert plan.windows == [(0, 5), (5, 29)] and plan.info == {"candidates": 5, "chunk": 16, "memory_tokens": 76}
     assert torch.equal(plan.input_ids[:, 5:], ids[:, -24:])  # the local tokens, after 5 candidate slots
 
 
@@ -239,6 +239,40 @@ def test_refreshed_chunks_past_the_window_are_refused_with_a_chunk_that_fits():
     for fix in ({"chunk": 91}, {"refresh": 0}):
         with lcx.attach(model, ["focusllm"], focusllm={**opts, **fix}) as run:
             assert generate(run, ids, max_new_tokens=30).shape == (1, 30)
+
+
+def test_chunk_auto_doubles_the_chunk_until_the_memory_makes_few_candidates(monkeypatch):
+    """chunk=auto: BASE_CHUNK, doubled while the memory would make more than MAX_CANDIDATES candidates, up to
+    what one chunk's forward may read in the window (less the new tokens it refreshes with); the prompt's
+    candidates are those an explicit chunk of that size makes, and the size is reported."""
+    from lcx.plugins.focusllm import method as focus
+
+    monkeypatch.setattr(focus, "BASE_CHUNK", 8)
+    monkeypatch.setattr(focus, "MAX_CANDIDATES", 4)
+    model = tiny_model("llama")  # window 128: a chunk's forward reads at most 128 - fragment 8 = 120 more
+    opts = {"local": 24, "fragment": 8}
+    # memory 32: 4 chunks of 8; 36: 5 of 8, 3 of 16; 76: 10, 5, then 3 of 32; 576: 120 at most, 5 candidates
+    for T, new, chunk in ((56, 1, 8), (60, 1, 16), (100, 1, 32), (600, 1, 120), (600, 10, 111)):
+        with lcx.attach(model, ["focusllm"], focusllm=opts) as run:
+            plan = make_plan(run, _ids(T=T), None, new)
+            auto = run.state["focusllm_candidates"]
+            assert plan.info["chunk"] == chunk and run.method("focusllm").request_options() == {"chunk": chunk}
+        with lcx.attach(model, ["focusllm"], focusllm={**opts, "chunk": chunk}) as run:
+            assert make_plan(run, _ids(T=T), None, new).info == plan.info
+            assert all(torch.equal(a, b) for pa, pb in zip(auto, run.state["focusllm_candidates"]) for a, b in zip(pa, pb))
+            assert run.method("focusllm").request_options() == {}  # a chunk the user gave is not reported again
+    monkeypatch.undo()  # the shipped rule, on an 8K window: 2048 up to 64K, 4096 at 128K, 7680 at most
+    method = focus.FocusLLM.from_options()
+    assert method.chunk == "auto"
+    assert [method.chunk_for(8192, t) for t in (16384, 65536, 131072, 1 << 20)] == [2048, 2048, 4096, 7680]
+    assert "doubled while the memory makes more than 32 candidates, up to 7,680" in \
+        method.resolved({"model_type": "llama", "max_position_embeddings": 8192})["chunk"]
+    with pytest.raises(LcxError, match="chunk must be a number of tokens or auto, got 'big'"):
+        lcx.attach(model, ["focusllm"], focusllm={"chunk": "big"})
+    with lcx.attach(model, ["focusllm"], focusllm={"fragment": 100, "local": 110}) as run, pytest.raises(
+            LcxError, match=r"chunk=100 \(auto's smallest\) \+ fragment=100 exceeds the model's window \(128\); use "
+                            r"smaller pieces, e.g. -o focusllm.chunk=64"):
+        make_plan(run, _ids(T=200), None, 0)
 
 
 def test_bad_input():

@@ -149,10 +149,29 @@ def test_focusllm_gives_one_candidate_per_memory_chunk_and_the_local_tail(T, chu
         return
     event("candidates + local")
     n = len(spans)
-    assert plan.info == {"candidates": n, "memory_tokens": T - local}
+    assert plan.info == {"candidates": n, "chunk": opts["chunk"], "memory_tokens": T - local}
     assert torch.equal(plan.input_ids[:, n:], ids[:, T - local:])  # the local tail, every token once
     assert plan.input_ids.shape[1] + new <= WINDOW  # candidates + local + new tokens fit
     assert plan.windows == [(0, n), (n, n + local)]
+
+
+@PROPS
+@given(window=st.integers(64, 1 << 17), tokens=st.integers(0, 1 << 21), local=st.integers(1, 4096),
+       fragment=st.integers(1, 1024), overlap=st.integers(0, 256), new=st.integers(1, 64), refresh=st.integers(0, 2))
+def test_focusllm_chunk_auto_is_the_smallest_doubling_that_keeps_few_candidates_within_the_window(
+        window, tokens, local, fragment, overlap, new, refresh):
+    from lcx.plugins.focusllm.method import BASE_CHUNK, MAX_CANDIDATES, FocusLLM
+
+    m = FocusLLM.from_options(local=max(local, fragment), fragment=fragment, overlap=overlap, refresh=refresh)
+    room = window - overlap - fragment - (new - 1 if refresh else 0)  # what one chunk's forward may add
+    chunk = m.chunk_for(window, tokens, new)
+    n = len(chunk_spans(max(0, tokens - m.local), chunk, overlap))
+    start = max(min(BASE_CHUNK, room), fragment, overlap + 1)
+    assert chunk >= start and (chunk <= room or chunk == start)  # past the window only when even the start is
+    assert n <= MAX_CANDIDATES or chunk >= room  # few candidates, or the largest chunk the window allows
+    if chunk > start:  # doubled: the size before it made too many candidates
+        before = max(chunk // 2, start) if chunk < room else None
+        assert before is None or len(chunk_spans(max(0, tokens - m.local), before, overlap)) > MAX_CANDIDATES
 
 
 # ---------------------------------------------------------------------- smt sampling

@@ -1,7 +1,8 @@
 """focusllm: parallel chunk decoding into candidate tokens (FocusLLM, Li et al. 2024).
 
 A long input is split into *memory* (everything but the last ``local`` tokens) and *local* tokens.
-The memory is cut into chunks of at most ``chunk`` tokens (never more than the model's window); the
+The memory is cut into chunks of at most ``chunk`` tokens (never more than the model's window; ``auto``:
+``BASE_CHUNK``, doubled while a prompt's memory would make more than ``MAX_CANDIDATES`` candidates); the
 last ``fragment`` local tokens are appended to every chunk, and the last position of each
 [chunk ; fragment] is a *candidate token*: its per-layer key/value summarises the chunk as seen from
 the local context.  The frozen model then reads the local tokens after the candidates, with
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
+from lcx.adapters import families
 from lcx.errors import LcxError
 from lcx.hookspecs import hookimpl
 from lcx.method import Method, option
@@ -46,6 +48,11 @@ from lcx.plugins.focusllm.cache import CandidateLayer
 from lcx.plugins.focusllm.candidates import (ChunkGroup, ChunkMemo, _group_rows, candidate_kv, candidate_positions,
                                              chunk_spans, refresh_candidates, to_slots)
 from lcx.plugins.focusllm.training import LOSSES, CandidateTraining
+
+#: chunk=auto: the chunk size to start from, and the most candidates it lets a prompt make before doubling
+#: (the 128K passkey grids: 63 candidates lost keys that 31 found; results/focusllm/README.md)
+BASE_CHUNK = 2048
+MAX_CANDIDATES = 32
 
 
 @dataclass
@@ -61,9 +68,10 @@ class FocusLLM(CandidateTraining, Method):
     lora_gated = True  # the candidate adapter is open at candidate positions only
     grads_through_cache = True  # its loss reaches the blocks through the candidates' cached keys and values
 
-    chunk: int = option(2048, "memory chunk size in tokens (at most the model's window); each chunk makes one "
-                              "candidate, and a decoder reading too many candidates loses keys: larger chunks for "
-                              "longer inputs (results/README.md, focusllm)")
+    chunk: int | str = option("auto", "memory chunk size in tokens (at most the model's window); each chunk makes "
+                                     "one candidate, and a decoder reading too many candidates loses keys. auto: "
+                                     f"{BASE_CHUNK}, doubled while the prompt's memory would make more than "
+                                     f"{MAX_CANDIDATES} candidates, as far as the window allows", before=2048)
     overlap: int = option(0, "tokens each chunk also reads from the end of the chunk before it (0 = the paper's "
                              "disjoint chunks): a fact that a chunk boundary cuts, such as a passkey sentence, is "
                              "then whole in one chunk; a chunk's forward reads up to chunk + overlap + fragment tokens")
@@ -90,13 +98,17 @@ class FocusLLM(CandidateTraining, Method):
                                "(among those that fit the window and the training window)")
 
     def __post_init__(self) -> None:
-        if min(self.chunk, self.local, self.fragment) <= 0 or min(self.parallel, self.refresh, self.fresh, self.topk) < 0:
+        if isinstance(self.chunk, str) and self.chunk != "auto":
+            raise ValueError(f"chunk must be a number of tokens or auto, got {self.chunk!r}")
+        fixed = self.chunk != "auto"
+        if min(self.chunk if fixed else 1, self.local, self.fragment) <= 0 or \
+                min(self.parallel, self.refresh, self.fresh, self.topk) < 0:
             raise ValueError(f"chunk, local and fragment must be > 0, parallel, refresh, fresh and topk >= 0 (got "
                              f"chunk={self.chunk}, local={self.local}, fragment={self.fragment}, "
                              f"parallel={self.parallel}, refresh={self.refresh}, fresh={self.fresh}, topk={self.topk})")
-        if self.fragment > self.chunk:
+        if fixed and self.fragment > self.chunk:
             raise ValueError(f"fragment ({self.fragment}) must not be longer than the chunk ({self.chunk})")
-        if not 0 <= self.overlap < self.chunk:
+        if self.overlap < 0 or (fixed and self.overlap >= self.chunk):
             raise ValueError(f"overlap must be at least 0 and shorter than the chunk ({self.chunk}), got {self.overlap}")
         if self.fragment > self.local:
             raise ValueError(f"fragment ({self.fragment}) must not be longer than the local tokens ({self.local})")
@@ -115,14 +127,40 @@ class FocusLLM(CandidateTraining, Method):
         if not chunks or chunks[0] <= 0:
             raise ValueError(f"train_chunks must be positive integers separated by commas, got {self.train_chunks!r}")
         self._terms, self._chunks = terms, chunks
+        self._last_chunk: int | None = None  # the chunk size the last planned prompt was cut with
+
+    def chunk_for(self, window: int, tokens: int, new: int = 1) -> int:
+        """The chunk size of a prompt of ``tokens`` tokens generating ``new`` more on a model of ``window``:
+        ``chunk``, or for auto the smallest of ``BASE_CHUNK`` doubled that makes at most ``MAX_CANDIDATES``
+        candidates, within what one chunk's forward may read (refreshed candidates: with the new tokens)."""
+        if self.chunk != "auto":
+            return int(self.chunk)
+        room = window - self.overlap - self.fragment - (new - 1 if self.refresh else 0)
+        chunk = max(min(BASE_CHUNK, room), self.fragment, self.overlap + 1)
+        memory = max(0, tokens - self.local)
+        while len(chunk_spans(memory, chunk, self.overlap)) > MAX_CANDIDATES and chunk < room:
+            chunk = min(2 * chunk, room)
+        return chunk
+
+    def resolved(self, config: dict) -> dict:
+        if self.chunk != "auto":
+            return {"chunk": int(self.chunk)}
+        room = families.json_window(config) - self.overlap - self.fragment
+        return {"chunk": f"per request: {min(BASE_CHUNK, room):,}, doubled while the memory makes more than "
+                         f"{MAX_CANDIDATES} candidates, up to {room:,} (the window less fragment and overlap)"}
+
+    def request_options(self) -> dict:
+        return {"chunk": self._last_chunk} if self.chunk == "auto" and self._last_chunk is not None else {}
 
     def check_window(self, run) -> None:
-        if self.chunk + self.overlap + self.fragment > run.window:
+        chunk = self.chunk_for(run.window, 0)  # auto: its smallest
+        if chunk + self.overlap + self.fragment > run.window:
             w, room = run.window, run.window - self.fragment - self.overlap
             fix = (f"-o focusllm.chunk={room} or less" if room >= max(self.fragment, self.overlap + 1) else
                    f"smaller pieces, e.g. -o focusllm.chunk={w // 2} -o focusllm.fragment={w // 8} -o focusllm.local={w // 2}"
                    + (" and a smaller -o focusllm.overlap" if self.overlap else ""))
-            reads = f"chunk={self.chunk}" + (f" + overlap={self.overlap}" if self.overlap else "")
+            reads = (f"chunk={chunk}" + (" (auto's smallest)" if self.chunk == "auto" else "")
+                     + (f" + overlap={self.overlap}" if self.overlap else ""))
             raise LcxError(f"focusllm {reads} + fragment={self.fragment} exceeds the model's window ({w}); use {fix}")
         if self.local >= run.window:
             raise LcxError(f"focusllm local={self.local} leaves no room for candidates in the model's window "
@@ -193,7 +231,9 @@ class FocusLLM(CandidateTraining, Method):
             raise LcxError("focusllm: padded batches are not supported yet; give inputs of equal length "
                            "(or one at a time)")
         memory, local = input_ids[:, : T - self.local], input_ids[:, T - self.local:]
-        spans = self._spans(T)
+        chunk = self.chunk_for(run.window, T, max_new_tokens)
+        spans = chunk_spans(T - self.local, chunk, self.overlap)
+        self._last_chunk = chunk
         n = len(spans)
         if n + self.local + max_new_tokens > run.window:
             raise LcxError(f"focusllm: {n} candidates + {self.local} local tokens + {max_new_tokens} new tokens "
@@ -212,7 +252,7 @@ class FocusLLM(CandidateTraining, Method):
             # are ones the model never saw
             raise LcxError(f"focusllm refreshes each chunk's candidate as it generates: a chunk's {longest} tokens + "
                            f"{max_new_tokens - 1} generated ones exceed the model's window ({run.window}); use "
-                           f"-o focusllm.chunk={self.chunk - (longest + max_new_tokens - 1 - run.window)} or less, "
+                           f"-o focusllm.chunk={chunk - (longest + max_new_tokens - 1 - run.window)} or less, "
                            f"fewer new tokens, or -o focusllm.refresh=0")
         if groups is not None and run.state.get("focusllm_gate") is not None and getattr(run.model.config, "sliding_window", None):
             # a kept chunk cache trades its gated last token for the base one (crop, then one more token),
@@ -233,7 +273,7 @@ class FocusLLM(CandidateTraining, Method):
         placeholder = torch.full((B, n), int(local[0, 0]), dtype=input_ids.dtype, device=input_ids.device)
         ids = torch.cat([placeholder, local], dim=1)
         return Plan(ids, torch.ones_like(ids), [(0, n), (n, n + self.local)], dropped=0,
-                    info={"candidates": n, "memory_tokens": int(memory.shape[1])})
+                    info={"candidates": n, "chunk": chunk, "memory_tokens": int(memory.shape[1])})
 
     @staticmethod
     def _forwarded(run, forward, memory, fragment, spans) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -251,18 +291,20 @@ class FocusLLM(CandidateTraining, Method):
         return [(torch.stack([c[l][0] for c in per_chunk], dim=1)[None].to(dtype),
                  torch.stack([c[l][1] for c in per_chunk], dim=1)[None].to(dtype)) for l in range(len(per_chunk[0]))]
 
-    def _spans(self, input_tokens: int) -> list[tuple[int, int]]:
+    def _spans(self, run, input_tokens: int, new: int = 1) -> list[tuple[int, int]]:
         """The memory chunks of a prompt of ``input_tokens`` (none when it fits the local tokens)."""
-        return chunk_spans(max(0, input_tokens - self.local), self.chunk, self.overlap)
+        chunk = self.chunk_for(run.window, input_tokens, new)
+        return chunk_spans(max(0, input_tokens - self.local), chunk, self.overlap)
 
     def reach(self, run, tokens: int, new: int, span: tuple[int, int]) -> tuple[bool, str]:
         if span[0] >= tokens - self.local:
             return True, f"the key was among the last {self.local:,} tokens, which the model reads as they are"
-        spans = self._spans(tokens)
+        spans = self._spans(run, tokens, new)
         i = next((i for i, (s, e) in enumerate(spans) if s <= span[0] < e), len(spans) - 1)
         how = (f"; each query head reads only the best {self.topk} of these {len(spans)} candidates"
                if 0 < self.topk < len(spans) else "")
-        return True, (f"the key was in memory chunk {i + 1} of {len(spans)} ({self.chunk:,} tokens each), which the "
+        chunk = self.chunk_for(run.window, tokens, new)
+        return True, (f"the key was in memory chunk {i + 1} of {len(spans)} ({chunk:,} tokens each), which the "
                       f"model reads only through the one candidate token the chunk proposes{how}")
 
     def release(self, run) -> None:
@@ -271,7 +313,7 @@ class FocusLLM(CandidateTraining, Method):
 
     def forward_shapes(self, run, tokens: int) -> list[tuple[int, int, int]]:
         """The candidates' pass (its chunks as rows: all at once with parallel=0) and the local tokens' pass."""
-        spans = self._spans(tokens)
+        spans = self._spans(run, tokens)
         local = min(tokens, self.local)
         if not spans:
             return [(1, local, local)]
@@ -291,7 +333,7 @@ class FocusLLM(CandidateTraining, Method):
     def memory_entries(self, run, input_tokens: int) -> int:
         """The chunk caches at their peak (``lcx.limits``): [chunk (+ overlap) ; fragment] per chunk, every chunk
         at once with parallel=0 or when candidates are refreshed (their caches are kept), else ``parallel``."""
-        spans = self._spans(input_tokens)
+        spans = self._spans(run, input_tokens)
         if not spans:
             return 0
         at_once = len(spans) if (not self.parallel or self.refresh) else min(self.parallel, len(spans))
@@ -301,7 +343,7 @@ class FocusLLM(CandidateTraining, Method):
         """Refreshed candidates: each kept chunk cache grows by every generated token but the last."""
         if not self.refresh or max_new_tokens <= 1:
             return 0
-        return len(self._spans(input_tokens)) * (max_new_tokens - 1)
+        return len(self._spans(run, input_tokens, max_new_tokens)) * (max_new_tokens - 1)
 
     def check_serving(self):
         if self.refresh:

@@ -78,7 +78,7 @@ EOF
     grid passkey-recall-local-128k "${A[@]}" --lengths 128K
     grid passkey-recall-local-32k "${A[@]}" --lengths 32K
     mkdir -p /root/pk/passkey-free && cp results/focusllm/passkey-free/passkey.samples.jsonl /root/pk/passkey-free/
-    grid passkey-free --method focusllm --lengths 16K,32K,64K,128K   # its 128K remainder
+    grid passkey-free --method focusllm -o focusllm.chunk=2048 --lengths 16K,32K,64K,128K   # its 128K remainder
     grid passkey-recall-local-16k-cuda "${A[@]}" --lengths 16K       # the CPU machine's 16K grid, again
     ;;
 *)

@@ -3,7 +3,9 @@
 #   bash results/focusllm/run.sh                    # every step, in order
 #   bash results/focusllm/run.sh passkey_free       # chosen steps
 # Passkey steps journal every sample (--resume): rerunning an interrupted step continues it; `train`
-# resumes from its last checkpoint.  Defaults: chunk 2048, local 2048, fragment 512, all chunks at once.
+# resumes from its last checkpoint.  Defaults: chunk 2048, local 2048, fragment 512, all chunks at once.  The
+# steps without an adapter pin the chunk (FIXED): they ran before chunk=auto, which gives 2048 up to 64K but
+# 4096 at 128K; an adapter's lcx.json keeps the 2048 it was trained beside.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 LCX=${LCX:-.venv/bin/lcx}  # device-run.sh: python3 -m lcx.cli
@@ -13,12 +15,13 @@ TRAIN_BOOKS=(alcott_little_men austen_pride_and_prejudice dickens_tale_of_two_ci
              stevenson_treasure_island twain_tom_sawyer)
 EVAL_BOOKS=(-d $BOOKS/wells_invisible_man.txt -d $BOOKS/doyle_hound_of_the_baskervilles.txt)
 LENGTHS=16K,32K,64K,128K
+FIXED=(-o focusllm.chunk=2048)
 
 passkey_free() {  # training-free: the candidates use the base projections
-    $LCX eval passkey -m smollm2-135m --method focusllm --lengths $LENGTHS --out results/focusllm/passkey-free --resume
+    $LCX eval passkey -m smollm2-135m --method focusllm "${FIXED[@]}" --lengths $LENGTHS --out results/focusllm/passkey-free --resume
 }
 ppl_free() {
-    $LCX eval compare ppl -m smollm2-135m --stack focusllm --stack vanilla "${EVAL_BOOKS[@]}" --contexts 4K,8K,16K,32K \
+    $LCX eval compare ppl -m smollm2-135m --stack focusllm --stack vanilla "${FIXED[@]}" "${EVAL_BOOKS[@]}" --contexts 4K,8K,16K,32K \
         --target 256 --out results/focusllm/ppl-free
 }
 train() {  # the candidate adapter (q/k/v/o LoRA rank 8, gated to candidate positions); both loss terms;
@@ -93,7 +96,7 @@ passkey_topk() {  # the full grids with -o focusllm.topk=4 (each local query hea
 passkey_free_topk() {  # topk 4 without training (the base projections), overlap 64: what topk alone does
     local L
     for L in ${FREE_TOPK_LENGTHS:-64K}; do
-        $LCX eval passkey -m smollm2-135m --method focusllm -o focusllm.overlap=64 -o focusllm.topk=4 --lengths $L \
+        $LCX eval passkey -m smollm2-135m --method focusllm "${FIXED[@]}" -o focusllm.overlap=64 -o focusllm.topk=4 --lengths $L \
             --device ${DEVICE:-cpu} --out results/focusllm/passkey-free-topk4-${L,,} --resume
     done
 }
@@ -146,7 +149,7 @@ compare16() {  # focusllm, training-free and with the trained adapter (focusllm@
                # and fot (fot in the configuration of results/fot/run.sh) on the same 16K prompts: 3 depths x 2
                # keys (~1-3 min per sample and stack on one thread)
     $LCX eval compare passkey -m smollm2-135m --stack focusllm --stack focusllm@results/focusllm/adapter \
-        --stack vanilla --stack streaming --stack fot \
+        --stack vanilla --stack streaming --stack fot "${FIXED[@]}" \
         -o fot.local=1024 -o fot.chunk=256 -o fot.memory_layers=6,7,8,14,15,17,18,19,20,21,22,23 \
         -o fot.sinks=0 -o fot.positions=first -o fot.fixed_distance=0 -o fot.gate=off \
         --lengths 16K --depths 0.1,0.5,0.9 --samples 2 --out results/focusllm/compare-16k --resume
