@@ -207,6 +207,25 @@ def test_generate_json_says_the_rope_factor_its_request_ran_with(tiny_dir):
     assert json.loads(r.stdout)["request_options"] == {}  # a fixed factor is among the options
 
 
+def test_eval_grids_record_what_per_request_options_came_to(tiny_dir, tmp_path):
+    """rope's factor and focusllm's chunk under auto follow each prompt's length: every sample says what they
+    came to; an option given as a number is among the run's options only."""
+    def samples(name, *args):
+        r = run("eval", "passkey", "-m", str(tiny_dir), *args, "--depths", "0.5", "--samples", "1",
+                "--out", str(tmp_path / name), "--json")
+        assert r.exit_code == 0, r.output
+        return json.loads(Path(json.loads(r.stdout)["json"]).read_text())["samples"]
+
+    rope = samples("rope", "--method", "rope", "--lengths", "400,600")
+    assert [s["request_options"]["rope"]["factor"] for s in rope] == [1.0, 1.25]  # tokens / the 512-token window
+    focus = ["--method", "focusllm", "-o", "fragment=32", "-o", "local=128", "--lengths", "600"]
+    # all the window holds: 512 less the fragment and the 7 new tokens a refreshed candidate reads after it
+    assert samples("focus", *focus)[0]["request_options"] == {"focusllm": {"chunk": 473}}
+    assert "request_options" not in samples("fixed", *focus, "-o", "chunk=100")[0]
+    journal = [json.loads(line) for line in (tmp_path / "focus" / "passkey.samples.jsonl").read_text().splitlines()]
+    assert journal[-1]["request_options"] == {"focusllm": {"chunk": 473}}
+
+
 def test_demo_runs_every_inference_method_and_leaves_out_training_only_ones(tiny_dir):
     from lcx.registry import registry
 

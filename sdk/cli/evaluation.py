@@ -155,13 +155,17 @@ def _haystack(paths: tuple[Path, ...]) -> str | None:
 def _grid_generator(run, progress: bool = False):
     """Greedy generation for a passkey or RULER grid: the text before a cell's first needle, the same for each
     of its samples, is fed once and its memory reused (methods that keep all per-prompt state in their cache; same tokens).
-    ``progress``: a bar over each prompt's windows as they are read (a 128K prompt takes minutes)."""
+    ``progress``: a bar over each prompt's windows as they are read (a 128K prompt takes minutes).
+    ``gen.request_options``: what the methods' per-request options (rope's factor, focusllm's chunk) came to
+    for the last prompt, recorded with its sample."""
     from lcx.generation import PrefixReuse, generate
 
     def gen(ids, n, shared):
-        return generate(run, ids, max_new_tokens=n, reuse=gen.reuse, shared=shared, progress=progress)
+        out = generate(run, ids, max_new_tokens=n, reuse=gen.reuse, shared=shared, progress=progress)
+        gen.request_options = {m.name: o for m in run.methods if (o := m.request_options())}
+        return out
 
-    gen.reuse = PrefixReuse()
+    gen.reuse, gen.request_options = PrefixReuse(), {}
     return gen
 
 

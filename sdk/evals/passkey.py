@@ -196,7 +196,8 @@ def evaluate(
             text = tokenizer.decode(new[0], skip_special_tokens=True)
             found = passkey_found(key, text)
             samples.append({"length": n, "tokens": int(ids.shape[1]), "depth": d, "key": key,
-                            "output": text, "found": found, "seconds": round(dt, 3)})
+                            "output": text, "found": found, "seconds": round(dt, 3),
+                            **request_options(generate_fn)})
             if journal is not None:
                 journal.append(sid, samples[-1])
             bar.update(1)
@@ -204,6 +205,13 @@ def evaluate(
     bar.close()
     reused = journal.reused if journal is not None else 0
     return {"config": asdict(config), "samples": samples, "summary": summarize(samples), "resumed_samples": reused}
+
+
+def request_options(generate_fn: Any) -> dict[str, Any]:
+    """``{"request_options": ...}`` when the generator says what per-request options its last prompt ran with
+    (``lcx.cli.evaluation._grid_generator``: rope's factor, focusllm's chunk under auto), else nothing."""
+    chosen = getattr(generate_fn, "request_options", None)
+    return {"request_options": chosen} if chosen else {}
 
 
 def passkey_found(key: int, text: str) -> bool:

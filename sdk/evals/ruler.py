@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from lcx.errors import LcxError
-from lcx.evals.passkey import Haystack
+from lcx.evals.passkey import Haystack, request_options
 from lcx.io import Journal, pyplot, save_figure, token_label, write_json
 
 
@@ -365,7 +365,8 @@ def evaluate(
             text = tokenizer.decode(new[0], skip_special_tokens=True)
             samples.append({"task": task, "length": n, "tokens": len(p.ids), "depth": depth,
                             "answers": p.answers, "metric": p.metric, "output": text,
-                            "score": METRICS[p.metric](text, p.answers), "seconds": round(dt, 3)})
+                            "score": METRICS[p.metric](text, p.answers), "seconds": round(dt, 3),
+                            **request_options(generate_fn)})
             if journal is not None:
                 journal.append(sid, samples[-1])
             bar.update(1)
