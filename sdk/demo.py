@@ -93,6 +93,8 @@ def run_demo(model_name: str = "smollm2-135m", length: int | None = None, depth:
         text = tok.decode(new[0], skip_special_tokens=True)
         found = passkey_found(key, text)
         rows.append({**row, "found": found, "output": text.strip(),
+                     # every option as the row ran: defaults, an adapter's trained ones, what auto came to
+                     "ran_with": {m.name: {**m.to_options(), **m.request_options()} for m in run.methods},
                      "why": explain(run, int(ids.shape[1]), NEW_TOKENS, span, window, found),
                      "seconds": round(m.result.seconds, 1), "peak_rss_mib": round(m.result.peak_rss_mib)})
         torch.cuda.empty_cache() if torch.cuda.is_available() else None

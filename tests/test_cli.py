@@ -317,6 +317,8 @@ def test_a_demo_row_runs_over_the_adapter_given_for_its_method(tiny_dir, tmp_pat
     rows = {row["method"]: row for row in json.loads(r.stdout)}
     assert rows["focusllm"]["seconds"] is not None and rows["focusllm"]["adapter"] == str(adapter)
     assert rows["focusllm"]["options"] == {} and "memory chunk" in rows["focusllm"]["why"]
+    assert {k: rows["focusllm"]["ran_with"]["focusllm"][k] for k in fits} == fits  # the trained options it ran with
+    assert rows["none"]["ran_with"] == {} and rows["fot"]["ran_with"]["fot"]["local"] == 512  # local=auto: the window
     assert rows["none"]["adapter"] is None and rows["fot"]["adapter"] is None
     assert [rows[m]["output"] for m in ("none", "fot")] == [bare[m]["output"] for m in ("none", "fot")]
 
