@@ -41,6 +41,7 @@ from lcx.plan import Plan
 from lcx.plugins.fot import crossbatch
 from lcx.plugins.fot.attention import memory_attention
 from lcx.plugins.fot.cache import FoTLayer, fot_cache
+from lcx.plugins.fot.ray_memory import NO_HOST, STARTS_HERE, split_address
 
 
 #: How memory_layers=auto measures the layers that retrieve (``lcx analyze retrieval``'s inputs; the length is
@@ -138,9 +139,7 @@ class FoT(Method):
         if self.backend != "ray" and (self.shards != 1 or self.ray_address):
             raise ValueError(f"{'shards' if self.shards != 1 else 'ray_address'} is an option of backend=ray (the "
                              f"memory on Ray actors); add -o fot.backend=ray, or drop it for backend={self.backend}")
-        if self.ray_address not in ("", "auto", "local"):  # a typo refused here, not in a server's worker
-            from lcx.plugins.fot.ray_memory import split_address
-
+        if self.ray_address not in NO_HOST:  # a typo refused here, not in a server's worker
             try:
                 split_address(self.ray_address, "-o fot.ray_address")
             except LcxError as e:
@@ -532,7 +531,7 @@ class FoT(Method):
     def memory_bytes(self, run, entries: int) -> int:
         """One store per memory layer and KV head (``bytes_per_store``); none here for a Ray memory on a cluster
         elsewhere (its actors hold the entries)."""
-        if self.backend == "ray" and (self.ray_address or os.environ.get("RAY_ADDRESS", "")) not in ("", "local"):
+        if self.backend == "ray" and (self.ray_address or os.environ.get("RAY_ADDRESS", "")) not in STARTS_HERE:
             return 0
         _, kv_heads, head_dim, size = kv_dims(run.model)
         return len(self.layer_indices(run)) * kv_heads * bytes_per_store(self.store_config(), entries, head_dim,

@@ -45,6 +45,11 @@ _HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0,
 #: after this long.
 START_TIMEOUT_S = 300
 
+#: -o fot.ray_address / $RAY_ADDRESS values that name no host:port: unset and "local" start a Ray in this process;
+#: "auto" joins the one already running on this machine, as ``ray.init`` finds it
+STARTS_HERE = ("", "local")
+NO_HOST = (*STARTS_HERE, "auto")
+
 _names = itertools.count()  # store names, unique in this process
 _groups: dict[tuple, "_Shards"] = {}  # a configuration's actors, shared by its stores
 
@@ -59,7 +64,7 @@ def connect(address: str = "") -> Any:
     if ray.is_initialized():
         return ray
     address = address or os.environ.get("RAY_ADDRESS", "")
-    if address not in ("", "auto", "local"):
+    if address not in NO_HOST:
         _probe(address)
     try:
         ray.init(address=address or None, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
