@@ -52,6 +52,13 @@ class PrefixReuse:
         self._memos: dict[str, Any] = {}
         self._memo_run: Run | None = None
 
+    def reclaimable_bytes(self, run: Run) -> int:
+        """Bytes the memos of ``run`` hold that its next prompt takes over or frees first (a memo's own
+        ``reclaimable_bytes``; the prefix snapshot is copied, not taken over, so it is not among them)."""
+        if self._memo_run is not run:
+            return 0
+        return sum(m.reclaimable_bytes() for m in self._memos.values() if hasattr(m, "reclaimable_bytes"))
+
     def memo(self, run: Run, name: str, factory: Callable[[], Any]) -> Any:
         """The method's own memo ``name`` for prompts of ``run`` (a new one from ``factory`` the first time,
         and for every name again when the run changes: another model, adapter or options)."""

@@ -391,6 +391,33 @@ def test_prompts_sharing_chunks_take_them_from_the_last_prompt_and_generate_the_
     assert not torch.allclose(memo_slots[0][1][1][0], memo_slots[2][1][1][0], atol=1e-3)  # the prompts' candidates differ
 
 
+def test_a_grids_chunk_memo_counts_as_free_memory_for_the_next_prompt(monkeypatch):
+    """The memo holds the last prompt's chunk caches (gigabytes at 128K): the next prompt takes over those it
+    shares, which its own estimate counts, and lets the others go before it decodes; so the limits check counts
+    the memo as free, and a grid's second prompt is not refused for memory the first one's chunks hold."""
+    from lcx import limits
+    from lcx.generation import PrefixReuse
+
+    a = _ids(T=110)
+    b = a.clone()
+    b[0, 40] = 7  # chunk 2 differs
+    reuse = PrefixReuse()
+    monkeypatch.setenv("LCX_HEAP_ALLOWANCE", "1")
+    with lcx.attach(_trained_peft(), ["focusllm"], focusllm={**OPTS, "refresh": 1}) as run:
+        generate(run, a, max_new_tokens=4, reuse=reuse)
+        memo = reuse.memo(run, "focusllm_chunks", None)
+        held = reuse.reclaimable_bytes(run)
+        assert held >= sum(t.nbytes for c in memo.chunks.values() for kv in c.kv for t in kv) > 0
+        est = limits.check_request(run, 110, 4)
+        need = (est["kv_bytes"] + est["forward_bytes"]) / limits.Limits.from_env().ram_fraction
+        monkeypatch.setattr(limits, "available_memory", lambda device: int(need) - held // 2)
+        with pytest.raises(limits.LimitError, match="more than"):
+            limits.check_request(run, 110, 4)  # no memo in sight: refused
+        generate(run, b, max_new_tokens=4, reuse=reuse)  # the memo counted: it runs
+        assert memo.hits == 5 and len(memo.chunks) == 6
+        assert reuse.reclaimable_bytes(object()) == 0  # another run's prompt takes nothing from this memo
+
+
 def test_a_new_request_lets_the_last_ones_state_go_before_the_limits_check(monkeypatch):
     """The limits check measures free memory: the last prompt's decoder cache and refreshed chunk caches
     (7.6 GB at 128K) must be gone by then, not when the new plan replaces them."""

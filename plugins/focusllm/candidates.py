@@ -119,6 +119,17 @@ class ChunkMemo:
     def key(ids: torch.Tensor) -> bytes:
         return ids.cpu().numpy().tobytes()
 
+    def reclaimable_bytes(self) -> int:
+        """What the memo holds (``lcx.limits.check_request`` counts it as free): the next prompt takes its
+        chunks as its own memory, which its estimate already counts, and lets the others go before it decodes."""
+        storages = {}
+        for chunk in self.chunks.values():
+            for k, v in [*chunk.last, *(chunk.kv or [])]:
+                for t in (k, v):
+                    s = t.untyped_storage()
+                    storages[s.data_ptr()] = s.nbytes()
+        return sum(storages.values())
+
 
 def candidate_kv(model, memory_ids: torch.Tensor, fragment_ids: torch.Tensor, spans: list[tuple[int, int]],
                  parallel: int, gate=None, groups: list[ChunkGroup] | None = None,
@@ -150,6 +161,7 @@ def candidate_kv(model, memory_ids: torch.Tensor, fragment_ids: torch.Tensor, sp
             if keep:  # the cache's first update copies these rows; refreshing appends to that copy
                 made.append(ChunkGroup([i], hit.length, _kv_cache(model.config, hit.kv)))
         memo.hits += len(spans) - len(todo)
+        memo.chunks = dict(kept)  # the chunks this prompt does not share go before its own are decoded
     for group in _chunk_groups(spans, parallel, todo):
         ids = _group_rows(memory_ids, spans, group, fragment_ids)
         _scatter(per_chunk, group, _forward_group(model, group, ids, None, gate, keep=keep, grad=grad), B)
