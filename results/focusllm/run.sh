@@ -16,6 +16,9 @@ TRAIN_BOOKS=(alcott_little_men austen_pride_and_prejudice dickens_tale_of_two_ci
 EVAL_BOOKS=(-d $BOOKS/wells_invisible_man.txt -d $BOOKS/doyle_hound_of_the_baskervilles.txt)
 LENGTHS=16K,32K,64K,128K
 FIXED=(-o focusllm.chunk=2048)
+# a 128K prompt's estimate (~16.5 GiB) fits 24 GB only without the memory check's 1.5x heap allowance, which
+# came after these grids ran: freed tensors go back to the system instead
+export LCX_BOUNDED_HEAP=${LCX_BOUNDED_HEAP:-1}
 
 passkey_free() {  # training-free: the candidates use the base projections
     $LCX eval passkey -m smollm2-135m --method focusllm "${FIXED[@]}" --lengths $LENGTHS --out results/focusllm/passkey-free --resume
@@ -169,6 +172,13 @@ passkey_topk_chunk4096() {  # the 128K grid with chunks of 4,096 tokens: 31 cand
         -o focusllm.topk=4 -o focusllm.chunk=4096 --lengths 64K --device ${DEVICE:-cpu} \
         --out results/focusllm/passkey-recall-local-topk4-chunk4096-64k --resume
 }
+chunk_auto_probe() {  # chunk=auto (the default since it was added: 4,096 at 128K) on three prompts of the seed-0
+                     # 128K grid, beside what the 2,048- and 4,096-token grids answered there (~15 min, then ~2 min)
+    .venv/bin/python results/focusllm/bigchunk/probe.py --length 128K --index 0 --depths 0.1,0.5,0.9 \
+        --baseline results/focusllm/passkey-recall-local-topk4-chunk4096-128k \
+        --baseline results/focusllm/passkey-recall-local-topk4-128k -o focusllm.chunk=auto -o focusllm.overlap=64 \
+        -o focusllm.topk=4 --out results/focusllm/chunk-auto/probe-128k
+}
 dev_probe() {  # generation variants on development prompts at 128K (dev/probe.py: depths 0.2-0.8, keys of seed 1,
                # never a test-grid prompt), the adapter-recall-local stack; ~9 min for a first prompt's chunks,
                # ~70 s a variant with exact refresh after it (2 cores).  Run as three calls, each stopped once its new
@@ -197,5 +207,5 @@ topk_probe() {  # -o focusllm.topk=K: each local query head reads its K best can
         --baseline results/focusllm/passkey-recall-local-64k -o focusllm.overlap=64 -o focusllm.topk=4 \
         --out results/focusllm/topk/k4-64k-i1
 }
-[ ${#steps[@]} -eq 0 ] && steps=(passkey_free ppl_free train passkey_trained ppl_trained train_fresh passkey_fresh diagnose_fresh train_recall passkey_recall train_recall_local passkey_recall_local passkey_recall_local_32k passkey_recall_local_long passkey_recall_local_overlap bigchunk_probe topk_probe passkey_topk compare16_topk passkey_free_topk dev_probe passkey_topk_chunk4096)
+[ ${#steps[@]} -eq 0 ] && steps=(passkey_free ppl_free train passkey_trained ppl_trained train_fresh passkey_fresh diagnose_fresh train_recall passkey_recall train_recall_local passkey_recall_local passkey_recall_local_32k passkey_recall_local_long passkey_recall_local_overlap bigchunk_probe topk_probe passkey_topk compare16_topk passkey_free_topk dev_probe passkey_topk_chunk4096 chunk_auto_probe)
 for s in "${steps[@]}"; do echo "== $s"; "$s"; done

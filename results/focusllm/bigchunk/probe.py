@@ -78,6 +78,9 @@ def main() -> None:
                 row = {"length": n, "depth": d, "index": i, "key": key, "output": text,
                        "found": passkey_found(key, text), "seconds": round(time.perf_counter() - t0, 1),
                        "baseline_found": base.get((d, key), {})}
+                chosen = {m.name: m.request_options() for m in s.run.methods if m.request_options()}
+                if chosen:  # what an auto option came to for this prompt (focusllm chunk=auto)
+                    row["request_options"] = chosen
                 rows.append(row)
                 with journal.open("a") as f:
                     f.write(json.dumps(row) + "\n")
