@@ -76,6 +76,9 @@ class Run:
         #: While ``generate`` plans with a ``lcx.generation.PrefixReuse``: that object (a method's chunking stage
         #: may keep work later prompts share in its ``memo``).
         self.reuse: Any = None
+        #: While ``lcx.limits.check_request`` estimates a request: its input ids (B, T), for an estimate that
+        #: depends on them (focusllm's chunk forwards, fewer where a memo already holds the chunks).
+        self.request_ids: Any = None
         #: While ``tail_logits`` plans: how many trailing tokens are scored (a plan must not let the logits read
         #: the tokens they predict).
         self.scored: int = 0

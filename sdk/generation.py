@@ -52,12 +52,9 @@ class PrefixReuse:
         self._memos: dict[str, Any] = {}
         self._memo_run: Run | None = None
 
-    def reclaimable_bytes(self, run: Run) -> int:
-        """Bytes the memos of ``run`` hold that its next prompt takes over or frees first (a memo's own
-        ``reclaimable_bytes``; the prefix snapshot is copied, not taken over, so it is not among them)."""
-        if self._memo_run is not run:
-            return 0
-        return sum(m.reclaimable_bytes() for m in self._memos.values() if hasattr(m, "reclaimable_bytes"))
+    def peek(self, run: Run, name: str) -> Any:
+        """The method's memo ``name`` for prompts of ``run`` if one is kept, else None (an estimate reads it)."""
+        return self._memos.get(name) if self._memo_run is run else None
 
     def memo(self, run: Run, name: str, factory: Callable[[], Any]) -> Any:
         """The method's own memo ``name`` for prompts of ``run`` (a new one from ``factory`` the first time,
@@ -151,7 +148,11 @@ def make_plan(run: Run, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
     release_last_request(run)
     for m in run.methods:
         m.begin_request(run, int(input_ids.shape[1]), max_new_tokens)
-    check_request(run, int(input_ids.shape[1]), max_new_tokens, batch=int(input_ids.shape[0]))
+    run.request_ids = input_ids
+    try:
+        check_request(run, int(input_ids.shape[1]), max_new_tokens, batch=int(input_ids.shape[0]))
+    finally:
+        run.request_ids = None
     device = model_device(run.model)  # inputs follow the model: the caller's tensors may be on the CPU
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     plan = run.hook.lcx_plan(

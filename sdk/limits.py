@@ -256,11 +256,9 @@ def check_request(run: Any, input_tokens: int, max_new_tokens: int, batch: int =
     passes = batch * forward_bytes(run.model, request_forward_shapes(run, tokens))
     needs[model_device] = needs.get(model_device, 0) + per_token * batch * cached + passes
     hints = "".join(f"{h}, " for m in run.methods if (h := m.forward_hint(run)))
-    reuse = getattr(run, "reuse", None)  # a grid's memo, which this request takes over or lets go
-    held = reuse.reclaimable_bytes(run) if reuse is not None else 0
     free = {}
     for device, n in needs.items():
-        free[device] = have = available_memory(device) + (held if device == model_device else 0)
+        free[device] = have = available_memory(device)
         allowance = heap_allowance(device, limits)
         if n * allowance > limits.ram_fraction * have:
             cache = per_token * batch * cached if device == model_device else 0

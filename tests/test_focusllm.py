@@ -273,6 +273,10 @@ def test_chunk_auto_doubles_the_chunk_until_the_memory_makes_few_candidates(monk
             LcxError, match=r"chunk=100 \(auto's smallest\) \+ fragment=100 exceeds the model's window \(128\); use "
                             r"smaller pieces, e.g. -o focusllm.chunk=64"):
         make_plan(run, _ids(T=200), None, 0)
+    with lcx.attach(model, ["focusllm"], focusllm={"fragment": 60, "local": 64}) as run, pytest.raises(
+            LcxError, match=r"a chunk's 120 tokens \+ 29 generated ones exceed the model's window \(128\); use a "
+                            r"smaller -o focusllm.fragment, fewer new tokens"):  # no chunk as long as the fragment fits
+        make_plan(run, _ids(T=200), None, 30)
 
 
 def test_bad_input():
@@ -391,31 +395,47 @@ def test_prompts_sharing_chunks_take_them_from_the_last_prompt_and_generate_the_
     assert not torch.allclose(memo_slots[0][1][1][0], memo_slots[2][1][1][0], atol=1e-3)  # the prompts' candidates differ
 
 
-def test_a_grids_chunk_memo_counts_as_free_memory_for_the_next_prompt(monkeypatch):
-    """The memo holds the last prompt's chunk caches (gigabytes at 128K): the next prompt takes over those it
-    shares, which its own estimate counts, and lets the others go before it decodes; so the limits check counts
-    the memo as free, and a grid's second prompt is not refused for memory the first one's chunks hold."""
+@pytest.mark.parametrize("refresh", [1, 0])
+def test_a_grids_next_prompt_is_estimated_with_the_chunk_forwards_its_memo_saves(monkeypatch, refresh):
+    """The memo holds the last prompt's chunks (gigabytes at 128K), which stay in use: the next prompt's check
+    counts only the chunk forwards it will run (those the memo lacks), not every chunk's, so a grid's second
+    prompt is not refused for a forward it will not make; a prompt whose chunks all differ is estimated in full."""
     from lcx import limits
     from lcx.generation import PrefixReuse
 
-    a = _ids(T=110)
+    a = _ids(T=110)  # 6 chunks
     b = a.clone()
     b[0, 40] = 7  # chunk 2 differs
+    want = _slots_after_generation(_trained_peft(), b, 4, refresh=refresh)[0]  # b alone, before memory is capped
     reuse = PrefixReuse()
     monkeypatch.setenv("LCX_HEAP_ALLOWANCE", "1")
-    with lcx.attach(_trained_peft(), ["focusllm"], focusllm={**OPTS, "refresh": 1}) as run:
+    with lcx.attach(_trained_peft(), ["focusllm"], focusllm={**OPTS, "refresh": refresh, "parallel": 0}) as run:
+        focus = run.method("focusllm")
+        width = 16 + 8
+        assert focus.forward_shapes(run, 114)[0] == (6, width, width)  # no memo: every chunk at once
         generate(run, a, max_new_tokens=4, reuse=reuse)
-        memo = reuse.memo(run, "focusllm_chunks", None)
-        held = reuse.reclaimable_bytes(run)
-        assert held >= sum(t.nbytes for c in memo.chunks.values() for kv in c.kv for t in kv) > 0
-        est = limits.check_request(run, 110, 4)
+
+        def shapes(ids):
+            run.reuse, run.request_ids = reuse, ids
+            try:
+                return focus.forward_shapes(run, 114), limits.check_request(run, 110, 4)
+            finally:
+                run.reuse = run.request_ids = None
+
+        (one, _), est = shapes(b)
+        assert one == (1, width, width)  # only the chunk b does not share with a
+        assert shapes(a)[0] == [(1, 24, 30)]  # every chunk in the memo: the local tokens' pass alone
+        assert shapes(_ids(T=110, seed=1))[0][0] == (6, width, width)  # nothing shared: all of them
+        full = limits.check_request(run, 110, 4)  # as if no memo were there
+        assert full["forward_bytes"] > est["forward_bytes"]
         need = (est["kv_bytes"] + est["forward_bytes"]) / limits.Limits.from_env().ram_fraction
-        monkeypatch.setattr(limits, "available_memory", lambda device: int(need) - held // 2)
+        monkeypatch.setattr(limits, "available_memory", lambda device: int(need) + 1)
         with pytest.raises(limits.LimitError, match="more than"):
-            limits.check_request(run, 110, 4)  # no memo in sight: refused
-        generate(run, b, max_new_tokens=4, reuse=reuse)  # the memo counted: it runs
-        assert memo.hits == 5 and len(memo.chunks) == 6
-        assert reuse.reclaimable_bytes(object()) == 0  # another run's prompt takes nothing from this memo
+            limits.check_request(run, 110, 4)  # every chunk's forward: refused
+        new = generate(run, b, max_new_tokens=4, reuse=reuse)  # the one forward b needs: it runs
+    memo = reuse.peek(run, "focusllm_chunks")
+    assert memo.hits == 5 and len(memo.chunks) == 6 and reuse.peek(object(), "focusllm_chunks") is None
+    assert torch.equal(new, want)
 
 
 def test_a_new_request_lets_the_last_ones_state_go_before_the_limits_check(monkeypatch):

@@ -167,7 +167,8 @@ def test_focusllm_chunk_auto_is_the_smallest_doubling_that_keeps_few_candidates_
     chunk = m.chunk_for(window, tokens, new)
     n = len(chunk_spans(max(0, tokens - m.local), chunk, overlap))
     start = max(min(BASE_CHUNK, room), fragment, overlap + 1)
-    assert chunk >= start and (chunk <= room or chunk == start)  # past the window only when even the start is
+    reads = chunk + overlap + fragment + (new - 1 if refresh else 0)  # one chunk's forward, refreshed to the end
+    assert chunk >= start and (reads <= window or chunk == start)  # past the window only when even the start is
     assert n <= MAX_CANDIDATES or chunk >= room  # few candidates, or the largest chunk the window allows
     if chunk > start:  # doubled: the size before it made too many candidates
         before = max(chunk // 2, start) if chunk < room else None

@@ -119,16 +119,12 @@ class ChunkMemo:
     def key(ids: torch.Tensor) -> bytes:
         return ids.cpu().numpy().tobytes()
 
-    def reclaimable_bytes(self) -> int:
-        """What the memo holds (``lcx.limits.check_request`` counts it as free): the next prompt takes its
-        chunks as its own memory, which its estimate already counts, and lets the others go before it decodes."""
-        storages = {}
-        for chunk in self.chunks.values():
-            for k, v in [*chunk.last, *(chunk.kv or [])]:
-                for t in (k, v):
-                    s = t.untyped_storage()
-                    storages[s.data_ptr()] = s.nbytes()
-        return sum(storages.values())
+    def misses(self, memory_ids: torch.Tensor, fragment_ids: torch.Tensor, spans: list[tuple[int, int]],
+               keep: bool) -> tuple[list[bytes], list[int]]:
+        """Each chunk's key, and the chunks a forward must decode: those the memo lacks (with their cache,
+        when ``keep``)."""
+        keys = [self.key(_group_rows(memory_ids, spans, ChunkGroup([i], 0), fragment_ids)) for i in range(len(spans))]
+        return keys, [i for i, k in enumerate(keys) if (hit := self.chunks.get(k)) is None or (keep and hit.kv is None)]
 
 
 def candidate_kv(model, memory_ids: torch.Tensor, fragment_ids: torch.Tensor, spans: list[tuple[int, int]],
@@ -149,13 +145,12 @@ def candidate_kv(model, memory_ids: torch.Tensor, fragment_ids: torch.Tensor, sp
     made: list[ChunkGroup] = []
     todo, keys, kept = None, [], {}
     if memo is not None and B == 1 and not grad:
-        keys = [ChunkMemo.key(_group_rows(memory_ids, spans, ChunkGroup([i], 0), fragment_ids)) for i in range(len(spans))]
-        todo = []
+        keys, todo = memo.misses(memory_ids, fragment_ids, spans, keep)
+        missing = set(todo)
         for i, key in enumerate(keys):
-            hit = memo.chunks.get(key)
-            if hit is None or (keep and hit.kv is None):
-                todo.append(i)
+            if i in missing:
                 continue
+            hit = memo.chunks[key]
             per_chunk[i] = hit.last
             kept[key] = hit
             if keep:  # the cache's first update copies these rows; refreshing appends to that copy

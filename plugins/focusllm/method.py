@@ -147,7 +147,11 @@ class FocusLLM(CandidateTraining, Method):
             return {"chunk": int(self.chunk)}
         room = families.json_window(config) - self.overlap - self.fragment
         return {"chunk": f"per request: {min(BASE_CHUNK, room):,}, doubled while the memory makes more than "
-                         f"{MAX_CANDIDATES} candidates, up to {room:,} (the window less fragment and overlap)"}
+                         f"{MAX_CANDIDATES} candidates, up to {room:,} (the window less fragment and overlap, and "
+                         f"less the new tokens a refreshed candidate reads)"}
+
+    def begin_request(self, run, tokens: int, new: int) -> None:
+        self._last_chunk = None  # a prompt read as it is has no chunks: not the last one's size
 
     def request_options(self) -> dict:
         return {"chunk": self._last_chunk} if self.chunk == "auto" and self._last_chunk is not None else {}
@@ -237,7 +241,9 @@ class FocusLLM(CandidateTraining, Method):
         n = len(spans)
         if n + self.local + max_new_tokens > run.window:
             raise LcxError(f"focusllm: {n} candidates + {self.local} local tokens + {max_new_tokens} new tokens "
-                           f"exceed the model's window ({run.window}); raise -o focusllm.chunk or lower -o focusllm.local")
+                           f"exceed the model's window ({run.window}); "
+                           + ("lower -o focusllm.local" if self.chunk == "auto" else
+                              "raise -o focusllm.chunk or lower -o focusllm.local"))
         # the fragment: the last local tokens, or when scoring, the last ones before the scored tokens (every
         # local token reads the candidates, so they may only have read what the first scored logit reads)
         scored = run.scored
@@ -250,10 +256,12 @@ class FocusLLM(CandidateTraining, Method):
         if groups is not None and longest + max_new_tokens - 1 > run.window:
             # refreshing grows each chunk's sequence by the generated tokens: past the window, its positions
             # are ones the model never saw
+            fits = chunk - (longest + max_new_tokens - 1 - run.window)
+            smaller = (f"-o focusllm.chunk={fits} or less" if fits >= max(self.fragment, self.overlap + 1)
+                       else "a smaller -o focusllm.fragment")
             raise LcxError(f"focusllm refreshes each chunk's candidate as it generates: a chunk's {longest} tokens + "
                            f"{max_new_tokens - 1} generated ones exceed the model's window ({run.window}); use "
-                           f"-o focusllm.chunk={chunk - (longest + max_new_tokens - 1 - run.window)} or less, "
-                           f"fewer new tokens, or -o focusllm.refresh=0")
+                           f"{smaller}, fewer new tokens, or -o focusllm.refresh=0")
         if groups is not None and run.state.get("focusllm_gate") is not None and getattr(run.model.config, "sliding_window", None):
             # a kept chunk cache trades its gated last token for the base one (crop, then one more token),
             # which transformers' sliding-window cache layers refuse
@@ -312,13 +320,36 @@ class FocusLLM(CandidateTraining, Method):
             run.state.pop(key, None)
 
     def forward_shapes(self, run, tokens: int) -> list[tuple[int, int, int]]:
-        """The candidates' pass (its chunks as rows: all at once with parallel=0) and the local tokens' pass."""
+        """The candidates' pass (its chunks as rows: all at once with parallel=0; in a grid, only the chunks
+        the last prompt's memo lacks) and the local tokens' pass."""
         spans = self._spans(run, tokens)
         local = min(tokens, self.local)
         if not spans:
             return [(1, local, local)]
         width = max(e - s for s, e in spans) + self.fragment
-        return [(self.parallel or len(spans), width, width), (1, local, len(spans) + local)]
+        rows = self.parallel or len(spans)
+        todo = self._memo_misses(run, tokens)
+        if todo is not None:
+            if not todo:
+                return [(1, local, len(spans) + local)]
+            rows = min(rows, len(todo))
+        return [(rows, width, width), (1, local, len(spans) + local)]
+
+    def _memo_misses(self, run, tokens: int) -> list[int] | None:
+        """While a request is checked: the chunks its forwards must decode when a grid's chunk memo holds the
+        others (``ChunkMemo``); None without a memo."""
+        ids, reuse = run.request_ids, run.reuse
+        memo = reuse.peek(run, "focusllm_chunks") if reuse is not None else None
+        if memo is None or ids is None or ids.shape[0] != 1 or not memo.chunks:
+            return None
+        T = ids.shape[1]
+        if T <= self.local:
+            return []
+        new = tokens - T
+        local = ids[:, T - self.local:]
+        fragment = local[:, : self.local - run.scored][:, -self.fragment:]
+        spans = chunk_spans(T - self.local, self.chunk_for(run.window, T, new), self.overlap)
+        return memo.misses(ids[:, : T - self.local], fragment, spans, keep=bool(self.refresh) and new > 1)[1]
 
     def forward_hint(self, run) -> str | None:
         if self.parallel == 1:

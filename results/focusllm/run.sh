@@ -3,7 +3,7 @@
 #   bash results/focusllm/run.sh                    # every step, in order
 #   bash results/focusllm/run.sh passkey_free       # chosen steps
 # Passkey steps journal every sample (--resume): rerunning an interrupted step continues it; `train`
-# resumes from its last checkpoint.  Defaults: chunk 2048, local 2048, fragment 512, all chunks at once.  The
+# resumes from its last checkpoint.  Defaults when these ran: chunk 2048, local 2048, fragment 512, all chunks at once.  The
 # steps without an adapter pin the chunk (FIXED): they ran before chunk=auto, which gives 2048 up to 64K but
 # 4096 at 128K; an adapter's lcx.json keeps the 2048 it was trained beside.
 set -euo pipefail

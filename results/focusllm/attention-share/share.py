@@ -92,7 +92,7 @@ def main() -> None:
             model, _ = load_adapter(model, adapter)
         probe = CandidateShare()
         rows = []
-        with attach(model, ["focusllm", probe]) as run, torch.no_grad():
+        with attach(model, ["focusllm", probe], focusllm={"chunk": 2048}) as run, torch.no_grad():  # as share.json ran
             f = run.method("focusllm")
             for length, depth, key in CASES:
                 ids, start = prompt_and_needle(tok, length, depth, key)
