@@ -265,7 +265,7 @@ def test_chunk_auto_doubles_the_chunk_until_the_memory_makes_few_candidates(monk
     method = focus.FocusLLM.from_options()
     assert method.chunk == "auto"
     assert [method.chunk_for(8192, t) for t in (16384, 65536, 131072, 1 << 20)] == [2048, 2048, 4096, 7680]
-    assert "doubled while the memory makes more than 32 candidates, up to 7,680" in \
+    assert "doubled while the memory makes more than 32 candidates, up to 7,680 (the window less fragment and overlap)" in \
         method.resolved({"model_type": "llama", "max_position_embeddings": 8192})["chunk"]
     with pytest.raises(LcxError, match="chunk must be a number of tokens or auto, got 'big'"):
         lcx.attach(model, ["focusllm"], focusllm={"chunk": "big"})
@@ -411,9 +411,7 @@ def test_a_grids_next_prompt_is_estimated_with_the_chunk_forwards_its_memo_saves
     monkeypatch.setenv("LCX_HEAP_ALLOWANCE", "1")
     with lcx.attach(_trained_peft(), ["focusllm"], focusllm={**OPTS, "refresh": refresh, "parallel": 0}) as run:
         focus = run.method("focusllm")
-        width = 16 + 8
-        assert focus.forward_shapes(run, 114)[0] == (6, width, width)  # no memo: every chunk at once
-        generate(run, a, max_new_tokens=4, reuse=reuse)
+        width, per_token = 16 + 8, limits.kv_bytes_per_token(run.model)
 
         def shapes(ids):
             run.reuse, run.request_ids = reuse, ids
@@ -422,10 +420,17 @@ def test_a_grids_next_prompt_is_estimated_with_the_chunk_forwards_its_memo_saves
             finally:
                 run.reuse = run.request_ids = None
 
-        (one, _), est = shapes(b)
-        assert one == (1, width, width)  # only the chunk b does not share with a
-        assert shapes(a)[0] == [(1, 24, 30)]  # every chunk in the memo: the local tokens' pass alone
-        assert shapes(_ids(T=110, seed=1))[0][0] == (6, width, width)  # nothing shared: all of them
+        def kept(chunks):  # with refresh, the memo's own cache of the chunks decoded, beside the refreshed copies
+            return [(1, 0, 0, chunks * width * per_token)] if refresh else []
+
+        local = (1, 24, 30)  # the local tokens read after 6 candidates
+        assert focus.forward_shapes(run, 114) == [(6, width, width), local]  # no grid: every chunk at once
+        assert shapes(a)[0] == [(6, width, width), local, *kept(6)]  # a grid's first prompt: all of them, kept
+        generate(run, a, max_new_tokens=4, reuse=reuse)
+        one, est = shapes(b)
+        assert one == [(1, width, width), local, *kept(1)]  # only the chunk b does not share with a
+        assert shapes(a)[0] == [local]  # every chunk in the memo: the local tokens' pass alone
+        assert shapes(_ids(T=110, seed=1))[0] == [(6, width, width), local, *kept(6)]  # nothing shared
         full = limits.check_request(run, 110, 4)  # as if no memo were there
         assert full["forward_bytes"] > est["forward_bytes"]
         need = (est["kv_bytes"] + est["forward_bytes"]) / limits.Limits.from_env().ram_fraction

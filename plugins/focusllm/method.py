@@ -147,8 +147,8 @@ class FocusLLM(CandidateTraining, Method):
             return {"chunk": int(self.chunk)}
         room = families.json_window(config) - self.overlap - self.fragment
         return {"chunk": f"per request: {min(BASE_CHUNK, room):,}, doubled while the memory makes more than "
-                         f"{MAX_CANDIDATES} candidates, up to {room:,} (the window less fragment and overlap, and "
-                         f"less the new tokens a refreshed candidate reads)"}
+                         f"{MAX_CANDIDATES} candidates, up to {room:,} (the window less fragment and overlap), less "
+                         f"the new tokens when candidates are refreshed"}
 
     def begin_request(self, run, tokens: int, new: int) -> None:
         self._last_chunk = None  # a prompt read as it is has no chunks: not the last one's size
@@ -258,7 +258,7 @@ class FocusLLM(CandidateTraining, Method):
             # are ones the model never saw
             fits = chunk - (longest + max_new_tokens - 1 - run.window)
             smaller = (f"-o focusllm.chunk={fits} or less" if fits >= max(self.fragment, self.overlap + 1)
-                       else "a smaller -o focusllm.fragment")
+                       else "a smaller -o focusllm.fragment" + (" or overlap" if self.overlap else ""))
             raise LcxError(f"focusllm refreshes each chunk's candidate as it generates: a chunk's {longest} tokens + "
                            f"{max_new_tokens - 1} generated ones exceed the model's window ({run.window}); use "
                            f"{smaller}, fewer new tokens, or -o focusllm.refresh=0")
@@ -327,17 +327,22 @@ class FocusLLM(CandidateTraining, Method):
         if not spans:
             return [(1, local, local)]
         width = max(e - s for s, e in spans) + self.fragment
-        rows = self.parallel or len(spans)
-        todo = self._memo_misses(run, tokens)
-        if todo is not None:
-            if not todo:
-                return [(1, local, len(spans) + local)]
-            rows = min(rows, len(todo))
-        return [(rows, width, width), (1, local, len(spans) + local)]
+        rows, passes = self.parallel or len(spans), [(1, local, len(spans) + local)]
+        ids = run.request_ids
+        if run.reuse is not None and ids is not None and ids.shape[0] == 1:  # a grid: a chunk memo is used
+            todo = self._memo_misses(run, tokens)
+            decoded = len(spans) if todo is None else len(todo)
+            rows = min(rows, decoded)
+            if self.refresh and tokens - ids.shape[1] > 1 and decoded:
+                # the memo keeps the decoded chunks' own cache beside the copies refreshing reads (after their forward)
+                from lcx.limits import kv_bytes_per_token
+
+                passes.append((1, 0, 0, decoded * width * kv_bytes_per_token(run.model)))
+        return ([(rows, width, width)] if rows else []) + passes
 
     def _memo_misses(self, run, tokens: int) -> list[int] | None:
         """While a request is checked: the chunks its forwards must decode when a grid's chunk memo holds the
-        others (``ChunkMemo``); None without a memo."""
+        others (``ChunkMemo``); None without a memo (or an empty one): every chunk."""
         ids, reuse = run.request_ids, run.reuse
         memo = reuse.peek(run, "focusllm_chunks") if reuse is not None else None
         if memo is None or ids is None or ids.shape[0] != 1 or not memo.chunks:
