@@ -427,6 +427,7 @@ def test_a_grids_next_prompt_is_estimated_with_the_chunk_forwards_its_memo_saves
         assert focus.forward_shapes(run, 114) == [(6, width, width), local]  # no grid: every chunk at once
         assert shapes(a)[0] == [(6, width, width), local, *kept(6)]  # a grid's first prompt: all of them, kept
         generate(run, a, max_new_tokens=4, reuse=reuse)
+        assert run.request_ids is None and run.reuse is None  # shown to the check only
         one, est = shapes(b)
         assert one == [(1, width, width), local, *kept(1)]  # only the chunk b does not share with a
         assert shapes(a)[0] == [local]  # every chunk in the memo: the local tokens' pass alone
