@@ -235,8 +235,7 @@ class FocusLLM(CandidateTraining, Method):
             raise LcxError("focusllm: padded batches are not supported yet; give inputs of equal length "
                            "(or one at a time)")
         memory, local = input_ids[:, : T - self.local], input_ids[:, T - self.local:]
-        chunk = self.chunk_for(run.window, T, max_new_tokens)
-        spans = chunk_spans(T - self.local, chunk, self.overlap)
+        chunk, spans = self._chunking(run, T, max_new_tokens)
         self._last_chunk = chunk
         n = len(spans)
         if n + self.local + max_new_tokens > run.window:
@@ -250,7 +249,7 @@ class FocusLLM(CandidateTraining, Method):
         if scored >= self.local:
             raise LcxError(f"focusllm scores at most its local tokens minus one ({self.local - 1}), got {scored}; "
                            f"score fewer tokens or raise -o focusllm.local")
-        fragment = local[:, : self.local - scored][:, -self.fragment:]
+        fragment = self._fragment(local, scored)
         groups: list[ChunkGroup] | None = [] if self.refresh and max_new_tokens > 1 else None
         longest = max(e - s for s, e in spans) + fragment.shape[1]
         if groups is not None and longest + max_new_tokens - 1 > run.window:
@@ -299,19 +298,27 @@ class FocusLLM(CandidateTraining, Method):
         return [(torch.stack([c[l][0] for c in per_chunk], dim=1)[None].to(dtype),
                  torch.stack([c[l][1] for c in per_chunk], dim=1)[None].to(dtype)) for l in range(len(per_chunk[0]))]
 
-    def _spans(self, run, input_tokens: int, new: int = 1) -> list[tuple[int, int]]:
-        """The memory chunks of a prompt of ``input_tokens`` (none when it fits the local tokens)."""
+    def _chunking(self, run, input_tokens: int, new: int = 1) -> tuple[int, list[tuple[int, int]]]:
+        """The chunk size of a prompt of ``input_tokens`` generating ``new`` more, and its memory chunks (none
+        when it fits the local tokens)."""
         chunk = self.chunk_for(run.window, input_tokens, new)
-        return chunk_spans(max(0, input_tokens - self.local), chunk, self.overlap)
+        return chunk, chunk_spans(max(0, input_tokens - self.local), chunk, self.overlap)
+
+    def _spans(self, run, input_tokens: int, new: int = 1) -> list[tuple[int, int]]:
+        return self._chunking(run, input_tokens, new)[1]
+
+    def _fragment(self, local: torch.Tensor, scored: int) -> torch.Tensor:
+        """The tokens appended to every chunk: the last local ones, or when scoring, the last ones before the
+        scored tokens."""
+        return local[:, : self.local - scored][:, -self.fragment:]
 
     def reach(self, run, tokens: int, new: int, span: tuple[int, int]) -> tuple[bool, str]:
         if span[0] >= tokens - self.local:
             return True, f"the key was among the last {self.local:,} tokens, which the model reads as they are"
-        spans = self._spans(run, tokens, new)
+        chunk, spans = self._chunking(run, tokens, new)
         i = next((i for i, (s, e) in enumerate(spans) if s <= span[0] < e), len(spans) - 1)
         how = (f"; each query head reads only the best {self.topk} of these {len(spans)} candidates"
                if 0 < self.topk < len(spans) else "")
-        chunk = self.chunk_for(run.window, tokens, new)
         return True, (f"the key was in memory chunk {i + 1} of {len(spans)} ({chunk:,} tokens each), which the "
                       f"model reads only through the one candidate token the chunk proposes{how}")
 
@@ -351,9 +358,8 @@ class FocusLLM(CandidateTraining, Method):
         if T <= self.local:
             return []
         new = tokens - T
-        local = ids[:, T - self.local:]
-        fragment = local[:, : self.local - run.scored][:, -self.fragment:]
-        spans = chunk_spans(T - self.local, self.chunk_for(run.window, T, new), self.overlap)
+        fragment = self._fragment(ids[:, T - self.local:], run.scored)
+        spans = self._chunking(run, T, new)[1]
         return memo.misses(ids[:, : T - self.local], fragment, spans, keep=bool(self.refresh) and new > 1)[1]
 
     def forward_hint(self, run) -> str | None:
