@@ -53,6 +53,9 @@ class Method:
     data_order: ClassVar[str] = "shuffle"
     #: Options an adapter trained with this method fixes: using it with other values is refused.
     fixed_by_training: ClassVar[tuple[str, ...]] = ()
+    #: Options only inference reads, never training: an adapter's record of them is not carried into its use,
+    #: so the method's current default (or the user's value) applies.
+    inference_only: ClassVar[tuple[str, ...]] = ()
     #: How vLLM serves this method (``lcx export --for vllm``, ``lcx serve``): "base" (inference is the
     #: plain model, plus the method's LoRA adapter when trained), "config" (the model's config.json
     #: is rewritten by :meth:`vllm_config`), "prompt" (the method only rewrites the prompt's tokens:

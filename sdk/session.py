@@ -101,12 +101,32 @@ def _note_dtype(sidecar: dict[str, Any], model: Any, adapter) -> None:
 
 def trained_methods(sidecar: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """{method: its options} an adapter's sidecar says it was trained with (an option it lacks: the value
-    it had when the sidecar was written, see ``Method.unrecorded_options``)."""
+    it had when the sidecar was written, see ``Method.unrecorded_options``), less those only inference reads."""
     from lcx.registry import registry
 
     reg = registry()
-    return {m["name"]: {**(reg.get(m["name"]).before_options() if m["name"] in reg.methods else {}),
-                        **(m.get("options") or {})} for m in sidecar.get("methods", [])}
+    out = {}
+    for m in adapter_methods(sidecar):
+        known = reg.get(m["name"]) if m["name"] in reg.methods else None
+        before = {k: v for k, v in known.before_options().items() if k not in known.inference_only} if known else {}
+        out[m["name"]] = {**before, **m["options"]}
+    return out
+
+
+def adapter_methods(sidecar: dict[str, Any]) -> list[dict[str, Any]]:
+    """The methods an adapter's sidecar records (``[{"name", "options"}]``), each without the options its
+    training never reads (``Method.inference_only``, e.g. focusllm's chunk) unless ``lcx train`` was given them:
+    the others take today's default or the user's value, not the default the sidecar happened to record."""
+    from lcx.registry import registry
+
+    reg = registry()
+    given = (sidecar.get("training") or {}).get("options") or {}
+    out = []
+    for m in sidecar.get("methods", []):
+        skip = set(reg.get(m["name"]).inference_only) - set(given.get(m["name"]) or {}) if m["name"] in reg.methods \
+            else set()
+        out.append({**m, "options": {k: v for k, v in (m.get("options") or {}).items() if k not in skip}})
+    return out
 
 
 def check_adapter_methods(trained: dict[str, dict], options: dict[str, Any], methods: list[str], adapter) -> None:

@@ -89,6 +89,29 @@ def test_named_methods_keep_what_the_adapters_training_fixed_and_route_flat_opti
         apply_adapter(tiny_model("llama"), adapter, ["fot"], {"positions": "first"})
 
 
+def test_an_adapters_record_of_an_option_training_never_reads_is_not_applied(tmp_path):
+    """focusllm's training draws its chunk sizes from train_chunks: the chunk an adapter's sidecar recorded (the
+    default of its day) is dropped, so today's default (auto) or the user's -o applies, unless lcx train was given
+    it; what training read (fragment, train_chunks) stays the adapter's."""
+    from lcx.session import adapter_methods, apply_adapter, trained_methods
+
+    recorded = {"chunk": 2048, "fragment": 64, "train_chunks": "64,128"}
+    adapter = peft_bridge.random_adapter(tiny_model("llama"), tmp_path / "a", seed=1,
+                                         methods=[{"name": "focusllm", "options": recorded}])
+    sidecar = peft_bridge.read_sidecar(adapter)
+    assert sidecar["methods"][0]["options"]["chunk"] == 2048  # recorded, as old adapters did
+    assert "chunk" not in trained_methods(sidecar)["focusllm"]  # nor brought back as the option's `before` value
+    assert adapter_methods(sidecar) == [{"name": "focusllm", "options": {"fragment": 64, "train_chunks": "64,128"}}]
+    _, _, methods, options = apply_adapter(tiny_model("llama"), adapter, [], {})
+    assert methods == ["focusllm"] and options["focusllm"]["fragment"] == 64 and "chunk" not in options["focusllm"]
+    with lcx.attach(tiny_model("llama"), methods, **options) as run:
+        assert run.methods[0].chunk == "auto"
+    _, _, _, options = apply_adapter(tiny_model("llama"), adapter, [], {"chunk": 512})
+    assert options["focusllm"]["chunk"] == 512
+    sidecar["training"] = {"options": {"focusllm": {"chunk": "2048"}}}  # given to lcx train: the user's choice
+    assert trained_methods(sidecar)["focusllm"]["chunk"] == 2048
+
+
 def test_a_full_adapter_loaded_trainable_keeps_its_lora_host_frozen(tmp_path):
     """A --full q/k adapter (SMT's full training) hosts PEFT's config in an inert rank-1 LoRA that must never
     train: loaded as trainable (lcx train --init-adapter / --resume), only the fully trained modules are

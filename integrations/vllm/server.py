@@ -63,16 +63,17 @@ def served_methods(exp: Export, served_name: str) -> dict[str, list[dict[str, An
     trained with (what ``LcxRequestOptions`` checks requests against and rewrites prompts by)."""
     from lcx.adapters.peft_bridge import read_sidecar
     from lcx.registry import registry
+    from lcx.session import adapter_methods
 
     reg = registry()
     base = [m for m in exp.methods if reg.get(m["name"]).serving in ("config", "attention")
             or (reg.get(m["name"]).serving == "prompt" and m["name"] in exp.named)]
     out = {served_name: base}
     for name, path in exp.adapters.items():
-        own = [m for m in read_sidecar(path).get("methods", []) if m["name"] not in {b["name"] for b in base}]
+        own = [m for m in adapter_methods(read_sidecar(path)) if m["name"] not in {b["name"] for b in base}]
         out[name] = base + own
     for name, path in exp.middleware_adapters.items():  # the middleware computes their state with the adapter
-        own = [m for m in read_sidecar(path).get("methods", []) if m["name"] not in {b["name"] for b in base}]
+        own = [m for m in adapter_methods(read_sidecar(path)) if m["name"] not in {b["name"] for b in base}]
         out[name] = [({**m, "adapter": str(path)} if reg.get(m["name"]).serve_state else m) for m in base] + own
     return out
 

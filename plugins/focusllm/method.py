@@ -67,6 +67,7 @@ class FocusLLM(CandidateTraining, Method):
     serve_state = True
     lora_gated = True  # the candidate adapter is open at candidate positions only
     grads_through_cache = True  # its loss reaches the blocks through the candidates' cached keys and values
+    inference_only = ("chunk",)  # training draws its chunk sizes from train_chunks
 
     chunk: int | str = option("auto", "memory chunk size in tokens (at most the model's window); each chunk makes "
                                      "one candidate, and a decoder reading too many candidates loses keys. auto: "

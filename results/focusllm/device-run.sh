@@ -73,7 +73,7 @@ EOF
             cp "$j" "$OUT/$(basename "$(dirname "$j")").samples.jsonl"; done
         exit 0
     fi
-    A=(--adapter results/focusllm/adapter-recall-local)
+    A=(--adapter results/focusllm/adapter-recall-local -o focusllm.chunk=2048)  # as its journals ran
     grid passkey-recall-local-64k "${A[@]}" --lengths 64K
     grid passkey-recall-local-128k "${A[@]}" --lengths 128K
     grid passkey-recall-local-32k "${A[@]}" --lengths 32K

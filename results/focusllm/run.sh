@@ -4,8 +4,8 @@
 #   bash results/focusllm/run.sh passkey_free       # chosen steps
 # Passkey steps journal every sample (--resume): rerunning an interrupted step continues it; `train`
 # resumes from its last checkpoint.  Defaults when these ran: chunk 2048, local 2048, fragment 512, all chunks at once.  The
-# steps without an adapter pin the chunk (FIXED): they ran before chunk=auto, which gives 2048 up to 64K but
-# 4096 at 128K; an adapter's lcx.json keeps the 2048 it was trained beside.
+# evaluation steps pin the chunk (FIXED): they ran before chunk=auto, which gives 2048 up to 64K but 4096 at 128K,
+# and a journal resumes only under the options it was started with (an adapter's recorded chunk is not applied).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 LCX=${LCX:-.venv/bin/lcx}  # device-run.sh: python3 -m lcx.cli
@@ -64,11 +64,11 @@ train_recall_local() {  # from adapter-recall, the recall term with half of its 
         --save-every 10 --seed 1 --out results/focusllm/adapter-recall-local "${resume[@]}"
 }
 passkey_recall_local() {
-    $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local --lengths ${RECALL_LENGTHS:-16K} \
+    $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local "${FIXED[@]}" --lengths ${RECALL_LENGTHS:-16K} \
         --out results/focusllm/passkey-recall-local --resume
 }
 passkey_recall_local_32k() {  # a first look at 32K: 2 keys per depth (~100 s a sample on 2 cores)
-    $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local --lengths 32K --samples 2 \
+    $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local "${FIXED[@]}" --lengths 32K --samples 2 \
         --out results/focusllm/passkey-recall-local-32k-2keys --resume
 }
 passkey_recall_local_long() {  # 32K, 64K, 128K, 5 keys per depth, one folder each.  The committed journals were
@@ -76,14 +76,14 @@ passkey_recall_local_long() {  # 32K, 64K, 128K, 5 keys per depth, one folder ea
     # sample.  DEVICE=cuda runs them on a GPU.
     local L
     for L in ${RECALL_LONG:-32K 64K 128K}; do
-        $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local --lengths $L \
+        $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local "${FIXED[@]}" --lengths $L \
             --device ${DEVICE:-cpu} --out results/focusllm/passkey-recall-local-${L,,} --resume
     done
 }
 passkey_recall_local_overlap() {  # the same adapter, each chunk also reading the 64 tokens before it
     # (-o focusllm.overlap=64): the depth-0.5 needles, cut by a chunk boundary at every length, are whole in one
     for L in ${OVERLAP_LENGTHS:-16K}; do
-        $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local -o focusllm.overlap=64 \
+        $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local "${FIXED[@]}" -o focusllm.overlap=64 \
             --lengths $L --device ${DEVICE:-cpu} --out results/focusllm/passkey-recall-local-overlap-${L,,} --resume
     done
 }
@@ -91,7 +91,7 @@ passkey_topk() {  # the full grids with -o focusllm.topk=4 (each local query hea
                   # see topk_probe) and overlap 64; ~4-5 min a 64K prompt on 2 CPU cores, DEVICE=cuda on a GPU
     local L
     for L in ${TOPK_LENGTHS:-64K 128K}; do
-        $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local -o focusllm.overlap=64 \
+        $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local "${FIXED[@]}" -o focusllm.overlap=64 \
             -o focusllm.topk=4 --lengths $L --device ${DEVICE:-cpu} \
             --out results/focusllm/passkey-recall-local-topk4-${L,,} --resume
     done
@@ -111,15 +111,15 @@ bigchunk_probe() {  # chunks of 7,616 tokens (the largest the window holds with 
         --out results/focusllm/bigchunk/c7616-64k
 }
 passkey_recall() {  # the recall-trained adapter on the 16K grid (exact refresh)
-    $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall --lengths ${RECALL_LENGTHS:-16K} \
+    $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall "${FIXED[@]}" --lengths ${RECALL_LENGTHS:-16K} \
         --out results/focusllm/passkey-recall --resume
 }
 passkey_trained() {
-    $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter --lengths $LENGTHS \
+    $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter "${FIXED[@]}" --lengths $LENGTHS \
         --out results/focusllm/passkey-trained --resume
 }
 passkey_fresh() {  # the fresh-trained adapter (train_fresh) on the 16K grid (exact refresh; ~50 s a sample, 2 cores)
-    $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-fresh --lengths ${FRESH_LENGTHS:-16K} \
+    $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-fresh "${FIXED[@]}" --lengths ${FRESH_LENGTHS:-16K} \
         --out results/focusllm/passkey-fresh --resume
 }
 diagnose_fresh() {  # why passkey_fresh finds what it finds: the held-out copy loss, what the needle's candidate
@@ -130,7 +130,7 @@ diagnose_fresh() {  # why passkey_fresh finds what it finds: the held-out copy l
         --out results/focusllm/attention-share/share-fresh.json
 }
 ppl_trained() {
-    $LCX eval ppl -m smollm2-135m --adapter results/focusllm/adapter "${EVAL_BOOKS[@]}" --contexts 4K,8K,16K,32K \
+    $LCX eval ppl -m smollm2-135m --adapter results/focusllm/adapter "${FIXED[@]}" "${EVAL_BOOKS[@]}" --contexts 4K,8K,16K,32K \
         --target 256 --out results/focusllm/ppl-trained
 }
 
@@ -143,7 +143,7 @@ compare16_topk() {  # the topk stack (adapter-recall-local, overlap 64, topk 4) 
         [ -e $D/compare-passkey.$S.samples.jsonl ] || cp results/focusllm/compare-16k/compare-passkey.$S.samples.jsonl $D/
     done
     $LCX eval compare passkey -m smollm2-135m --stack focusllm@results/focusllm/adapter-recall-local \
-        --stack vanilla --stack streaming --stack fot -o focusllm.overlap=64 -o focusllm.topk=4 \
+        --stack vanilla --stack streaming --stack fot "${FIXED[@]}" -o focusllm.overlap=64 -o focusllm.topk=4 \
         -o fot.local=1024 -o fot.chunk=256 -o fot.memory_layers=6,7,8,14,15,17,18,19,20,21,22,23 \
         -o fot.sinks=0 -o fot.positions=first -o fot.fixed_distance=0 -o fot.gate=off \
         --lengths 16K --depths 0.1,0.5,0.9 --samples 2 --out $D --resume
@@ -160,15 +160,15 @@ compare16() {  # focusllm, training-free and with the trained adapter (focusllm@
 
 passkey_topk_chunk4096() {  # the 128K grid with chunks of 4,096 tokens: 31 candidates, as 2,048-token chunks
                             # make at 64K (23/25 there); ~9 min for the first prompt, ~1 min each after (2 cores)
-    $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local -o focusllm.overlap=64 \
+    $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local "${FIXED[@]}" -o focusllm.overlap=64 \
         -o focusllm.topk=4 -o focusllm.chunk=4096 --lengths 128K --device ${DEVICE:-cpu} \
         --out results/focusllm/passkey-recall-local-topk4-chunk4096-128k --resume
     # held out: chunk 4096 was chosen after reading the 2,048-token grid, so a fresh draw of keys (seed 2)
-    $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local -o focusllm.overlap=64 \
+    $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local "${FIXED[@]}" -o focusllm.overlap=64 \
         -o focusllm.topk=4 -o focusllm.chunk=4096 --lengths 128K --seed 2 --device ${DEVICE:-cpu} \
         --out results/focusllm/passkey-recall-local-topk4-chunk4096-128k-seed2 --resume
     # and at 64K (15 candidates; ~40 s a prompt after the first)
-    $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local -o focusllm.overlap=64 \
+    $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local "${FIXED[@]}" -o focusllm.overlap=64 \
         -o focusllm.topk=4 -o focusllm.chunk=4096 --lengths 64K --device ${DEVICE:-cpu} \
         --out results/focusllm/passkey-recall-local-topk4-chunk4096-64k --resume
 }
