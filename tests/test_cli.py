@@ -287,13 +287,13 @@ def test_reach_follows_where_the_key_sits(llama):
 
 def test_demo_rows_take_the_options_their_errors_suggest(tiny_dir):
     r = run("demo", "-m", str(tiny_dir), "--json", "--method", "focusllm", "--method", "streaming", "--method", "fot")
-    first = {row["method"]: row for row in json.loads(r.output[r.output.index("["):])}
+    first = {row["method"]: row for row in json.loads(r.stdout)}
     hints = re.findall(r"-o (\S+=\d+)", first["focusllm"]["output"] + first["streaming"]["output"])
     assert len(hints) == 4, hints  # focusllm chunk, fragment, local; streaming chunk
     r = run("demo", "-m", str(tiny_dir), "--json", "--method", "focusllm", "--method", "streaming", "--method", "fot",
             *(x for h in hints for x in ("-o", h)))
     assert r.exit_code == 0, r.output
-    rows = {row["method"]: row for row in json.loads(r.output[r.output.index("["):])}
+    rows = {row["method"]: row for row in json.loads(r.stdout)}
     assert all(row["seconds"] is not None for row in rows.values()), rows  # the rows ran this time
     assert rows["focusllm"]["options"] == {"chunk": "256", "fragment": "64", "local": "256"}
     assert rows["streaming"]["options"] == {"chunk": "128"} and rows["fot"]["options"] == {}
@@ -309,6 +309,9 @@ def test_a_demo_row_runs_over_the_adapter_given_for_its_method(tiny_dir, tmp_pat
     fits = {"chunk": 256, "fragment": 64, "local": 256}
     adapter = random_adapter(load_model(str(tiny_dir))[0], tmp_path / "ad", seed=3, scale=0.5,
                              roles=("q", "k", "v", "o"), methods=[{"name": "focusllm", "options": fits}])
+    side = json.loads((adapter / "lcx.json").read_text())  # as `lcx train -o ...` records them: chunk included
+    side["training"] = {"options": {"focusllm": {k: str(v) for k, v in fits.items()}}}
+    (adapter / "lcx.json").write_text(json.dumps(side))
     args = ["demo", "-m", str(tiny_dir), "--json", "--method", "none", "--method", "focusllm", "--method", "fot"]
     bare = {row["method"]: row for row in json.loads(run(*args).stdout)}
     assert bare["focusllm"]["seconds"] is None and bare["focusllm"]["adapter"] is None  # defaults do not fit
