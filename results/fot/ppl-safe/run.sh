@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 52, build 2: fot configurations whose perplexity on ordinary text is not worse than truncation to the
 # window, measured side by side with truncation (vanilla), SmolLM2-135M, two books (as results/fot/run.sh ppl).
-#   bash results/fot/ppl-safe/run.sh [STEP...]     # steps: local8k gate sinks8k sinks sinks_fixed sinks_fixed_gate passkey passkey_far passkey_far_fixed passkey_far_fixed_gate heads_fixed passkey_far_heads fixed4096 passkey_far_fixed4096 fixed4096_gate passkey_far_fixed4096_gate fixed4096_gate_m2 passkey_far_fixed4096_gate_m2 fixed4096_gate_m1 passkey_far_fixed4096_gate_m1 confirm_books confirm_seed confirm_32k gate_past_sinks passkey_mid_gate_past_sinks passkey_mid_gate_off passkey_edge_local7k bare_window_edge bare_window_depths gate_m2_past_sinks passkey_mid_gate_m2_past_sinks
+#   bash results/fot/ppl-safe/run.sh [STEP...]     # steps: local8k gate sinks8k sinks sinks_fixed sinks_fixed_gate passkey passkey_far passkey_far_fixed passkey_far_fixed_gate heads_fixed passkey_far_heads fixed4096 passkey_far_fixed4096 fixed4096_gate passkey_far_fixed4096_gate fixed4096_gate_m2 passkey_far_fixed4096_gate_m2 fixed4096_gate_m1 passkey_far_fixed4096_gate_m1 confirm_books confirm_seed confirm_32k gate_past_sinks passkey_mid_gate_past_sinks passkey_mid_gate_off passkey_edge_local7k bare_window_edge bare_window_depths gate_m2_past_sinks passkey_mid_gate_m2_past_sinks k4_gate_off passkey_mid_k4_gate_off k_sweep passkey_mid_k_small confirm_k2_books confirm_k2_seed
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 LCX=${LCX:-.venv/bin/lcx}  # LCX=echo prints the commands
@@ -137,6 +137,32 @@ gate_m2_past_sinks() {  # gate -2 measured against the window's own keys: what l
 }
 passkey_mid_gate_m2_past_sinks() {  # its passkey at depth 0.3 (~11.4K back, in memory), 3 keys: the first two are passkey_mid_*'s
     far passkey-gate-2-past-sinks-16k-mid 0.3 "${PAST_SINKS_M2[@]}" --samples 3
+}
+kname() { [ "$2" = off ] && echo "k$1-gate-off" || echo "k$1-gate$2"; }  # K GATE: a folder's name part
+kppl() {  # K GATE: the sinks candidate at distance 4096, each query reading its K best memory keys (k; 32 is the
+          # default) under gate GATE, perplexity at 16K
+    ppl16k "sinks-fixed4096-$(kname "$1" "$2")" -o fot.positions=fixed -o fot.fixed_distance=4096 -o fot.gate="$2" -o fot.k="$1"
+}
+kmid() {  # K GATE: its passkey at depth 0.3 (~11.4K back, in memory), the 3 keys of passkey_mid_gate_m2_past_sinks
+    far "passkey-$(kname "$1" "$2")-16k-mid" 0.3 -o fot.positions=fixed -o fot.fixed_distance=4096 -o fot.gate="$2" \
+        -o fot.k="$1" --samples 3
+}
+k4_gate_off() { kppl 4 off; }  # no gate, k 4: less spare attention on memory than k 32
+passkey_mid_k4_gate_off() { kmid 4 off; }
+k_sweep() {  # k 1, 2 and 8 with no gate, and k 4 under fot's default gate (-1): perplexity at 16K
+    kppl 1 off; kppl 2 off; kppl 8 off; kppl 4 -1
+}
+K2=("${SINKS[@]}" -o fot.positions=fixed -o fot.fixed_distance=4096 -o fot.gate=off -o fot.k=2)  # the k 2 cell, to confirm
+confirm_k2_books() {  # the k 2 cell beside truncation on the fresh books (confirm_books's), 16K and 32K
+    $LCX eval compare ppl -m smollm2-135m --stack fot --stack vanilla "${K2[@]}" \
+        "${FRESH[@]}" --contexts 16K,32K --room 32K --target 256 --out results/fot/ppl-safe/confirm-k2-books --json
+}
+confirm_k2_seed() {  # its passkey with other keys and filler draws (seed 1), depths 0.1 and 0.3 at 16K, 3 keys each
+    $LCX eval passkey -m smollm2-135m --method fot "${K2[@]}" --seed 1 --samples 3 \
+        --lengths 16K --depths 0.1,0.3 --out results/fot/ppl-safe/confirm-k2-seed1 --resume --json > /dev/null
+}
+passkey_mid_k_small() {  # the passkey of the sweep's two cells under truncation's perplexity: k 1 and k 2, no gate
+    kmid 1 off; kmid 2 off
 }
 [ $# -eq 0 ] && set -- local8k gate sinks passkey
 for s in "$@"; do "$s"; done
