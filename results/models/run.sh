@@ -43,6 +43,12 @@ ppl_held() {  # $1 model: perplexity past a window held to 4K (2x it: 8K), fot a
         -d $BOOKS/wells_invisible_man.txt -d $BOOKS/doyle_hound_of_the_baskervilles.txt --contexts 4K,8K --target 256 \
         --dtype "$DTYPE" --out "results/models/$1/ppl-held-4k-$DTYPE"
 }
+ppl_held_k2() {  # $1 model: ppl_held's fot with each query reading its 2 best memory keys and no gate (the
+    # cell results/fot/ppl-safe found at truncation's perplexity on SmolLM2); its other rows are ppl_held's
+    $LCX eval compare ppl -m "$1" --stack fot -o fot.local=4096 -o fot.k=2 -o fot.gate=off \
+        -d $BOOKS/wells_invisible_man.txt -d $BOOKS/doyle_hound_of_the_baskervilles.txt --contexts 4K,8K --target 256 \
+        --dtype "$DTYPE" --out "results/models/$1/ppl-held-4k-k2-$DTYPE"
+}
 beyond() {  # $1 model, $2 haystack (prose|filler): 64K, every training-free stack and YaRN x2
     local extra=(); [ "$1" = qwen2.5-0.5b ] && extra=("${QWEN_FOT[@]}")
     local hay=(); [ "$2" = prose ] && hay=(--haystack $BOOKS)
