@@ -120,11 +120,12 @@ def adapter_methods(sidecar: dict[str, Any]) -> list[dict[str, Any]]:
     from lcx.registry import registry
 
     reg = registry()
-    given = (sidecar.get("training") or {}).get("options") or {}
+    given = (sidecar.get("training") or {}).get("options") or {}  # as parse_options left them: per method or flat
+    flat = {k for k, v in given.items() if not isinstance(v, dict)}
     out = []
     for m in sidecar.get("methods", []):
-        skip = set(reg.get(m["name"]).inference_only) - set(given.get(m["name"]) or {}) if m["name"] in reg.methods \
-            else set()
+        own = given.get(m["name"]) if isinstance(given.get(m["name"]), dict) else {}
+        skip = set(reg.get(m["name"]).inference_only) - set(own) - flat if m["name"] in reg.methods else set()
         out.append({**m, "options": {k: v for k, v in (m.get("options") or {}).items() if k not in skip}})
     return out
 

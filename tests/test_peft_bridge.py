@@ -108,8 +108,9 @@ def test_an_adapters_record_of_an_option_training_never_reads_is_not_applied(tmp
         assert run.methods[0].chunk == "auto"
     _, _, _, options = apply_adapter(tiny_model("llama"), adapter, [], {"chunk": 512})
     assert options["focusllm"]["chunk"] == 512
-    sidecar["training"] = {"options": {"focusllm": {"chunk": "2048"}}}  # given to lcx train: the user's choice
-    assert trained_methods(sidecar)["focusllm"]["chunk"] == 2048
+    for given in ({"focusllm": {"chunk": "2048"}}, {"chunk": "2048"}):  # given to lcx train (-o focusllm.chunk, -o chunk)
+        sidecar["training"] = {"options": given}
+        assert trained_methods(sidecar)["focusllm"]["chunk"] == 2048
 
 
 def test_a_full_adapter_loaded_trainable_keeps_its_lora_host_frozen(tmp_path):

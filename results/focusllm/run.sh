@@ -160,15 +160,15 @@ compare16() {  # focusllm, training-free and with the trained adapter (focusllm@
 
 passkey_topk_chunk4096() {  # the 128K grid with chunks of 4,096 tokens: 31 candidates, as 2,048-token chunks
                             # make at 64K (23/25 there); ~9 min for the first prompt, ~1 min each after (2 cores)
-    $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local "${FIXED[@]}" -o focusllm.overlap=64 \
+    $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local -o focusllm.overlap=64 \
         -o focusllm.topk=4 -o focusllm.chunk=4096 --lengths 128K --device ${DEVICE:-cpu} \
         --out results/focusllm/passkey-recall-local-topk4-chunk4096-128k --resume
     # held out: chunk 4096 was chosen after reading the 2,048-token grid, so a fresh draw of keys (seed 2)
-    $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local "${FIXED[@]}" -o focusllm.overlap=64 \
+    $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local -o focusllm.overlap=64 \
         -o focusllm.topk=4 -o focusllm.chunk=4096 --lengths 128K --seed 2 --device ${DEVICE:-cpu} \
         --out results/focusllm/passkey-recall-local-topk4-chunk4096-128k-seed2 --resume
     # and at 64K (15 candidates; ~40 s a prompt after the first)
-    $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local "${FIXED[@]}" -o focusllm.overlap=64 \
+    $LCX eval passkey -m smollm2-135m --adapter results/focusllm/adapter-recall-local -o focusllm.overlap=64 \
         -o focusllm.topk=4 -o focusllm.chunk=4096 --lengths 64K --device ${DEVICE:-cpu} \
         --out results/focusllm/passkey-recall-local-topk4-chunk4096-64k --resume
 }

@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--depths", default="0.2,0.4,0.6,0.8")
     ap.add_argument("--samples", type=int, default=2, help="keys per depth")
     ap.add_argument("--seed", type=int, default=1, help="key draw (the test grids use 0)")
-    ap.add_argument("-o", "--option", action="append", default=["focusllm.overlap=64", "focusllm.topk=4"],
+    ap.add_argument("-o", "--option", action="append", default=["focusllm.overlap=64", "focusllm.topk=4", "focusllm.chunk=2048"],
                     help="session options (the grids' by default); variants change topk/refresh on top")
     ap.add_argument("--variant", action="append", required=True, help="NAME=OPT:VALUE[,OPT:VALUE] (topk, refresh)")
     ap.add_argument("--out", type=Path, required=True, help="OUT.jsonl (one row per prompt and variant) and OUT.json")
