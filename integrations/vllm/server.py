@@ -69,12 +69,12 @@ def served_methods(exp: Export, served_name: str) -> dict[str, list[dict[str, An
     base = [m for m in exp.methods if reg.get(m["name"]).serving in ("config", "attention")
             or (reg.get(m["name"]).serving == "prompt" and m["name"] in exp.named)]
     out = {served_name: base}
+    named = {b["name"] for b in base}
+    own = lambda path: [m for m in adapter_methods(read_sidecar(path)) if m["name"] not in named]  # noqa: E731
     for name, path in exp.adapters.items():
-        own = [m for m in adapter_methods(read_sidecar(path)) if m["name"] not in {b["name"] for b in base}]
-        out[name] = base + own
+        out[name] = base + own(path)
     for name, path in exp.middleware_adapters.items():  # the middleware computes their state with the adapter
-        own = [m for m in adapter_methods(read_sidecar(path)) if m["name"] not in {b["name"] for b in base}]
-        out[name] = [({**m, "adapter": str(path)} if reg.get(m["name"]).serve_state else m) for m in base] + own
+        out[name] = [({**m, "adapter": str(path)} if reg.get(m["name"]).serve_state else m) for m in base] + own(path)
     return out
 
 

@@ -360,7 +360,7 @@ class FocusLLM(CandidateTraining, Method):
             return []
         new = tokens - T
         fragment = self._fragment(ids[:, T - self.local:], run.scored)
-        spans = self._chunking(run, T, new)[1]
+        spans = self._spans(run, T, new)
         return memo.misses(ids[:, : T - self.local], fragment, spans, keep=bool(self.refresh) and new > 1)[1]
 
     def forward_hint(self, run) -> str | None:
