@@ -49,6 +49,20 @@ ppl_held_k2() {  # $1 model: ppl_held's fot with each query reading its 2 best m
         -d $BOOKS/wells_invisible_man.txt -d $BOOKS/doyle_hound_of_the_baskervilles.txt --contexts 4K,8K --target 256 \
         --dtype "$DTYPE" --out "results/models/$1/ppl-held-4k-k2-$DTYPE"
 }
+ppl_held_spans() {  # $1 model, $2 stack (vanilla|streaming|fot|fot-k2): ppl_held at 8K with 4 spans a book, not 1
+    # (ppl_held's table is 2 x 256 scored tokens); one folder per stack, and a finished stack is not rerun
+    local out="results/models/$1/ppl-held-4k-spans-$DTYPE/$2" stack=$2 opts=()
+    [ -f "$out/compare-ppl.json" ] && { echo "done before: $out"; return; }
+    case $2 in
+        vanilla) opts=(-o vanilla.window=4096) ;;
+        streaming) opts=(-o streaming.window=4096) ;;  # the 4 sinks and 4K recent tokens: fot with no memory
+        fot) opts=(-o fot.local=4096) ;;
+        fot-k2) stack=fot; opts=(-o fot.local=4096 -o fot.k=2 -o fot.gate=off) ;;
+        *) echo "ppl_held_spans: unknown stack $2" >&2; return 2 ;;
+    esac
+    $LCX eval compare ppl -m "$1" --stack "$stack" "${opts[@]}" -d $BOOKS/wells_invisible_man.txt \
+        -d $BOOKS/doyle_hound_of_the_baskervilles.txt --contexts 8K --samples 4 --target 256 --dtype "$DTYPE" --out "$out"
+}
 beyond() {  # $1 model, $2 haystack (prose|filler): 64K, every training-free stack and YaRN x2
     local extra=(); [ "$1" = qwen2.5-0.5b ] && extra=("${QWEN_FOT[@]}")
     local hay=(); [ "$2" = prose ] && hay=(--haystack $BOOKS)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 52, build 2: fot configurations whose perplexity on ordinary text is not worse than truncation to the
 # window, measured side by side with truncation (vanilla), SmolLM2-135M, two books (as results/fot/run.sh ppl).
-#   bash results/fot/ppl-safe/run.sh [STEP...]     # steps: local8k gate sinks8k sinks sinks_fixed sinks_fixed_gate passkey passkey_far passkey_far_fixed passkey_far_fixed_gate heads_fixed passkey_far_heads fixed4096 passkey_far_fixed4096 fixed4096_gate passkey_far_fixed4096_gate fixed4096_gate_m2 passkey_far_fixed4096_gate_m2 fixed4096_gate_m1 passkey_far_fixed4096_gate_m1 confirm_books confirm_seed confirm_32k gate_past_sinks passkey_mid_gate_past_sinks passkey_mid_gate_off passkey_edge_local7k bare_window_edge bare_window_depths gate_m2_past_sinks passkey_mid_gate_m2_past_sinks k4_gate_off passkey_mid_k4_gate_off k_sweep passkey_mid_k_small confirm_k2_books confirm_k2_seed
+#   bash results/fot/ppl-safe/run.sh [STEP...]     # steps: local8k gate sinks8k sinks sinks_fixed sinks_fixed_gate passkey passkey_far passkey_far_fixed passkey_far_fixed_gate heads_fixed passkey_far_heads fixed4096 passkey_far_fixed4096 fixed4096_gate passkey_far_fixed4096_gate fixed4096_gate_m2 passkey_far_fixed4096_gate_m2 fixed4096_gate_m1 passkey_far_fixed4096_gate_m1 confirm_books confirm_seed confirm_32k gate_past_sinks passkey_mid_gate_past_sinks passkey_mid_gate_off passkey_edge_local7k bare_window_edge bare_window_depths gate_m2_past_sinks passkey_mid_gate_m2_past_sinks k4_gate_off passkey_mid_k4_gate_off k_sweep passkey_mid_k_small confirm_k2_books confirm_k2_seed spans
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 LCX=${LCX:-.venv/bin/lcx}  # LCX=echo prints the commands
@@ -164,5 +164,18 @@ confirm_k2_seed() {  # its passkey with other keys and filler draws (seed 1), de
 passkey_mid_k_small() {  # the passkey of the sweep's two cells under truncation's perplexity: k 1 and k 2, no gate
     kmid 1 off; kmid 2 off
 }
+spans16k() {  # STACK (vanilla|fot|fot-k2): perplexity at 16K over 4 spans a book, not the 1 of every cell above
+    # (2 x 256 scored tokens); fot at its defaults (exact search), fot-k2 the k 2 cell; then results/paired_ppl.py results/fot/ppl-safe/spans-16k
+    local out=results/fot/ppl-safe/spans-16k/$1 stack=$1 opts=()
+    [ -f "$out/compare-ppl.json" ] && { echo "done before: $out"; return; }
+    case $1 in
+        vanilla | fot) ;;
+        fot-k2) stack=fot; opts=(-o fot.k=2 -o fot.gate=off) ;;
+        *) echo "spans16k: unknown stack $1" >&2; return 2 ;;
+    esac
+    $LCX eval compare ppl -m smollm2-135m --stack "$stack" "${opts[@]}" "${DOCS[@]}" --contexts 16K --samples 4 \
+        --target 256 --out "$out" --json > /dev/null
+}
+spans() { spans16k vanilla; spans16k fot; spans16k fot-k2; }
 [ $# -eq 0 ] && set -- local8k gate sinks passkey
-for s in "$@"; do "$s"; done
+for s in "$@"; do $s; done  # a step with its argument is one word: "spans16k fot"
