@@ -121,9 +121,9 @@ def test_a_focusllm_adapters_recorded_chunk_is_served_only_when_its_training_was
     opts = {"focusllm": {"refresh": "0", "local": "32", "fragment": "16"}}
     recorded = ({"name": "focusllm", "options": {"chunk": 64, "local": 32, "fragment": 16, "refresh": 0}},)
     served = {}
-    for name, given in (("plain", None), ("recorded", None), ("given", {"focusllm": {"chunk": "64"}})):
-        a = _adapter(model_dir, tmp_path / name, methods=(({"name": "focusllm", "options": {}},) if name == "plain"
-                                                          else recorded))
+    for name, methods, given in (("plain", ({"name": "focusllm", "options": {}},), None), ("recorded", recorded, None),
+                                 ("given", recorded, {"focusllm": {"chunk": "64"}})):
+        a = _adapter(model_dir, tmp_path / name, methods=methods)
         if given is not None:  # as lcx train writes it: the options the user gave (as typed), beside the resolved ones
             side = json.loads((a / "lcx.json").read_text())
             (a / "lcx.json").write_text(json.dumps({**side, "training": {"options": given}}))
