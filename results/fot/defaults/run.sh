@@ -14,7 +14,7 @@ ppl() {  # fot's defaults beside truncation (vanilla), results/fot/ppl's two boo
         --contexts 2K,4K,8K,16K,32K --room 32K --target 256 --out $OUT/ppl --json
 }
 passkey() {  # LEN: filler passkey, 5 depths x 5 keys (seed 0)
-    $LCX eval passkey -m smollm2-135m --method fot --lengths "$1" --out $OUT/passkey-$1 --resume --json > /dev/null
+    $LCX eval passkey -m smollm2-135m --method fot --lengths "$1" --out $OUT/passkey-$1 --resume
 }
 passkey16() { passkey 16K; }
 passkey32() { passkey 32K; }

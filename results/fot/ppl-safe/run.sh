@@ -17,7 +17,7 @@ ppl16k() {  # OUT OPTION...: the sinks candidate with OPTIONs, perplexity at 16K
 far() {  # OUT DEPTHS OPTION...: the sinks candidate with OPTIONs, filler passkey at 16K, needles at DEPTHS (journaled)
     local out=$1 depths=$2; shift 2
     $LCX eval passkey -m smollm2-135m --method fot "${SINKS[@]}" "$@" \
-        --lengths 16K --depths $depths --out results/fot/ppl-safe/$out --resume --json > /dev/null
+        --lengths 16K --depths $depths --out results/fot/ppl-safe/$out --resume
 }
 local8k() {  # the local window at the model's window (8K): memory adds only what truncation drops
     $LCX eval compare ppl -m smollm2-135m --stack fot --stack vanilla -o fot.local=8192 -o fot.chunk=256 "${IVF[@]}" \
@@ -58,7 +58,7 @@ fixed4096_gate_m2() {  # fixed4096 with gate -2: memory keys within 2 (logits) o
 passkey() {  # the sinks candidate's retrieval: filler passkey, 5 depths x 5 keys at 16K and 32K (journaled)
     for len in 16K 32K; do
         $LCX eval passkey -m smollm2-135m --method fot -o fot.local=8192 -o fot.chunk=256 -o fot.sinks=4 "${IVF[@]}" \
-            --lengths $len --out results/fot/ppl-safe/passkey-sinks-$len --resume --json > /dev/null
+            --lengths $len --out results/fot/ppl-safe/passkey-sinks-$len --resume
     done
 }
 passkey_far() {  # the cells whose needle is past the 8K local window (16K, depths 0.1 and 0.3): read from memory
@@ -96,11 +96,11 @@ confirm_books() {  # the candidate beside truncation on the fresh books, 16K and
 }
 confirm_seed() {  # the candidate's far passkey (16K, depth 0.1) with other keys and filler draws (seed 1)
     $LCX eval passkey -m smollm2-135m --method fot "${CANDIDATE[@]}" --seed 1 \
-        --lengths 16K --depths 0.1 --out results/fot/ppl-safe/confirm-seed1 --resume --json > /dev/null
+        --lengths 16K --depths 0.1 --out results/fot/ppl-safe/confirm-seed1 --resume
 }
 confirm_32k() {  # the candidate's passkey at 32K, needles ~29K and ~16K back (depths 0.1, 0.5)
     $LCX eval passkey -m smollm2-135m --method fot "${CANDIDATE[@]}" \
-        --lengths 32K --depths 0.1,0.5 --out results/fot/ppl-safe/confirm-32k --resume --json > /dev/null
+        --lengths 32K --depths 0.1,0.5 --out results/fot/ppl-safe/confirm-32k --resume
 }
 PAST_SINKS=(-o fot.positions=fixed -o fot.fixed_distance=4096 -o fot.gate=0 -o fot.gate_sinks=false)
 gate_past_sinks() {  # fixed4096 with gate 0 measured against the window's own keys, not the sinks (16K)
@@ -108,22 +108,22 @@ gate_past_sinks() {  # fixed4096 with gate 0 measured against the window's own k
 }
 passkey_mid_gate_past_sinks() {  # its passkey at the depths the defaults (gate -1 against every key) miss: 0.3, 0.5
     $LCX eval passkey -m smollm2-135m --method fot "${SINKS[@]}" "${PAST_SINKS[@]}" --samples 2 \
-        --lengths 16K --depths 0.3,0.5 --out results/fot/ppl-safe/passkey-gate0-past-sinks-16k-mid --resume --json > /dev/null
+        --lengths 16K --depths 0.3,0.5 --out results/fot/ppl-safe/passkey-gate0-past-sinks-16k-mid --resume
 }
 passkey_mid_gate_off() {  # the same needles with no gate (distance 4096, every top-k memory key read: fixed4096)
     $LCX eval passkey -m smollm2-135m --method fot "${SINKS[@]}" -o fot.positions=fixed -o fot.fixed_distance=4096 \
         -o fot.gate=off --samples 2 --lengths 16K --depths 0.3,0.5 --out results/fot/ppl-safe/passkey-gate-off-16k-mid \
-        --resume --json > /dev/null
+        --resume
 }
 passkey_edge_local7k() {  # depth 0.5 at 16K puts the needle ~8.15K back, inside the 8K local window at its far edge:
     # the past-sinks cell with a local window 1K under the model's, so that needle is read from memory instead
     $LCX eval passkey -m smollm2-135m --method fot "${SINKS[@]}" "${PAST_SINKS[@]}" -o fot.local=7168 --samples 1 \
-        --lengths 16K --depths 0.5 --out results/fot/ppl-safe/passkey-gate0-past-sinks-local7k-16k-edge --resume --json > /dev/null
+        --lengths 16K --depths 0.5 --out results/fot/ppl-safe/passkey-gate0-past-sinks-local7k-16k-edge --resume
 }
 bare() {  # OUT DEPTHS: the bare model (no method), an 8,150-token filler passkey (as long as its window allows), 3 keys a depth
     local out=$1 depths=$2
     $LCX eval passkey -m smollm2-135m --samples 3 --lengths 8150 --depths $depths \
-        --out results/fot/ppl-safe/$out --resume --json > /dev/null
+        --out results/fot/ppl-safe/$out --resume
 }
 bare_window_edge() {  # needles ~8.1K back (depth 0) and ~4K back (0.5, a control): whether SmolLM2 reads its window's far edge at all
     bare passkey-bare-8150-edge 0,0.5
@@ -159,7 +159,7 @@ confirm_k2_books() {  # the k 2 cell beside truncation on the fresh books (confi
 }
 confirm_k2_seed() {  # its passkey with other keys and filler draws (seed 1), depths 0.1 and 0.3 at 16K, 3 keys each
     $LCX eval passkey -m smollm2-135m --method fot "${K2[@]}" --seed 1 --samples 3 \
-        --lengths 16K --depths 0.1,0.3 --out results/fot/ppl-safe/confirm-k2-seed1 --resume --json > /dev/null
+        --lengths 16K --depths 0.1,0.3 --out results/fot/ppl-safe/confirm-k2-seed1 --resume
 }
 passkey_mid_k_small() {  # the passkey of the sweep's two cells under truncation's perplexity: k 1 and k 2, no gate
     kmid 1 off; kmid 2 off
@@ -174,7 +174,7 @@ spans16k() {  # STACK (vanilla|fot|fot-k2): perplexity at 16K over 4 spans a boo
         *) echo "spans16k: unknown stack $1" >&2; return 2 ;;
     esac
     $LCX eval compare ppl -m smollm2-135m --stack "$stack" "${opts[@]}" "${DOCS[@]}" --contexts 16K --samples 4 \
-        --target 256 --out "$out" --json > /dev/null
+        --target 256 --out "$out"
 }
 spans() { spans16k vanilla; spans16k fot; spans16k fot-k2; }
 [ $# -eq 0 ] && set -- local8k gate sinks passkey
