@@ -7,7 +7,7 @@
 # Windows held to 4K inside the native 32K window: fot local, streaming window, focusllm chunk and local, vanilla.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-LCX=.venv/bin/lcx
+LCX=${LCX:-.venv/bin/lcx}  # LCX=echo prints the commands
 BOOKS=../shared/data/books
 DTYPE="${DTYPE:-bfloat16}"
 COMMON=(--dtype "$DTYPE" --resume)
@@ -49,19 +49,36 @@ ppl_held_k2() {  # $1 model: ppl_held's fot with each query reading its 2 best m
         -d $BOOKS/wells_invisible_man.txt -d $BOOKS/doyle_hound_of_the_baskervilles.txt --contexts 4K,8K --target 256 \
         --dtype "$DTYPE" --out "results/models/$1/ppl-held-4k-k2-$DTYPE"
 }
-ppl_held_spans() {  # $1 model, $2 stack (vanilla|streaming|fot|fot-k2): ppl_held at 8K with 4 spans a book, not 1
-    # (ppl_held's table is 2 x 256 scored tokens); one folder per stack, and a finished stack is not rerun
-    local out="results/models/$1/ppl-held-4k-spans-$DTYPE/$2" stack=$2 opts=()
-    [ -f "$out/compare-ppl.json" ] && { echo "done before: $out"; return; }
-    case $2 in
-        vanilla) opts=(-o vanilla.window=4096) ;;
-        streaming) opts=(-o streaming.window=4096) ;;  # the 4 sinks and 4K recent tokens: fot with no memory
-        fot) opts=(-o fot.local=4096) ;;
-        fot-k2) stack=fot; opts=(-o fot.local=4096 -o fot.k=2 -o fot.gate=off) ;;
-        *) echo "ppl_held_spans: unknown stack $2" >&2; return 2 ;;
+held_stack() {  # $1 stack: sets METHOD and OPTS, a stack past the window held to 4K (ppl_held_spans, passkey_held)
+    METHOD=$1; OPTS=()
+    case $1 in
+        vanilla) OPTS=(-o vanilla.window=4096) ;;
+        streaming) OPTS=(-o streaming.window=4096) ;;  # the 4 sinks and 4K recent tokens: fot with no memory
+        fot) OPTS=(-o fot.local=4096) ;;
+        fot-k2) METHOD=fot; OPTS=(-o fot.local=4096 -o fot.k=2 -o fot.gate=off) ;;
+        # Qwen2.5's cost candidates: memory only in the layers whose best head puts >= 0.7 on the key (8 of auto's
+        # 18, retrieval/retrieval.json), and gate 0 measured past the sinks (results/fot/ppl-safe's cheapest cell)
+        fot-layers07) METHOD=fot; OPTS=(-o fot.local=4096 -o fot.memory_layers=3,7,9,11,13,14,16,17) ;;
+        fot-gate0-past-sinks) METHOD=fot; OPTS=(-o fot.local=4096 -o fot.gate=0 -o fot.gate_sinks=false) ;;
+        fot-gate0) METHOD=fot; OPTS=(-o fot.local=4096 -o fot.gate=0) ;;  # stricter than the default's -1
+        *) echo "run.sh: unknown stack $1 (vanilla, streaming, fot, fot-k2, fot-layers07,
+           fot-gate0-past-sinks, fot-gate0)" >&2
+           return 2 ;;
     esac
-    $LCX eval compare ppl -m "$1" --stack "$stack" "${opts[@]}" -d $BOOKS/wells_invisible_man.txt \
+}
+ppl_held_spans() {  # $1 model, $2 stack (held_stack): ppl_held at 8K with 4 spans a book, not 1 (ppl_held's table
+    # is 2 x 256 scored tokens); one folder per stack, and a finished stack is not rerun
+    local out="results/models/$1/ppl-held-4k-spans-$DTYPE/$2"
+    [ -f "$out/compare-ppl.json" ] && { echo "done before: $out"; return; }
+    held_stack "$2"
+    $LCX eval compare ppl -m "$1" --stack "$METHOD" "${OPTS[@]}" -d $BOOKS/wells_invisible_man.txt \
         -d $BOOKS/doyle_hound_of_the_baskervilles.txt --contexts 8K --samples 4 --target 256 --dtype "$DTYPE" --out "$out"
+}
+passkey_held() {  # $1 model, $2 stack (held_stack): retrieval past the window held to 4K, in prose: 8K prompts, the
+    # needle at depths 0.1, 0.25, 0.4 (4.9K-7.4K tokens back: in memory, not the local window), 2 keys a depth
+    held_stack "$2"
+    $LCX eval passkey -m "$1" --method "$METHOD" "${OPTS[@]}" --lengths 8K --depths 0.1,0.25,0.4 --samples 2 \
+        --haystack $BOOKS --out "results/models/$1/passkey-held-4k-$DTYPE/$2" "${COMMON[@]}"
 }
 beyond() {  # $1 model, $2 haystack (prose|filler): 64K, every training-free stack and YaRN x2
     local extra=(); [ "$1" = qwen2.5-0.5b ] && extra=("${QWEN_FOT[@]}")
