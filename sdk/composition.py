@@ -26,7 +26,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from lcx import hookspecs
+from lcx import hookspecs, kernels
 from lcx.adapters import families
 from lcx.errors import ConflictError, LcxError, UnsupportedModelError
 from lcx.method import Method
@@ -327,7 +327,7 @@ def _base_function(impl: str, module: nn.Module) -> Callable:
             fn = getattr(sys.modules[cls.__module__], "eager_attention_forward")
             _EAGER_CACHE[cls] = fn
         return fn
-    return ALL_ATTENTION_FUNCTIONS[impl]
+    return kernels.sdpa if impl == "sdpa" else ALL_ATTENTION_FUNCTIONS[impl]
 
 
 def lcx_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -335,7 +335,7 @@ def lcx_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Ten
     """The function registered as attention implementation "lcx": dispatch to the run's attention stage."""
     run: Run | None = module.__dict__.get(_RUN_ATTR)
     if run is None:  # an lcx-configured model whose run is gone: behave like sdpa
-        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+        return kernels.sdpa(module, query, key, value, attention_mask, **kwargs)
     if run._has_attention:
         out = run.pm.hook.lcx_attention(
             run=run, module=module, query=query, key=key, value=value, attention_mask=attention_mask, kwargs=kwargs
