@@ -15,7 +15,6 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from lcx.generation import generate
 from lcx.io import token_counts
 from lcx.models import cpu_flags, load_model
 from lcx.session import parse_options
+from provenance import git_commit  # bench/provenance.py (scripts here run as `python bench/NAME.py`)
 
 OUT = Path(__file__).parent / "results" / "dtype.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -168,8 +168,7 @@ def main() -> None:
                                  other_s=rest, other_flop_per_s=linear_flops / rest if rest > 0 else None)
         rows[method] = row
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = {"benchmark": "dtype", "command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": commit,
+    result = {"benchmark": "dtype", "command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": git_commit(),
               "model": args.model, "tokens": tokens, "new_tokens": args.new, "rounds": args.rounds,
               "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
               "machine": platform.processor() or platform.machine(),

@@ -36,6 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from provenance import git_commit  # bench/provenance.py (scripts here run as `python bench/NAME.py`)
+
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "peer_llamacpp.json"
 SETUP = "bash bench/peer/setup_llamacpp.sh"
@@ -230,13 +232,6 @@ def versions() -> dict:
         except md.PackageNotFoundError:
             out[name] = None
     return out
-
-
-def git_commit() -> str:
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "sdk", "plugins", "adapters", "integrations"],
-                           cwd=ROOT).returncode != 0
-    return head + ("+uncommitted changes" if dirty else "")
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

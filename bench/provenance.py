@@ -1,0 +1,16 @@
+"""Which code a benchmark measured: the commit, marked when lcx's own code differs from it."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CODE = ("sdk", "plugins", "adapters", "integrations")  # what the figures depend on (not results/ or docs)
+
+
+def git_commit() -> str:
+    """HEAD's hash, with "+uncommitted changes" when the working tree's lcx code is not HEAD's."""
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", *CODE], cwd=ROOT).returncode != 0
+    return head + ("+uncommitted changes" if dirty else "")
