@@ -111,6 +111,11 @@ def attention_modules(model: nn.Module, family: Family) -> list[nn.Module]:
     return [getattr(layer, family.attention) for layer in layers]
 
 
+def sliding_windows(model: nn.Module, family: Family) -> list[int | None]:
+    """Each decoder layer's sliding window in tokens (None where the layer attends to every earlier token)."""
+    return [getattr(m, "sliding_window", None) or None for m in attention_modules(model, family)]
+
+
 def num_layers(model: nn.Module, family: Family) -> int:
     return len(get_submodule(model, family.layers))
 

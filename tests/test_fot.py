@@ -489,3 +489,35 @@ def test_records_written_before_the_defaults_changed_keep_fots_own_settings():
     old = {"methods": [{"name": "fot", "options": {"local": 256, "chunk": 0, "positions": "first", "k": 32}}]}
     assert trained_methods(old)["fot"] == {"local": 256, "chunk": 0, "positions": "first", "k": 32,
                                            "sinks": 0, "fixed_distance": 0, "gate": "off"}
+
+
+@pytest.mark.parametrize("sinks", [0, 4])
+def test_a_sliding_window_layer_keeps_only_its_window_and_answers_the_same(monkeypatch, sinks):
+    """A sliding-window layer without memory keeps its window of past keys, not fot's whole local window: the keys
+    it drops were masked out anyway, so logits and generated tokens (a left-padded batch's, without sinks) are
+    those of the layer that keeps them all (chunks longer than the window included)."""
+    from lcx.adapters import families
+
+    model = tiny_model("gemma3_text", sliding_window=8)  # layer 0 slides over 8 tokens, layer 1 attends fully
+    ids = _ids()
+    batch = torch.cat([ids[:, :90], torch.cat([torch.zeros(1, 30, dtype=torch.long), ids[:, 100:160]], 1)])
+    mask = torch.ones_like(batch)
+    mask[1, :30] = 0
+    if sinks:  # fot refuses sinks over left padding: one row
+        batch, mask = ids[:, :90], None
+    opts = dict(local=32, chunk=16, sinks=sinks)
+
+    def run_all():
+        logits, _ = _logits(model, ids, **opts)
+        with lcx.attach(model, ["fot"], **{**PAPER, **opts}) as run:
+            tokens = lcx.generate(run, batch, mask, max_new_tokens=6)
+            kept = [layer.keys.shape[-2] for layer in run.memory.layers]
+        return logits, tokens, kept
+
+    logits, tokens, kept = run_all()
+    assert kept == [8, 32]  # the sliding layer: its window (decode steps keep it); the full layer: local
+    monkeypatch.setattr(families, "sliding_windows", lambda model, family: [None] * 2)
+    want_logits, want_tokens, want_kept = run_all()
+    assert want_kept == [32, 32]
+    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(tokens, want_tokens)

@@ -1,7 +1,8 @@
 """FoT's cache: every layer keeps a local window; memory layers move what leaves it into memory.
 
 Before a forward pass over ``q`` new tokens, a layer holding ``L`` local tokens
-evicts the oldest ``L + q - local`` of them.  In a memory layer, evicted keys are
+evicts the oldest ``L + q - local`` of them (a sliding-window layer without memory:
+every key older than its window).  In a memory layer, evicted keys are
 un-rotated to "position 0" (R(-p) k, so a positions mode can place them later)
 and added, with their values, absolute positions and document id, to one
 ``MemoryStore`` per (batch row, KV head).  Left padding never enters memory.
@@ -21,9 +22,12 @@ from lcx.plugins.fot.memory import MemoryStore
 
 class FoTLayer(SubsetCacheLayer):
     def __init__(self, local: int, memory: dict[tuple[int, int], MemoryStore] | None,
-                 inv_freq: torch.Tensor | None, pad: torch.Tensor, doc_ids: list[int], sinks: int = 0) -> None:
+                 inv_freq: torch.Tensor | None, pad: torch.Tensor, doc_ids: list[int], sinks: int = 0,
+                 band: int | None = None) -> None:
         super().__init__()
         self.local, self.memory, self.inv_freq, self.sinks = local, memory, inv_freq, sinks
+        # a sliding-window layer's queries see themselves and the band - 1 keys before: older ones would be masked out
+        self.band = band if memory is None else None
         self.pad = pad  # (B,) left-padding per row: RoPE position = cache index - pad
         self.doc_ids = doc_ids
         self.local_start = 0  # absolute cache index of the first non-sink key returned by the last update
@@ -40,6 +44,8 @@ class FoTLayer(SubsetCacheLayer):
             self.lazy_initialization(key_states, value_states)
         L, q = self.keys.shape[-2], key_states.shape[-2]
         overflow = min(L, L + q - self.local) if L + q > self.local else 0
+        if self.band is not None:
+            overflow = max(overflow, L - (self.band - 1))
         start = self.cumulative_length - L  # cache index of the oldest local key
         if overflow:
             keep = max(0, min(overflow, self.sinks - start))  # the prompt's first tokens stay: attention sinks
@@ -99,11 +105,13 @@ def add_to_memory(memory: dict[tuple[int, int], MemoryStore], row: int, keys: to
 def fot_cache(n_layers: int, memory_layers: list[int], local: int, batch_size: int, kv_heads: int,
               make_store: Callable[[], MemoryStore], inv_freq: Callable[[int], torch.Tensor], pad: torch.Tensor,
               doc_ids: list[int], stores: dict[int, dict[tuple[int, int], MemoryStore]] | None = None,
-              sinks: int = 0) -> Cache:
+              sinks: int = 0, bands: list[int | None] | None = None) -> Cache:
     """A Cache with a local window per layer (plus its first ``sinks`` tokens) and memory stores for
     ``memory_layers``.
 
-    ``stores`` (layer -> {(row, head): store}) reuses existing memories (multi-document mode).
+    ``stores`` (layer -> {(row, head): store}) reuses existing memories (multi-document mode).  ``bands``: per
+    layer, the sliding window of a sliding-window layer (None: a full-attention one); such a layer without
+    memory keeps no more than its window of past keys.
     """
     stores = stores if stores is not None else {}
     layers: list[Any] = []
@@ -114,7 +122,8 @@ def fot_cache(n_layers: int, memory_layers: list[int], local: int, batch_size: i
             for b in range(batch_size):
                 for h in range(kv_heads):
                     mem.setdefault((b, h), make_store())
-        layers.append(FoTLayer(local, mem, inv_freq(i) if mem is not None or sinks else None, pad, doc_ids, sinks))
+        layers.append(FoTLayer(local, mem, inv_freq(i) if mem is not None or sinks else None, pad, doc_ids, sinks,
+                               bands[i] if bands else None))
     cache = Cache(layers=layers)
     cache.lcx_stores = stores  # type: ignore[attr-defined]
     return cache

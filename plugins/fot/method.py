@@ -359,6 +359,7 @@ class FoT(Method):
             families.num_layers(run.model, run.family), self.layer_indices(run), self.local, batch_size, kv_heads,
             lambda: make_store(config),
             lambda i: families.rotary_inv_freq(run.model, run.family, i), pad, doc_ids, stores, self.sinks,
+            families.sliding_windows(run.model, run.family),
         )
 
     @hookimpl
