@@ -102,3 +102,30 @@ def test_a_padded_batch_that_would_evict_is_refused():
         assert lcx.generate(run, ids[:, -12:], short, max_new_tokens=4).shape == (2, 4)  # 16 tokens: none evicted
     with lcx.attach(model, ["streaming"], sinks=4, window=120, chunk=8) as run:
         assert lcx.generate(run, ids, mask, max_new_tokens=4).shape == (2, 4)  # 124 tokens, all kept
+
+
+def test_a_sliding_window_layer_keeps_only_its_window_and_answers_the_same(monkeypatch):
+    """A sliding-window layer keeps the keys its band shows (window - 1 before each query), not streaming's whole
+    recent window: the others were masked out anyway, so logits and tokens are those of the layer keeping them all
+    (chunks longer than the band included); one key fewer fails."""
+    from lcx.adapters import families
+    from lcx.generation import tail_logits
+
+    model = tiny_model("gemma3_text", sliding_window=8)  # layer 0 slides over 8 tokens, layer 1 attends fully
+    ids = torch.randint(3, 256, (1, 200), generator=torch.Generator().manual_seed(0))
+
+    def run_all():
+        with lcx.attach(model, ["streaming"], sinks=4, window=40, chunk=16) as run:
+            logits = tail_logits(run, ids, 40)
+        with lcx.attach(model, ["streaming"], sinks=4, window=40, chunk=16) as run:
+            tokens = lcx.generate(run, ids[:, :150], max_new_tokens=6)
+            kept = [layer.keys.shape[-2] for layer in run.memory.layers]
+        return logits, tokens, kept
+
+    logits, tokens, kept = run_all()
+    assert kept == [7, 40]
+    monkeypatch.setattr(families, "sliding_windows", lambda model, family: [None] * 2)
+    want_logits, want_tokens, want_kept = run_all()
+    assert want_kept == [40, 40]
+    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(tokens, want_tokens)

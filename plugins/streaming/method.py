@@ -154,10 +154,12 @@ class Streaming(Method):
 
     @hookimpl
     def lcx_memory(self, run, batch_size):
-        n = families.num_layers(run.model, run.family)
+        recent = self.recent(run)
+        # a sliding-window layer's queries see at most band - 1 earlier keys (never the sinks, once past the band)
         return Cache(layers=[
-            SinkWindowLayer(self.sinks, self.recent(run), families.rotary_inv_freq(run.model, run.family, i))
-            for i in range(n)
+            SinkWindowLayer(self.sinks, min(recent, max(band - 1, 1)) if band else recent,
+                            families.rotary_inv_freq(run.model, run.family, i))
+            for i, band in enumerate(families.sliding_windows(run.model, run.family))
         ])
 
     @hookimpl
