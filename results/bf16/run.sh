@@ -6,7 +6,7 @@
 #   bash results/bf16/run.sh ppl_fot       # chosen steps
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-LCX=.venv/bin/lcx
+LCX=${LCX:-.venv/bin/lcx}  # LCX=echo prints the commands
 BOOKS=../shared/data/books
 BF16=(--dtype bfloat16)
 FOT=(-o fot.local=1024 -o fot.chunk=256 -o fot.memory_layers=6,7,8,14,15,17,18,19,20,21,22,23)

@@ -7,7 +7,8 @@
 # distraction ~5 min, multidoc ~2 min, streaming32 ~25 min, passkey64 ~3 h, passkey128 ~7 h.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-LCX=.venv/bin/lcx
+LCX=${LCX:-.venv/bin/lcx}  # LCX=echo PY=echo print the commands
+PY=${PY:-.venv/bin/python}
 BOOKS=../shared/data/books
 # memory layers = what step `retrieval` suggests; faiss-ivf is exact until 32768 entries (ivf_train)
 FOT=(-o fot.local=1024 -o fot.chunk=256 -o fot.memory_layers=6,7,8,14,15,17,18,19,20,21,22,23)
@@ -47,8 +48,8 @@ distraction() {  # FoT Figure 3 measure before crossbatch training (the base mod
         --ds 1,2,4,8 --batches 3 --label "SmolLM2-135M (no training)" --out results/fot/distraction
 }
 multidoc() {  # answers about A and about B from one multi-document memory
-    .venv/bin/python results/fot/multidoc/multidoc.py
-    .venv/bin/python results/fot/multidoc/multidoc.py --task kinds
+    $PY results/fot/multidoc/multidoc.py
+    $PY results/fot/multidoc/multidoc.py --task kinds
 }
 passkey128() {
     $LCX eval compare passkey -m smollm2-135m --stack fot --stack vanilla --lengths 128K "${FOT[@]}" "${IVF_LONG[@]}" \

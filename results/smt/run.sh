@@ -5,7 +5,7 @@
 # Training data: the six books NOT used for evaluation (wells, doyle are the ppl/passkey books).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-LCX=.venv/bin/lcx
+LCX=${LCX:-.venv/bin/lcx}  # LCX=echo prints the commands
 BOOKS=../shared/data/books
 TRAIN_BOOKS=(alcott_little_men austen_pride_and_prejudice dickens_tale_of_two_cities hardy_mayor_of_casterbridge
              stevenson_treasure_island twain_tom_sawyer)

@@ -7,7 +7,7 @@
 # passkey16 ~30 min, ppl ~10 min, ppl_control ~5 min, distraction ~5 min. The "before" figures are results/fot/{passkey-16k,ppl,distraction}.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-LCX=.venv/bin/lcx
+LCX=${LCX:-.venv/bin/lcx}  # LCX=echo prints the commands
 BOOKS=../shared/data/books
 OUT=results/fot/crossbatch
 ML=6,7,8,14,15,17,18,19,20,21,22,23   # results/fot/retrieval's layers, as in issue 4's runs

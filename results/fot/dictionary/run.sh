@@ -24,7 +24,7 @@
 # Training times are each stage's summed step times (the `seconds` of metrics.jsonl), also in the README.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-LCX=.venv/bin/lcx
+LCX=${LCX:-.venv/bin/lcx}
 OUT=results/fot/dictionary
 RUNS=${DICT_RUNS:-out/dictionary}   # model folders (not committed)
 SIZES=${DICT_SIZES:-512,1K,4K,16K,64K}
