@@ -112,7 +112,9 @@ def attention_modules(model: nn.Module, family: Family) -> list[nn.Module]:
 
 
 def sliding_windows(model: nn.Module, family: Family) -> list[int | None]:
-    """Each decoder layer's sliding window in tokens (None where the layer attends to every earlier token)."""
+    """Each decoder layer's sliding window in tokens, as its attention module names it; None elsewhere.  A family
+    whose masks take the window from the config alone (Mistral, Phi-3) reads None: its layers then keep every key,
+    correct but without the saving."""
     return [getattr(m, "sliding_window", None) or None for m in attention_modules(model, family)]
 
 
