@@ -12,18 +12,26 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 
-def visible_mask(attention_mask: torch.Tensor | None, kept: torch.Tensor, total: int, q_len: int,
-                 base_impl: str, dtype: torch.dtype) -> torch.Tensor:
-    """The mask (B|1, 1, q_len, len(kept)) for keys at absolute positions ``kept`` and the last
-    ``q_len`` of ``total`` positions as queries.  Keeps the base mask's kind (bool for sdpa,
-    additive float for eager); builds a causal one when the base skipped it (None)."""
-    if attention_mask is not None:
-        return attention_mask[..., kept]
+def visible_mask(attention_mask: torch.Tensor | None, runs: list[tuple[int, int]], total: int, q_len: int,
+                 base_impl: str, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    """The mask (B|1, 1, q_len, S) for the keys at absolute positions ``runs`` (ascending ``(start, stop)``
+    ranges, S positions in all) and the last ``q_len`` of ``total`` positions as queries.  Keeps the base
+    mask's kind (bool for sdpa, additive float for eager); builds a causal one on ``device`` when the base skipped
+    it (None)."""
+    if attention_mask is not None:  # slices, not a gather (indexing the columns one by one is far slower)
+        parts = [attention_mask[..., a:b] for a, b in runs if b > a] or [attention_mask[..., :0]]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    kept = kept_positions(runs, device)
     q_pos = torch.arange(total - q_len, total, device=kept.device)
     allowed = (kept[None, :] <= q_pos[:, None])[None, None]  # (1, 1, q_len, S)
     if base_impl == "eager":
         return torch.zeros(allowed.shape, dtype=dtype, device=kept.device).masked_fill(~allowed, torch.finfo(dtype).min)
     return allowed
+
+
+def kept_positions(runs: list[tuple[int, int]], device: torch.device | None = None) -> torch.Tensor:
+    """The absolute positions of ``runs`` (``visible_mask``'s ranges) as one tensor."""
+    return torch.cat([torch.arange(a, b, device=device) for a, b in runs] or [torch.zeros(0, dtype=torch.long)])
 
 
 def to_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

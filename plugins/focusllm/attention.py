@@ -25,7 +25,7 @@ def candidate_topk_mask(query: torch.Tensor, key: torch.Tensor, n: int, k: int, 
     B, Hq, T, D = query.shape
     Hkv, S = key.shape[1], key.shape[2]
     keep = topk_keep(query.reshape(B, Hkv, Hq // Hkv, T, D), key[:, :, :n], k).reshape(B, Hq, T, n)
-    base = visible_mask(attention_mask, torch.arange(S, device=query.device), S, T, base_impl, query.dtype)
+    base = visible_mask(attention_mask, [(0, S)], S, T, base_impl, query.dtype, query.device)
     mask = base.expand(B, Hq, T, S).clone()
     if mask.dtype == torch.bool:
         mask[..., :n] &= keep

@@ -67,10 +67,9 @@ class FoTLayer(SubsetCacheLayer):
         sink_k = rotate(self.sink_k, start - ns, self.inv_freq) if start > ns else self.sink_k
         return torch.cat([sink_k, self.keys], dim=-2), torch.cat([self.sink_v, self.values], dim=-2)
 
-    def kept(self, device: torch.device | None = None) -> torch.Tensor:
-        """Cache indices of the keys the last update returned, in order."""
-        local = torch.arange(self.local_start, self.cumulative_length, device=device)
-        return torch.cat([torch.arange(self.held_sinks, device=device), local]) if self.held_sinks else local
+    def kept(self) -> list[tuple[int, int]]:
+        """Cache indices of the keys the last update returned, in order, as (start, stop) runs."""
+        return [(0, self.held_sinks), (self.local_start, self.cumulative_length)]
 
     @torch.no_grad()
     def _to_memory(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:

@@ -34,7 +34,7 @@ from lcx.adapters import families
 from lcx.errors import LcxError
 from lcx.hookspecs import hookimpl
 from lcx.limits import kv_dims
-from lcx.masking import to_additive, visible_mask
+from lcx.masking import kept_positions, to_additive, visible_mask
 from lcx.plugins.fot.memory import KINDS, SHARD_KINDS, MemoryStore, StoreConfig, bytes_per_store, load_memory, make_store
 from lcx.method import Method, option
 from lcx.plan import Plan
@@ -441,8 +441,10 @@ class FoT(Method):
             return None  # nothing left the window yet: plain attention
         T = query.shape[-2]
         total = layer.cumulative_length
-        kept = layer.kept(query.device)
-        mask = visible_mask(attention_mask, kept, total, T, run.base_impl, query.dtype)
+        kept = layer.kept()
+        mask = visible_mask(attention_mask, kept, total, T, run.base_impl, query.dtype, query.device)
+        past_sinks = None if self.gate_sinks or not layer.held_sinks else (
+            kept_positions(kept, query.device) >= layer.held_sinks)[None]
         if not has_memory:
             return run.base_attention(module, query, key, value, mask, **kwargs)
         q_index = torch.arange(total - T, total, device=query.device)[None, :] - layer.pad[:, None]  # (B, T) RoPE pos
@@ -451,7 +453,7 @@ class FoT(Method):
             query, key, value, to_additive(mask, torch.float32), layer.memory, shift.to(torch.float64),
             layer.inv_freq, kwargs.get("scaling") or query.shape[-1] ** -0.5, self.k, self.dense, self.block,
             self.gate_logit, self.head_mask(run.model.config, module.layer_idx, query.device),
-            None if self.gate_sinks or not layer.held_sinks else (kept >= layer.held_sinks)[None],
+            past_sinks,
         )
         return out, None
 

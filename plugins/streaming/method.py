@@ -172,6 +172,6 @@ class Streaming(Method):
         if recent_start == ns:  # nothing evicted: keys are positions [0, S), the mask fits as is
             return None
         S, T = key.shape[-2], query.shape[-2]
-        idx = torch.cat([torch.arange(ns), torch.arange(recent_start, recent_start + S - ns)]).to(query.device)
-        mask = visible_mask(attention_mask, idx, recent_start + S - ns, T, run.base_impl, query.dtype)
+        runs = [(0, ns), (recent_start, recent_start + S - ns)]
+        mask = visible_mask(attention_mask, runs, recent_start + S - ns, T, run.base_impl, query.dtype, query.device)
         return run.base_attention(module, query, key, value, mask, **kwargs)
