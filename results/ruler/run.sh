@@ -8,7 +8,7 @@
 # the window; truncation (vanilla) and YaRN x2 / x4 at 2x the window after those.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-LCX=.venv/bin/lcx
+LCX=${LCX:-.venv/bin/lcx}
 BOOKS=../shared/data/books
 COMMON=(--haystack $BOOKS --samples 5 --dtype bfloat16 --resume)
 
