@@ -12,24 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import statistics
-import sys
-import time
 from pathlib import Path
 
-import torch
-
-import lcx
 import lcx.plugins.fot.method as fot_method
 import lcx.plugins.streaming.method as streaming_method
-from books import book_tokens  # bench/books.py (scripts here run as `python bench/NAME.py`)
-from lcx.generation import generate
+from ab import alternate, patched, record, timed_generate  # bench/ab.py (scripts here run as `python bench/NAME.py`)
+from books import book_tokens
 from lcx.io import token_counts
 from lcx.masking import kept_positions, visible_mask
-from lcx.models import dtype_name, load_model
+from lcx.models import load_model
 from lcx.session import parse_options
-from provenance import git_commit
 
 OUT = Path(__file__).parent / "results"
 NEW = 4
@@ -59,33 +51,13 @@ def main() -> None:
     model, tok = load_model(args.model, dtype=args.dtype)
     ids = book_tokens(tok, tokens)
 
-    def prefill(slices: bool) -> tuple[float, list[int]]:
-        for m in USERS:
-            m.visible_mask = visible_mask if slices else gathered_mask
-        try:
-            with lcx.attach(model, [args.method], **options) as run:
-                t = time.perf_counter()
-                out = generate(run, ids, max_new_tokens=NEW, progress=False)
-                return time.perf_counter() - t, out[0].tolist()
-        finally:
-            for m in USERS:
-                m.visible_mask = visible_mask
-
-    times: dict[str, list[float]] = {"slices": [], "gather": []}
-    answers: dict[str, list[int]] = {}
-    for r in range(args.rounds):
-        for slices in ((True, False) if r % 2 == 0 else (False, True)):
-            name = "slices" if slices else "gather"
-            s, answers[name] = prefill(slices)
-            times[name].append(s)
-            print(f"round {r + 1}: {name}: {s:.1f} s", flush=True)
-    ratios = [b / a for a, b in zip(times["slices"], times["gather"])]
-    result = {"benchmark": "mask_slices", "method": args.method, "command": " ".join([Path(sys.executable).name, *sys.argv]),
-              "commit": git_commit(), "model": args.model, "dtype": dtype_name(model.dtype), "tokens": tokens,
-              "new_tokens": NEW, "options": options, "torch_threads": torch.get_num_threads(),
-              "machine": platform.processor() or platform.machine(), "seconds": times, "speedup_per_round": ratios,
-              "speedup_median": statistics.median(ratios), "answers": {k: tok.decode(v[-NEW:]) for k, v in answers.items()},
-              "same_tokens": answers["slices"] == answers["gather"]}
+    times, answers, ratios = alternate(
+        {"slices": lambda: patched(USERS, "visible_mask", visible_mask),
+         "gather": lambda: patched(USERS, "visible_mask", gathered_mask)},
+        lambda: timed_generate(model, [args.method], options, ids, NEW), args.rounds)
+    result = record("mask_slices", args.model, model, tokens, NEW, options, times, ratios, method=args.method,
+                    answers={k: tok.decode(v[-NEW:]) for k, v in answers.items()},
+                    same_tokens=answers["slices"] == answers["gather"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(json.dumps({k: result[k] for k in ("speedup_per_round", "speedup_median", "same_tokens")}))

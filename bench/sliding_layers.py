@@ -14,22 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import statistics
-import sys
-import time
 from pathlib import Path
 
-import torch
-
-import lcx
-from books import book_tokens  # bench/books.py (scripts here run as `python bench/NAME.py`)
+from ab import alternate, patched, record, timed_generate  # bench/ab.py (scripts here run as `python bench/NAME.py`)
+from books import book_tokens
 from lcx.adapters import families
-from lcx.generation import generate
 from lcx.io import token_counts
-from lcx.models import dtype_name, load_model
+from lcx.models import load_model
 from lcx.session import parse_options
-from provenance import git_commit
 
 OUT = Path(__file__).parent / "results"
 DEFAULT = {"fot": ["local=4096", "chunk=1024"], "streaming": []}  # results/ruler's options on Gemma 3
@@ -56,34 +48,15 @@ def main() -> None:
         raise SystemExit(f"{args.model} has no sliding-window layer: nothing to compare")
     ids = book_tokens(tok, tokens)
     own = families.sliding_windows
-
-    def prefill(keep_window: bool) -> tuple[float, list[int]]:
-        families.sliding_windows = own if keep_window else (lambda m, f: [None] * len(windows))
-        try:
-            with lcx.attach(model, [args.method], **options) as run:
-                t = time.perf_counter()
-                out = generate(run, ids, max_new_tokens=NEW, progress=False)
-                return time.perf_counter() - t, out[0].tolist()
-        finally:
-            families.sliding_windows = own
-
-    times: dict[str, list[float]] = {"window": [], "local": []}
-    answers: dict[str, list[int]] = {}
-    for r in range(args.rounds):
-        for keep in ((True, False) if r % 2 == 0 else (False, True)):
-            name = "window" if keep else "local"
-            s, answers[name] = prefill(keep)
-            times[name].append(s)
-            print(f"round {r + 1}: sliding layers keep their {name}: {s:.1f} s", flush=True)
-    ratios = [b / a for a, b in zip(times["window"], times["local"])]
-    result = {"benchmark": "sliding_layers", "method": args.method, "command": " ".join([Path(sys.executable).name, *sys.argv]),
-              "commit": git_commit(), "model": args.model, "dtype": dtype_name(model.dtype), "tokens": tokens,
-              "new_tokens": NEW, "options": options, "sliding_windows": sorted({w for w in windows if w}),
-              "sliding_layers": sum(1 for w in windows if w), "layers": len(windows),
-              "torch_threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
-              "seconds": times, "speedup_per_round": ratios, "speedup_median": statistics.median(ratios),
-              "answers": {k: tok.decode(v[-NEW:]) for k, v in answers.items()},
-              "same_tokens": answers["window"] == answers["local"]}
+    times, answers, ratios = alternate(
+        {"window": lambda: patched([families], "sliding_windows", own),
+         "local": lambda: patched([families], "sliding_windows", lambda m, f: [None] * len(windows))},
+        lambda: timed_generate(model, [args.method], options, ids, NEW), args.rounds,
+        label=lambda name: f"sliding layers keep their {name}")
+    result = record("sliding_layers", args.model, model, tokens, NEW, options, times, ratios, method=args.method,
+                    sliding_windows=sorted({w for w in windows if w}), sliding_layers=sum(1 for w in windows if w),
+                    layers=len(windows), answers={k: tok.decode(v[-NEW:]) for k, v in answers.items()},
+                    same_tokens=answers["window"] == answers["local"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(json.dumps({k: result[k] for k in ("speedup_per_round", "speedup_median", "answers")}))
