@@ -61,7 +61,7 @@ held_stack() {  # $1 stack: sets METHOD and OPTS, a stack past the window held t
         fot-layers07) METHOD=fot; OPTS=(-o fot.local=4096 -o fot.memory_layers=3,7,9,11,13,14,16,17) ;;
         fot-gate0-past-sinks) METHOD=fot; OPTS=(-o fot.local=4096 -o fot.gate=0 -o fot.gate_sinks=false) ;;
         fot-gate0) METHOD=fot; OPTS=(-o fot.local=4096 -o fot.gate=0) ;;  # stricter than the default's -1
-        # memory read only by the query heads retrieval analysis finds on a needle (on SmolLM2 it lost retrieval)
+        # memory read only by the query heads retrieval analysis finds on a needle
         fot-heads) METHOD=fot; OPTS=(-o fot.local=4096 -o fot.memory_heads=auto) ;;
         *) echo "run.sh: unknown stack $1 (vanilla, streaming, fot, fot-k2, fot-layers07,
            fot-gate0-past-sinks, fot-gate0, fot-heads)" >&2
