@@ -7,11 +7,8 @@ exit; rounds alternate which variant goes first, so warm-up and drift fall on bo
 from __future__ import annotations
 
 import contextlib
-import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Callable, ContextManager
 
 import torch
@@ -19,7 +16,7 @@ import torch
 import lcx
 from lcx.generation import generate
 from lcx.models import dtype_name
-from provenance import git_commit
+from provenance import environment
 
 Variant = Callable[[], ContextManager[object]]
 
@@ -70,8 +67,7 @@ def patched(modules, name: str, value):
 def record(benchmark: str, model_name: str, model, tokens: int, new: int, options: dict,
            times: dict[str, list[float]], ratios: list[float], **extra) -> dict:
     """The JSON a side-by-side benchmark writes: what ran, where, and its figures."""
-    return {"benchmark": benchmark, "command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": git_commit(),
+    return {"benchmark": benchmark, **environment(),
             "model": model_name, "dtype": dtype_name(model.dtype), "tokens": tokens, "new_tokens": new,
-            "options": options, **extra, "torch_threads": torch.get_num_threads(),
-            "machine": platform.processor() or platform.machine(), "seconds": times, "speedup_per_round": ratios,
+            "options": options, **extra, "seconds": times, "speedup_per_round": ratios,
             "speedup_median": statistics.median(ratios)}

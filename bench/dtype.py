@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -26,7 +24,7 @@ from lcx.generation import generate
 from lcx.io import token_counts
 from lcx.models import cpu_flags, load_model
 from lcx.session import parse_options
-from provenance import git_commit  # bench/provenance.py (scripts here run as `python bench/NAME.py`)
+from provenance import environment  # bench/provenance.py (scripts here run as `python bench/NAME.py`)
 
 OUT = Path(__file__).parent / "results" / "dtype.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -168,10 +166,8 @@ def main() -> None:
                                  other_s=rest, other_flop_per_s=linear_flops / rest if rest > 0 else None)
         rows[method] = row
 
-    result = {"benchmark": "dtype", "command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": git_commit(),
+    result = {"benchmark": "dtype", **environment(),
               "model": args.model, "tokens": tokens, "new_tokens": args.new, "rounds": args.rounds,
-              "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-              "machine": platform.processor() or platform.machine(),
               "cpu_bf16_flags": sorted({"amx_bf16", "amx_tile", "avx512_bf16"} & cpu_flags()),
               "matmul_peak_flop_per_s": peaks, "matmul_flop_per_s_by_size": sizes, "bare_prefill_flops": flops,
               "bare_prefill_flops_attention": attention_flops, "options": options, "methods": rows}

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from lcx.session import parse_options
 
 from books import book_tokens  # bench/books.py (scripts here run as `python bench/NAME.py`)
 from loading import bench_model, device_name, gpu_peak, reset_gpu_peak, sync
+from provenance import environment
 
 OUT = Path(__file__).parent / "results"
 DEFAULT = ["chunk=2048", "local=2048", "fragment=512"]
@@ -129,8 +129,7 @@ def main() -> None:
              if "seconds" in r["focusllm-serial"] and "seconds" in r["focusllm-parallel"]]
     result = {
         "benchmark": "FocusLLM memory and time to first token", "model": args.model, "dtype": args.dtype, "focusllm_options": options,
-        "parallel": args.parallel, "machine": platform.processor() or platform.machine(),
-        "torch_threads": torch.get_num_threads(), "rows": rows,
+        "parallel": args.parallel, **environment(), "rows": rows,
         "serial_peak_ratio_longest_over_shortest": round(mem_ratio, 3) if mem_ratio else None, "peak_of": memory_key,
         "parallel_speedup_over_serial": [round(s, 3) for s in speed],
         "goals": "serial peak ratio <= 2; parallel faster than serial",

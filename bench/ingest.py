@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import time
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from lcx.session import parse_options
 
 from books import book_tokens  # bench/books.py (scripts here run as `python bench/NAME.py`)
 from loading import bench_model, device_name, gpu_peak, reset_gpu_peak, sync
+from provenance import environment
 
 OUT = Path(__file__).parent / "results"
 # the training-free configuration of results/fot (memory layers from `lcx analyze retrieval`)
@@ -94,8 +94,7 @@ def main() -> None:
     ratio = runs[-1]["ms_per_token"] / runs[0]["ms_per_token"]
     result = {
         "benchmark": "fot ingest cost per token", "model": args.model, "fot_options": options,
-        "torch_threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
-        "device": device_name(model), "random_weights": args.random_weights,
+        **environment(), "device": device_name(model), "random_weights": args.random_weights,
         "runs": runs, "ratio_longest_over_shortest": round(ratio, 3), "goal": "<= 1.5", "pass": ratio <= 1.5,
         "command": "python bench/ingest.py " + " ".join(f"-o {o}" for o in (args.option or DEFAULT)) + f" --lengths {args.lengths}"
                    + (f" --device {args.device}" if args.device else "") + (" --random-weights" if args.random_weights else ""),

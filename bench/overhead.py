@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import time
@@ -20,6 +19,7 @@ import torch
 
 import lcx
 from lcx.models import load_model
+from provenance import environment  # bench/provenance.py (scripts here run as `python bench/NAME.py`)
 
 OUT = Path(__file__).parent / "results" / "overhead.json"
 
@@ -63,8 +63,7 @@ def main() -> None:
     ci = (meds[50], meds[1949])  # 95% bootstrap interval of the median ratio
     result = {
         "benchmark": "overhead", "model": args.model, "tokens": args.tokens, "rounds": args.rounds,
-        "torch_threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
-        "plain_median_s": round(statistics.median(plain), 4), "attached_median_s": round(statistics.median(attached), 4),
+        **environment(), "plain_median_s": round(statistics.median(plain), 4), "attached_median_s": round(statistics.median(attached), 4),
         "plain_s": [round(x, 4) for x in plain], "attached_s": [round(x, 4) for x in attached],
         "ratio_attached_over_plain": round(ratio, 4), "ratio_of_medians": round(statistics.median(attached) / statistics.median(plain), 4),
         "ratio_95ci": [round(ci[0], 4), round(ci[1], 4)],

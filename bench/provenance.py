@@ -14,3 +14,15 @@ def git_commit() -> str:
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", *CODE], cwd=ROOT).returncode != 0
     return head + ("+uncommitted changes" if dirty else "")
+
+
+def environment() -> dict:
+    """What every benchmark's JSON records about the run: its command, the code, torch and the machine."""
+    import platform
+    import sys
+
+    import torch
+
+    return {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": git_commit(),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "machine": platform.processor() or platform.machine()}

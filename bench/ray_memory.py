@@ -38,6 +38,7 @@ import torch
 
 from lcx.plugins.fot.memory import SHARD_KINDS, StoreConfig, make_store, recall_at_k
 from lcx.plugins.fot.method import FoT
+from provenance import git_commit  # bench/provenance.py (scripts here run as `python bench/NAME.py`)
 
 OUT = Path(__file__).parent / "results" / "ray_memory.json"
 GIB = 2**30
@@ -251,7 +252,7 @@ def main() -> None:
     c = centers(args.dim, args.seed)
     g = torch.Generator().manual_seed(args.seed + 7)
     queries = {q: around(c, r * q, g).view(r, q, args.dim) for q, r in zip(args.queries, args.repeats)}
-    report = {"command": " ".join([".venv/bin/python", *sys.argv]), "machine": machine(),
+    report = {"command": " ".join([".venv/bin/python", *sys.argv]), "commit": git_commit(), "machine": machine(),
               "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "data": "clustered (4096 Gaussian clusters, bench/knn.py)", "rows": []}
     args.out.parent.mkdir(parents=True, exist_ok=True)

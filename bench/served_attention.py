@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
 import torch
+
+from provenance import environment  # bench/provenance.py (scripts here run as `python bench/NAME.py`)
 
 OUT = Path(__file__).parent / "results"
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, WINDOW = 30, 9, 3, 64, 8192  # SmolLM2-135M
@@ -106,9 +107,8 @@ def main() -> None:
               f"decode step {r['decode_step_ms']} ms ({r['decode_ms_per_request_layer']} ms per request and layer)",
               flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"config": {**vars(args), "out": str(args.out), "torch": torch.__version__,
-                                               "machine": platform.processor() or platform.machine()},
-                                    "results": rows}, indent=2) + "\n")
+    args.out.write_text(json.dumps({"config": {**vars(args), "out": str(args.out)}, **environment(), "results": rows},
+                                   indent=2) + "\n")
     print(f"wrote {args.out}")
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import statistics
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from lcx.models import load_model
 from lcx.session import parse_options
 
 from books import book_tokens  # bench/books.py (scripts here run as `python bench/NAME.py`)
+from provenance import environment
 
 OUT = Path(__file__).parent / "results"
 DEFAULT = ["budget=2048", "window=512", "beta=1"]
@@ -115,8 +115,7 @@ def main() -> None:
     smt_ratio = rows[-1]["smt"]["median_seconds"] / rows[0]["smt"]["median_seconds"]
     result = {
         "benchmark": "SMT vs standard training step (SMT Table 5)", "model": args.model, "smt_options": options,
-        "adapter": "LoRA r=8 on q_proj, k_proj", "batch": 1, "torch_threads": torch.get_num_threads(),
-        "machine": platform.processor() or platform.machine(), "rows": rows,
+        "adapter": "LoRA r=8 on q_proj, k_proj", "batch": 1, **environment(), "rows": rows,
         "smt_ratio_longest_over_shortest": round(smt_ratio, 3), "goal": "<= 1.05", "pass": smt_ratio <= 1.05,
         "command": "python bench/smt_step.py " + " ".join(f"-o {o}" for o in (args.option or DEFAULT))
                    + f" --lengths {args.lengths} --rounds {args.rounds}",
