@@ -108,7 +108,7 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    print(f"\n| engine | median step (s) | peak RSS per process (MiB) |\n|---|---|---|")
+    print("\n| engine | median step (s) | peak RSS per process (MiB) |\n|---|---|---|")
     for e in ("ddp", "fsdp2"):
         print(f"| {e} | {med[e]:.3f} | {max(max(r['peak_rss_mib_per_process'] or [0]) for r in runs[e])} |")
     print(f"\nFSDP2 / DDP step time: {result['fsdp2_over_ddp']:.2f}  ->  {args.out}")
