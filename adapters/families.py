@@ -112,10 +112,12 @@ def attention_modules(model: nn.Module, family: Family) -> list[nn.Module]:
 
 
 def sliding_windows(model: nn.Module, family: Family) -> list[int | None]:
-    """Each decoder layer's sliding window in tokens, as its attention module names it; None elsewhere.  A family
-    whose masks take the window from the config alone (Mistral, Phi-3) reads None: its layers then keep every key,
-    correct but without the saving."""
-    return [getattr(m, "sliding_window", None) or None for m in attention_modules(model, family)]
+    """Each decoder layer's sliding window in tokens; None for a full-attention layer.  Families with per-layer types
+    (Gemma, Qwen2) name it on each attention module; Mistral, Phi-3 and Starcoder2 have no layer types and slide every
+    layer over the config's ``sliding_window`` when it is set."""
+    config = getattr(model, "config", None)
+    shared = None if getattr(config, "layer_types", None) else getattr(config, "sliding_window", None)
+    return [getattr(m, "sliding_window", None) or shared or None for m in attention_modules(model, family)]
 
 
 def num_layers(model: nn.Module, family: Family) -> int:

@@ -492,20 +492,23 @@ def test_records_written_before_the_defaults_changed_keep_fots_own_settings():
 
 
 @pytest.mark.parametrize("sinks", [0, 4])
-def test_a_sliding_window_layer_keeps_only_its_window_and_answers_the_same(monkeypatch, sinks):
+@pytest.mark.parametrize("family", ["gemma3_text", "mistral"])
+def test_a_sliding_window_layer_keeps_only_its_window_and_answers_the_same(monkeypatch, sinks, family):
     """A sliding-window layer without memory keeps its window of past keys, not fot's whole local window: the keys
     it drops were masked out anyway, so logits and generated tokens (a left-padded batch's, without sinks) are
-    those of the layer that keeps them all (chunks longer than the window included)."""
+    those of the layer that keeps them all (chunks longer than the window included).  Gemma 3 names the window per
+    layer; Mistral slides every layer over its config's window."""
     from lcx.adapters import families
 
-    model = tiny_model("gemma3_text", sliding_window=8)  # layer 0 slides over 8 tokens, layer 1 attends fully
+    # layer 0 slides over 8 tokens; layer 1 attends fully (gemma3) or holds fot's memory (mistral: every layer slides)
+    model = tiny_model(family, sliding_window=8)
     ids = _ids()
     batch = torch.cat([ids[:, :90], torch.cat([torch.zeros(1, 30, dtype=torch.long), ids[:, 100:160]], 1)])
     mask = torch.ones_like(batch)
     mask[1, :30] = 0
     if sinks:  # fot refuses sinks over left padding: one row
         batch, mask = ids[:, :90], None
-    opts = dict(local=32, chunk=16, sinks=sinks)
+    opts = dict(local=32, chunk=16, sinks=sinks, memory_layers="1")
 
     def run_all():
         logits, _ = _logits(model, ids, **opts)

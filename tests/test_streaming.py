@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import lcx
@@ -104,14 +105,16 @@ def test_a_padded_batch_that_would_evict_is_refused():
         assert lcx.generate(run, ids, mask, max_new_tokens=4).shape == (2, 4)  # 124 tokens, all kept
 
 
-def test_a_sliding_window_layer_keeps_only_its_window_and_answers_the_same(monkeypatch):
+@pytest.mark.parametrize("family, sliding", [("gemma3_text", [True, False]), ("mistral", [True, True])])
+def test_a_sliding_window_layer_keeps_only_its_window_and_answers_the_same(monkeypatch, family, sliding):
     """A sliding-window layer keeps the keys its band shows (window - 1 before each query), not streaming's whole
     recent window: the others were masked out anyway, so logits and tokens are those of the layer keeping them all
-    (chunks longer than the band included); one key fewer fails."""
+    (chunks longer than the band included).  Gemma 3 names the window per layer (layer 0 slides over 8 tokens,
+    layer 1 attends fully); Mistral slides every layer over its config's window."""
     from lcx.adapters import families
     from lcx.generation import tail_logits
 
-    model = tiny_model("gemma3_text", sliding_window=8)  # layer 0 slides over 8 tokens, layer 1 attends fully
+    model = tiny_model(family, sliding_window=8)
     ids = torch.randint(3, 256, (1, 200), generator=torch.Generator().manual_seed(0))
 
     def run_all():
@@ -123,7 +126,7 @@ def test_a_sliding_window_layer_keeps_only_its_window_and_answers_the_same(monke
         return logits, tokens, kept
 
     logits, tokens, kept = run_all()
-    assert kept == [7, 40]
+    assert kept == [7 if s else 40 for s in sliding]
     monkeypatch.setattr(families, "sliding_windows", lambda model, family: [None] * 2)
     want_logits, want_tokens, want_kept = run_all()
     assert want_kept == [40, 40]
