@@ -112,12 +112,18 @@ def attention_modules(model: nn.Module, family: Family) -> list[nn.Module]:
 
 
 def sliding_windows(model: nn.Module, family: Family) -> list[int | None]:
-    """Each decoder layer's sliding window in tokens; None for a full-attention layer.  Families with per-layer types
-    (Gemma, Qwen2) name it on each attention module; Mistral, Phi-3 and Starcoder2 have no layer types and slide every
-    layer over the config's ``sliding_window`` when it is set."""
-    config = getattr(model, "config", None)
-    shared = None if getattr(config, "layer_types", None) else getattr(config, "sliding_window", None)
-    return [getattr(m, "sliding_window", None) or shared or None for m in attention_modules(model, family)]
+    """Each decoder layer's sliding window in tokens (``layer_window``); None for a full-attention layer."""
+    return [layer_window(m, model.config) for m in attention_modules(model, family)]
+
+
+def layer_window(attention: nn.Module, config: Any) -> int | None:
+    """An attention module's sliding window in tokens; None for full attention.  Families with per-layer types
+    (Gemma, Qwen2) name it on each module; Mistral, Phi-3 and Starcoder2 have no layer types and slide every layer
+    over the config's ``sliding_window`` when it is set."""
+    own = getattr(attention, "sliding_window", None)
+    if own or getattr(config, "layer_types", None):
+        return int(own) if own else None
+    return getattr(config, "sliding_window", None) or None
 
 
 def num_layers(model: nn.Module, family: Family) -> int:

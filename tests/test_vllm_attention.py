@@ -530,3 +530,22 @@ def test_served_attention_equals_lcx_on_gemma3_with_its_per_layer_type_rope(meth
     got = _served(engine, prompts, {k: w[0] for k, w in want.items()}, rng)
     for k in prompts:
         torch.testing.assert_close(got[k], want[k][1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["streaming", "fot", "fot-sinks"])
+def test_served_attention_equals_lcx_on_mistral_whose_config_slides_every_layer(method):
+    """Mistral names no window on its attention modules: its config's ``sliding_window`` slides every layer (its
+    masks), and the served form keeps that band in every layer, as lcx's path does."""
+    from lcx.registry import registry
+
+    model = tiny_model("mistral", sliding_window=64)
+    rng = random.Random(5)
+    prompts = {7 + i: [rng.randrange(3, 120) for _ in range(rng.choice([40, 100, 150]))] for i in range(3)}
+    opts = dict(OPTS, window=80) if method == "streaming" else dict(FOT, local=100, chunk=16, memory_layers="1")
+    if method == "fot-sinks":
+        opts, method = dict(opts, sinks=4), "fot"
+    want = {k: _hf(model, p, 6, method, opts) for k, p in prompts.items()}
+    served = StreamingServed(**opts) if method == "streaming" else FoTServed(registry().get("fot").from_options(**opts))
+    got = _served(FakeEngine(tiny_model("mistral", sliding_window=64), served), prompts, {k: w[0] for k, w in want.items()}, rng)
+    for k in prompts:
+        torch.testing.assert_close(got[k], want[k][1], atol=1e-4, rtol=1e-4)

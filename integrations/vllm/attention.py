@@ -164,8 +164,8 @@ class ServedAttention:
         """Which keys at positions ``held`` the queries at ``q_pos`` (broadcast against each other) see through the
         layer's own sliding window, which every method keeps (Gemma 3's local layers: 512; a key q - k >= window
         positions back is hidden, as transformers masks it); None on a full-attention layer."""
-        w = getattr(module, "sliding_window", None)
-        return held > q_pos - int(w) if w else None
+        w = families.layer_window(module, module.config)
+        return held > q_pos - w if w else None
 
     def inv_freq(self, module: torch.nn.Module) -> torch.Tensor:
         """The layer's RoPE frequencies, from the rotary class of its own modeling file."""

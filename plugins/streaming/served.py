@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from lcx.adapters import families
 from lcx.adapters.rotary import rotate
 from lcx.integrations.vllm.attention import WINDOW_SLACK, ServedAttention, Window, causal_tail, kv_bytes, sdpa
 
@@ -68,7 +69,7 @@ class StreamingServed(ServedAttention):
         sink_k = rotate(d["sink_k"], shift, self.inv_freq(module)) if shift and ns else d["sink_k"]
         keys, values = d["keys"].with_front(sink_k), d["values"].with_front(d["sink_v"])
         allowed = causal_tail(q.shape[1], keys.shape[1], q.device)
-        if getattr(module, "sliding_window", None):  # the layer's band over the true positions, sinks' included
+        if families.layer_window(module, module.config):  # the layer's band over the true positions, sinks' included
             dev = q.device
             held = torch.cat([torch.arange(ns, device=dev),
                               torch.arange(st.start - nr, st.start - nr + keys.shape[1] - ns, device=dev)])
