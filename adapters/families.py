@@ -27,6 +27,8 @@ class Family:
     #: LoRA target names by role. Fused projections name the same module for several roles.
     roles: dict[str, str] = field(default_factory=dict)
     notes: str = ""
+    #: every layer slides over the config's ``sliding_window`` when it is set (no window on the attention modules)
+    window_from_config: bool = False
 
     @property
     def positions(self) -> str:
@@ -40,15 +42,16 @@ class Family:
 _LLAMA_ROLES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
 
 
-def _llama_like(model_type: str, notes: str = "") -> Family:
-    return Family(model_type, "model.layers", "self_attn", "model.rotary_emb", dict(_LLAMA_ROLES), notes)
+def _llama_like(model_type: str, notes: str = "", window_from_config: bool = False) -> Family:
+    return Family(model_type, "model.layers", "self_attn", "model.rotary_emb", dict(_LLAMA_ROLES), notes,
+                  window_from_config)
 
 
 FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in [
         _llama_like("llama"),
-        _llama_like("mistral", "sliding-window attention in some checkpoints"),
+        _llama_like("mistral", "sliding-window attention in some checkpoints", window_from_config=True),
         _llama_like("qwen2"),
         _llama_like("qwen3", "keys are RMS-normalised before RoPE"),
         _llama_like("gemma", "embeddings scaled by sqrt(hidden)"),
@@ -56,9 +59,9 @@ FAMILIES: dict[str, Family] = {
         _llama_like("gemma3_text", "alternating sliding/full layers, per-layer-type RoPE, q/k norm"),
         _llama_like("olmo"),
         _llama_like("olmo2"),
-        _llama_like("starcoder2"),
+        _llama_like("starcoder2", window_from_config=True),
         _llama_like("granite"),
-        Family("phi3", "model.layers", "self_attn", "model.rotary_emb", {"q": "qkv_proj", "k": "qkv_proj", "v": "qkv_proj", "o": "o_proj"}, "fused qkv_proj"),
+        Family("phi3", "model.layers", "self_attn", "model.rotary_emb", {"q": "qkv_proj", "k": "qkv_proj", "v": "qkv_proj", "o": "o_proj"}, "fused qkv_proj", window_from_config=True),
         Family("gpt2", "transformer.h", "attn", None, {"q": "c_attn", "k": "c_attn", "v": "c_attn", "o": "c_proj"}, "fused c_attn, absolute positions"),
         Family("gpt_neox", "gpt_neox.layers", "attention", "gpt_neox.rotary_emb", {"q": "query_key_value", "k": "query_key_value", "v": "query_key_value", "o": "dense"}, "fused query_key_value, partial rotary"),
     ]
@@ -118,12 +121,13 @@ def sliding_windows(model: nn.Module, family: Family) -> list[int | None]:
 
 def layer_window(attention: nn.Module, config: Any) -> int | None:
     """An attention module's sliding window in tokens; None for full attention.  Families with per-layer types
-    (Gemma, Qwen2) name it on each module; Mistral, Phi-3 and Starcoder2 have no layer types and slide every layer
-    over the config's ``sliding_window`` when it is set."""
+    (Gemma, Qwen2) name it on each module; a family whose masks slide every layer over the config's window
+    (``window_from_config``: Mistral, Phi-3, Starcoder2) takes it from there, whatever else the config holds."""
     own = getattr(attention, "sliding_window", None)
-    if own or getattr(config, "layer_types", None):
-        return int(own) if own else None
-    return getattr(config, "sliding_window", None) or None
+    if own:
+        return int(own)
+    family = FAMILIES.get(getattr(config, "model_type", None) or "")
+    return (getattr(config, "sliding_window", None) or None) if family and family.window_from_config else None
 
 
 def num_layers(model: nn.Module, family: Family) -> int:

@@ -169,6 +169,22 @@ def test_unsupported_family_names_what_is_missing_and_what_works():
         assert run.methods[0].name == "vanilla"
 
 
+@pytest.mark.parametrize("family, overrides, windows", [
+    ("gemma3_text", dict(sliding_window=8), [8, None]),  # per layer type, named on the modules
+    ("qwen2", dict(sliding_window=8), [None, None]),  # use_sliding_window off: every layer attends fully
+    ("mistral", dict(sliding_window=8), [8, 8]),  # the config's window slides every layer
+    ("mistral", dict(sliding_window=8, layer_types=["full_attention"] * 2), [8, 8]),  # Mistral's masks ignore these
+    ("mistral", {}, [None, None]),
+    ("phi3", dict(sliding_window=8), [8, 8]),
+    ("llama", dict(sliding_window=8), [None, None]),  # a stray config field: Llama's masks never slide
+])
+def test_sliding_windows_are_where_the_model_masks_slide(family, overrides, windows):
+    from lcx.adapters import families
+
+    model = tiny_model(family, **overrides)
+    assert families.sliding_windows(model, families.family_of(model)) == windows
+
+
 def test_vanilla_truncates_middle_keeping_both_ends(llama):
     ids = torch.arange(3, 203)[None]  # 200 tokens > window 128
     with lcx.attach(llama, ["vanilla"]) as run:
