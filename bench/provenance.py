@@ -1,9 +1,13 @@
-"""Which code a benchmark measured: the commit, marked when lcx's own code differs from it."""
+"""What a benchmark ran: the commit (marked when lcx's own code differs from it), the command, torch and the machine."""
 
 from __future__ import annotations
 
+import platform
 import subprocess
+import sys
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 CODE = ("sdk", "plugins", "adapters", "integrations")  # what the figures depend on (not results/ or docs)
@@ -18,11 +22,6 @@ def git_commit() -> str:
 
 def environment() -> dict:
     """What every benchmark's JSON records about the run: its command, the code, torch and the machine."""
-    import platform
-    import sys
-
-    import torch
-
     return {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": git_commit(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "machine": platform.processor() or platform.machine()}

@@ -511,41 +511,24 @@ def test_a_third_party_served_form_equals_its_lcx_path(monkeypatch):
 
 
 @pytest.mark.parametrize("method", ["streaming", "fot", "fot-sinks"])
-def test_served_attention_equals_lcx_on_gemma3_with_its_per_layer_type_rope(method):
+@pytest.mark.parametrize("family, overrides, seed", [("gemma3_text", {}, 3), ("mistral", {"sliding_window": 64}, 5)])
+def test_served_attention_keeps_each_sliding_layers_band_as_lcx_does(method, family, overrides, seed):
     """Gemma 3 keeps one RoPE table per layer type (``sliding_attention_inv_freq``, ``full_attention_inv_freq``,
     different bases) and a band on its sliding-window layers: the served form re-rotates each layer's keys with
-    its own layer's table and keeps each sliding layer's band, as lcx's path does."""
+    its own layer's table and keeps each sliding layer's band, as lcx's path does.  Mistral names no window on its
+    attention modules: its config's ``sliding_window`` slides every layer, and the served form keeps that band too."""
     from lcx.registry import registry
 
-    model = tiny_model("gemma3_text")
-    rng = random.Random(3)
+    model = tiny_model(family, **overrides)
+    rng = random.Random(seed)
     prompts = {7 + i: [rng.randrange(3, 120) for _ in range(rng.choice([40, 100, 150]))] for i in range(3)}
-    # windows past the 64-token band of the sliding layers (layer 0), so the band decides what they read
+    # windows past the 64-token band of the sliding layers, so the band decides what they read
     opts = dict(OPTS, window=80) if method == "streaming" else dict(FOT, local=100, chunk=16, memory_layers="1")
     if method == "fot-sinks":  # sinks re-rotated with each layer's table; the band hides them in sliding layers
         opts, method = dict(opts, sinks=4), "fot"
     want = {k: _hf(model, p, 6, method, opts) for k, p in prompts.items()}
     served = StreamingServed(**opts) if method == "streaming" else FoTServed(registry().get("fot").from_options(**opts))
-    engine = FakeEngine(tiny_model("gemma3_text"), served)
+    engine = FakeEngine(tiny_model(family, **overrides), served)
     got = _served(engine, prompts, {k: w[0] for k, w in want.items()}, rng)
-    for k in prompts:
-        torch.testing.assert_close(got[k], want[k][1], atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("method", ["streaming", "fot", "fot-sinks"])
-def test_served_attention_equals_lcx_on_mistral_whose_config_slides_every_layer(method):
-    """Mistral names no window on its attention modules: its config's ``sliding_window`` slides every layer (its
-    masks), and the served form keeps that band in every layer, as lcx's path does."""
-    from lcx.registry import registry
-
-    model = tiny_model("mistral", sliding_window=64)
-    rng = random.Random(5)
-    prompts = {7 + i: [rng.randrange(3, 120) for _ in range(rng.choice([40, 100, 150]))] for i in range(3)}
-    opts = dict(OPTS, window=80) if method == "streaming" else dict(FOT, local=100, chunk=16, memory_layers="1")
-    if method == "fot-sinks":
-        opts, method = dict(opts, sinks=4), "fot"
-    want = {k: _hf(model, p, 6, method, opts) for k, p in prompts.items()}
-    served = StreamingServed(**opts) if method == "streaming" else FoTServed(registry().get("fot").from_options(**opts))
-    got = _served(FakeEngine(tiny_model("mistral", sliding_window=64), served), prompts, {k: w[0] for k, w in want.items()}, rng)
     for k in prompts:
         torch.testing.assert_close(got[k], want[k][1], atol=1e-4, rtol=1e-4)
