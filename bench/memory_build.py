@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from provenance import environment  # bench/provenance.py (scripts here run as `python bench/NAME.py`)
+
 REPO = Path(__file__).resolve().parents[1]
 OUT = Path(__file__).parent / "results"
 CONFIGS = {"in-process": ["--workers", "0"], "ray-1-worker": ["--workers", "1"], "ray-2-workers": ["--workers", "2"]}
@@ -89,7 +91,7 @@ def main() -> None:
                     "tokens_per_second": round(tokens / total, 1),
                     "indexing_tokens_per_second": round(tokens / max(total - fixed, 1e-9), 1)}
     result = {"what": "lcx memory build wall time: in this process vs Ray workers (median over rounds)",
-              "command": "python " + " ".join(sys.argv), "tokens": tokens,
+              **environment(), "tokens": tokens,
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
               "settings": {k: str(v) for k, v in vars(args).items() if k != "out"}, "results": table, "runs": runs,
               "two_workers_over_in_process": round(table["ray-2-workers"]["indexing_tokens_per_second"]

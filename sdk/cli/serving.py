@@ -142,7 +142,8 @@ def serve_cmd(model, options, methods, adapters, max_model_len, host, port, serv
                              overwrite=True, log=lambda s: click.echo(s, err=True), memory=memory_dir,
                              state_gib=state_gib)
     name = served_name or Path(model).name
-    click.echo(f"lcx serve: starting vLLM on {host}:{port} (engine start takes ~30-60 s on CPU)", err=True)
+    click.echo(f"lcx serve: starting vLLM on {host}:{port} (its engine starts slowly on CPU: wait for the ready "
+               "line)", err=True)
     # vLLM's log goes to stderr: stdout carries only the ready line (JSON with --json) for scripts.
     dtype = _resolved_dtype(dtype)
     proc = lv.start(exp, host, port, name, dtype, kv_cache_gib=kv_cache_gib, extra=tuple(vllm_args), stdout=sys.stderr)
