@@ -215,15 +215,28 @@ def test_recall_draws_always_fit_the_memory():
 def test_an_adapter_on_a_sliding_window_model_asks_for_refresh_0():
     """gemma2 (sliding layers) with a candidate adapter: refreshing crashed inside transformers' cache (crop on a
     sliding layer) at the prompt or partway through generation; it is refused up front, and refresh=0 works."""
-    from lcx.adapters.peft_bridge import add_adapter
-
-    model = add_adapter(tiny_model("gemma2"), roles=("q", "k", "v", "o"), rank=4).eval()
+    model = _adapted(tiny_model("gemma2"))
     ids = _ids(T=24 + 64)
     with lcx.attach(model, ["focusllm"], focusllm=OPTS) as run:
         with pytest.raises(LcxError, match=r"sliding-window layers \(sliding_window=64\).*use -o focusllm.refresh=0"):
             generate(run, ids, max_new_tokens=3)
     with lcx.attach(model, ["focusllm"], focusllm={**OPTS, "refresh": 0}) as run:
         assert generate(run, ids, max_new_tokens=3).shape == (1, 3)
+
+
+def test_an_adapter_refreshes_on_a_window_no_layer_uses():
+    """Qwen2 with use_sliding_window and max_window_layers covering every layer names a window (config.sliding_window)
+    that no layer slides over: refreshing works there and was refused by the config's field alone."""
+    model = _adapted(tiny_model("qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=2))
+    assert model.config.sliding_window == 64 and set(model.config.layer_types) == {"full_attention"}
+    with lcx.attach(model, ["focusllm"], focusllm=OPTS) as run:
+        assert generate(run, _ids(T=24 + 64), max_new_tokens=3).shape == (1, 3)
+
+
+def _adapted(model):
+    from lcx.adapters.peft_bridge import add_adapter
+
+    return add_adapter(model, roles=("q", "k", "v", "o"), rank=4).eval()
 
 
 def test_refreshed_chunks_past_the_window_are_refused_with_a_chunk_that_fits():

@@ -262,12 +262,15 @@ class FocusLLM(CandidateTraining, Method):
             raise LcxError(f"focusllm refreshes each chunk's candidate as it generates: a chunk's {longest} tokens + "
                            f"{max_new_tokens - 1} generated ones exceed the model's window ({run.window}); use "
                            f"{smaller}, fewer new tokens, or -o focusllm.refresh=0")
-        if groups is not None and run.state.get("focusllm_gate") is not None and getattr(run.model.config, "sliding_window", None):
-            # a kept chunk cache trades its gated last token for the base one (crop, then one more token),
-            # which transformers' sliding-window cache layers refuse
+        # a kept chunk cache trades its gated last token for the base one (crop, then one more token), which
+        # transformers' sliding-window cache layers refuse; the layers that slide, not the config's field (Qwen2
+        # names a window that no layer uses when max_window_layers covers them all)
+        sliding = groups is not None and run.state.get("focusllm_gate") is not None and max(
+            (w for w in families.sliding_windows(run.model, run.family) if w), default=None)
+        if sliding:
             raise LcxError(f"focusllm with a candidate adapter refreshes its candidates from each chunk's cache, which "
-                           f"this model's sliding-window layers (sliding_window={run.model.config.sliding_window}) "
-                           f"cannot take back; use -o focusllm.refresh=0 (the prompt's candidates)")
+                           f"this model's sliding-window layers (sliding_window={sliding}) cannot take back; use "
+                           f"-o focusllm.refresh=0 (the prompt's candidates)")
         if forward is not None:
             cand = self._forwarded(run, forward, memory, fragment, spans)
         else:
