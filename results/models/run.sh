@@ -79,6 +79,14 @@ ppl_held_spans() {  # $1 model, $2 stack (held_stack): ppl_held at 8K with 4 spa
     $LCX eval compare ppl -m "$1" --stack "$METHOD" "${OPTS[@]}" -d $BOOKS/wells_invisible_man.txt \
         -d $BOOKS/doyle_hound_of_the_baskervilles.txt --contexts 8K --samples 4 --target 256 --dtype "$DTYPE" --out "$out"
 }
+ppl_held_spans_fresh() {  # $1 model, $2 stack: ppl_held_spans on two other books (a fresh draw for a cell chosen
+    # from ppl_held_spans' grid)
+    local out="results/models/$1/ppl-held-4k-spans-fresh-$DTYPE/$2"
+    [ -f "$out/compare-ppl.json" ] && { echo "done before: $out"; return; }
+    held_stack "$2"
+    $LCX eval compare ppl -m "$1" --stack "$METHOD" "${OPTS[@]}" -d $BOOKS/stevenson_treasure_island.txt \
+        -d $BOOKS/twain_tom_sawyer.txt --contexts 8K --samples 4 --target 256 --dtype "$DTYPE" --out "$out"
+}
 passkey_held() {  # $1 model, $2 stack (held_stack): retrieval past the window held to 4K, in prose: 8K prompts, the
     # needle at depths 0.1, 0.25, 0.4 (4.9K-7.4K tokens back: in memory, not the local window), 2 keys a depth
     held_stack "$2"
