@@ -87,14 +87,17 @@ def main() -> None:
     ap.add_argument("--text", nargs="+", default=[str(BOOKS / "wells_invisible_man.txt"),
                                                  str(BOOKS / "doyle_hound_of_the_baskervilles.txt")],
                     help="ordinary-text books: the first LENGTH tokens of each, its queries past the local window")
+    ap.add_argument("--haystack", default=str(BOOKS), help="the needles' text: files or a folder (prose), or filler "
+                                                          "(the repeated passkey filler, for models that cannot read prose)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
 
     model, tok = load_model(args.model, dtype=args.dtype)
     opts = {"local": args.local, "memory_layers": args.memory_layers, "gate": "off"}
-    hay = Haystack([str(BOOKS)])
+    hay = None if args.haystack == "filler" else Haystack([args.haystack])
     result = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "fot": opts, "dtype": args.dtype,
+              "haystack": args.haystack,
               "gates": GATES, "needles": [], "text": []}
     with Recorder() as rec, lcx.attach(model, ["fot"], fot=opts) as run:
         for depth in map(float, args.depths.split(",")):
