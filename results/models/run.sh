@@ -62,12 +62,11 @@ held_stack() {  # $1 stack: sets METHOD and OPTS, a stack past the window held t
         fot-gate0-past-sinks) METHOD=fot; OPTS=(-o fot.local=4096 -o fot.gate=0 -o fot.gate_sinks=false) ;;
         fot-gate0) METHOD=fot; OPTS=(-o fot.local=4096 -o fot.gate=0) ;;  # stricter than the default's -1
         # stricter still: a memory key must beat every local key by 1 or 2 (logits), toward streaming's floor
-        fot-gate1) METHOD=fot; OPTS=(-o fot.local=4096 -o fot.gate=1) ;;
-        fot-gate2) METHOD=fot; OPTS=(-o fot.local=4096 -o fot.gate=2) ;;
+        fot-gate[1-9]) METHOD=fot; OPTS=(-o fot.local=4096 -o fot.gate=${1#fot-gate}) ;;  # fot-gate1 ... fot-gate9
         # memory read only by the query heads retrieval analysis finds on a needle
         fot-heads) METHOD=fot; OPTS=(-o fot.local=4096 -o fot.memory_heads=auto) ;;
         *) echo "run.sh: unknown stack $1 (vanilla, streaming, fot, fot-k2, fot-layers07,
-           fot-gate0-past-sinks, fot-gate0, fot-gate1, fot-gate2, fot-heads)" >&2
+           fot-gate0-past-sinks, fot-gate0, fot-gate1 ... fot-gate9, fot-heads)" >&2
            return 2 ;;
     esac
 }
