@@ -92,6 +92,13 @@ passkey_held() {  # $1 model, $2 stack (held_stack): retrieval past the window h
     $LCX eval passkey -m "$1" --method "$METHOD" "${OPTS[@]}" --lengths 8K --depths 0.1,0.25,0.4 --samples 2 \
         --haystack $BOOKS --out "results/models/$1/passkey-held-4k-$DTYPE/$2" "${COMMON[@]}"
 }
+passkey_held_fresh() {  # $1 model, $2 stack: passkey_held on a fresh draw (keys of seed 1, the needle in two other
+    # books: those of ppl_held_spans_fresh) for a cell chosen from the grid
+    held_stack "$2"
+    $LCX eval passkey -m "$1" --method "$METHOD" "${OPTS[@]}" --lengths 8K --depths 0.1,0.25,0.4 --samples 2 \
+        --seed 1 --haystack $BOOKS/stevenson_treasure_island.txt --haystack $BOOKS/twain_tom_sawyer.txt \
+        --out "results/models/$1/passkey-held-4k-fresh-$DTYPE/$2" "${COMMON[@]}"
+}
 beyond() {  # $1 model, $2 haystack (prose|filler): 64K, every training-free stack and YaRN x2
     local extra=(); [ "$1" = qwen2.5-0.5b ] && extra=("${QWEN_FOT[@]}")
     local hay=(); [ "$2" = prose ] && hay=(--haystack $BOOKS)
