@@ -61,7 +61,7 @@ held_stack() {  # $1 stack: sets METHOD and OPTS, a stack past the window held t
         fot-layers07) METHOD=fot; OPTS=(-o fot.local=4096 -o fot.memory_layers=3,7,9,11,13,14,16,17) ;;
         fot-gate0-past-sinks) METHOD=fot; OPTS=(-o fot.local=4096 -o fot.gate=0 -o fot.gate_sinks=false) ;;
         fot-gate0) METHOD=fot; OPTS=(-o fot.local=4096 -o fot.gate=0) ;;  # stricter than the default's -1
-        # stricter still: a memory key must beat every local key by 1 or 2 (logits), toward streaming's floor
+        # stricter still: a memory key must beat every local key by N logits, toward streaming's floor
         fot-gate[1-9]) METHOD=fot; OPTS=(-o fot.local=4096 -o fot.gate=${1#fot-gate}) ;;  # fot-gate1 ... fot-gate9
         # memory read only by the query heads retrieval analysis finds on a needle
         fot-heads) METHOD=fot; OPTS=(-o fot.local=4096 -o fot.memory_heads=auto) ;;
@@ -70,34 +70,36 @@ held_stack() {  # $1 stack: sets METHOD and OPTS, a stack past the window held t
            return 2 ;;
     esac
 }
-ppl_held_spans() {  # $1 model, $2 stack (held_stack): ppl_held at 8K with 4 spans a book, not 1 (ppl_held's table
-    # is 2 x 256 scored tokens); one folder per stack, and a finished stack is not rerun
-    local out="results/models/$1/ppl-held-4k-spans-$DTYPE/$2"
+held_ppl() {  # $1 model, $2 stack (held_stack), $3 folder, $4 $5 books: 8K, 4 spans a book; a finished stack is not rerun
+    local out="results/models/$1/$3-$DTYPE/$2"
     [ -f "$out/compare-ppl.json" ] && { echo "done before: $out"; return; }
     held_stack "$2"
-    $LCX eval compare ppl -m "$1" --stack "$METHOD" "${OPTS[@]}" -d $BOOKS/wells_invisible_man.txt \
-        -d $BOOKS/doyle_hound_of_the_baskervilles.txt --contexts 8K --samples 4 --target 256 --dtype "$DTYPE" --out "$out"
+    $LCX eval compare ppl -m "$1" --stack "$METHOD" "${OPTS[@]}" -d "$BOOKS/$4" -d "$BOOKS/$5" --contexts 8K \
+        --samples 4 --target 256 --dtype "$DTYPE" --out "$out"
+}
+ppl_held_spans() {  # $1 model, $2 stack: ppl_held at 8K with 4 spans a book, not 1 (ppl_held's table is 2 x 256
+    # scored tokens); one folder per stack
+    held_ppl "$1" "$2" ppl-held-4k-spans wells_invisible_man.txt doyle_hound_of_the_baskervilles.txt
 }
 ppl_held_spans_fresh() {  # $1 model, $2 stack: ppl_held_spans on two other books (a fresh draw for a cell chosen
     # from ppl_held_spans' grid)
-    local out="results/models/$1/ppl-held-4k-spans-fresh-$DTYPE/$2"
-    [ -f "$out/compare-ppl.json" ] && { echo "done before: $out"; return; }
-    held_stack "$2"
-    $LCX eval compare ppl -m "$1" --stack "$METHOD" "${OPTS[@]}" -d $BOOKS/stevenson_treasure_island.txt \
-        -d $BOOKS/twain_tom_sawyer.txt --contexts 8K --samples 4 --target 256 --dtype "$DTYPE" --out "$out"
+    held_ppl "$1" "$2" ppl-held-4k-spans-fresh stevenson_treasure_island.txt twain_tom_sawyer.txt
 }
-passkey_held() {  # $1 model, $2 stack (held_stack): retrieval past the window held to 4K, in prose: 8K prompts, the
-    # needle at depths 0.1, 0.25, 0.4 (4.9K-7.4K tokens back: in memory, not the local window), 2 keys a depth
-    held_stack "$2"
-    $LCX eval passkey -m "$1" --method "$METHOD" "${OPTS[@]}" --lengths 8K --depths 0.1,0.25,0.4 --samples 2 \
-        --haystack $BOOKS --out "results/models/$1/passkey-held-4k-$DTYPE/$2" "${COMMON[@]}"
+held_passkey() {  # $1 model, $2 stack (held_stack), $3 folder, then eval passkey's draw: retrieval past the window
+    # held to 4K: 8K prompts, the needle at depths 0.1, 0.25, 0.4 (4.9K-7.4K tokens back: in memory, not the local
+    # window), 2 keys a depth
+    local model=$1 stack=$2 folder=$3; shift 3
+    held_stack "$stack"
+    $LCX eval passkey -m "$model" --method "$METHOD" "${OPTS[@]}" --lengths 8K --depths 0.1,0.25,0.4 --samples 2 \
+        "$@" --out "results/models/$model/$folder-$DTYPE/$stack" "${COMMON[@]}"
 }
-passkey_held_fresh() {  # $1 model, $2 stack: passkey_held on a fresh draw (keys of seed 1, the needle in two other
-    # books: those of ppl_held_spans_fresh) for a cell chosen from the grid
-    held_stack "$2"
-    $LCX eval passkey -m "$1" --method "$METHOD" "${OPTS[@]}" --lengths 8K --depths 0.1,0.25,0.4 --samples 2 \
-        --seed 1 --haystack $BOOKS/stevenson_treasure_island.txt --haystack $BOOKS/twain_tom_sawyer.txt \
-        --out "results/models/$1/passkey-held-4k-fresh-$DTYPE/$2" "${COMMON[@]}"
+passkey_held() {  # $1 model, $2 stack: held_passkey in prose (the 8 books)
+    held_passkey "$1" "$2" passkey-held-4k --haystack $BOOKS
+}
+passkey_held_fresh() {  # $1 model, $2 stack: passkey_held on a fresh draw (keys of seed 1, the needle in the two
+    # books of ppl_held_spans_fresh) for a cell chosen from the grid
+    held_passkey "$1" "$2" passkey-held-4k-fresh --seed 1 --haystack $BOOKS/stevenson_treasure_island.txt \
+        --haystack $BOOKS/twain_tom_sawyer.txt
 }
 beyond() {  # $1 model, $2 haystack (prose|filler): 64K, every training-free stack and YaRN x2
     local extra=(); [ "$1" = qwen2.5-0.5b ] && extra=("${QWEN_FOT[@]}")
