@@ -3,10 +3,12 @@ model's long prefill as a fraction of them, and each method's prefill and decode
 
     .venv/bin/python bench/dtype.py                      # SmolLM2-135M, 16K tokens, the five inference paths
     .venv/bin/python bench/dtype.py --tokens 4K --methods none,fot --rounds 2
+    python bench/dtype.py --device cuda --random-weights --model DIR  # a GPU: the peaks are the GPU's
 
 Per method and dtype: the prompt's prefill (every window the method feeds, up to the first new token) and the
 median decode step of the next ``--new`` tokens.  The two dtypes alternate within a round (the first one
 flips every round), so the fp32/bf16 ratios cancel the machine's drift.  Writes bench/results/dtype.json.
+On a GPU, float32 means float32 (TF32 off, torch's default for matrix products).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import torch
 import lcx
 from lcx.generation import generate
 from lcx.io import token_counts
-from lcx.models import cpu_flags, load_model
+from lcx.models import cpu_flags
+from loading import bench_model, device_name, sync
 from lcx.session import parse_options
 from provenance import environment  # bench/provenance.py (scripts here run as `python bench/NAME.py`)
 
@@ -35,23 +38,31 @@ FOT_BEFORE = ("fot.local=2048", "fot.chunk=0", "fot.sinks=0", "fot.positions=fir
 
 # ---------------------------------------------------------------------- the roofline
 def matmul_peak(dtype: torch.dtype, sizes: tuple[int, ...] = (1024, 2048, 3072, 4096),
-                seconds: float = 1.0) -> dict[str, float]:
+                seconds: float = 1.0, device: torch.device = torch.device("cpu")) -> dict[str, float]:
     """FLOP/s of n x n x n matrix products in ``dtype`` per size n (the best of at least ``seconds`` of repeats,
     after as long a warm-up: AMX units and clocks take a moment to reach speed), and their maximum, "peak"."""
     out: dict[str, float] = {}
     for n in sizes:
-        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        a, b = torch.randn(n, n).to(device, dtype), torch.randn(n, n).to(device, dtype)
         best, spent, t_end = float("inf"), 0.0, time.perf_counter() + seconds
-        while time.perf_counter() < t_end:  # warm-up
+        while time.perf_counter() < t_end:  # warm-up (synced: a GPU would queue products faster than it runs them)
             torch.mm(a, b)
+            _sync(device)
         while spent < seconds:
+            _sync(device)
             t0 = time.perf_counter()
             torch.mm(a, b)
+            _sync(device)
             dt = time.perf_counter() - t0
             best, spent = min(best, dt), spent + dt
         out[str(n)] = 2 * n ** 3 / best
     out["peak"] = max(out.values())
     return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def attention_seconds(model, tokens: int, dtype: torch.dtype) -> float:
@@ -60,14 +71,16 @@ def attention_seconds(model, tokens: int, dtype: torch.dtype) -> float:
     cfg = model.config
     heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    q, k, v = torch.randn(1, heads, tokens, d).to(dtype), torch.randn(1, kv, tokens, d).to(dtype), \
-        torch.randn(1, kv, tokens, d).to(dtype)
+    dev = model.device
+    q, k, v = (torch.randn(1, h, tokens, d).to(dev, dtype) for h in (heads, kv, kv))
     sdpa = torch.nn.functional.scaled_dot_product_attention
     sdpa(q[:, :, :512], k[:, :, :512], v[:, :, :512], is_causal=True, enable_gqa=True)
     best = float("inf")
     for _ in range(2):
+        _sync(dev)
         t0 = time.perf_counter()
         sdpa(q, k, v, is_causal=True, enable_gqa=True)
+        _sync(dev)
         best = min(best, time.perf_counter() - t0)
     return best * cfg.num_hidden_layers
 
@@ -88,12 +101,13 @@ def prefill_flops(model, tokens: int) -> tuple[float, float]:
 
 # ---------------------------------------------------------------------- one path
 class StepClock:
-    """A logits processor that only notes when each generation step reaches it."""
+    """A logits processor that only notes when each generation step's logits are ready."""
 
     def __init__(self) -> None:
         self.stamps: list[float] = []
 
     def __call__(self, input_ids, scores):
+        _sync(scores.device)
         self.stamps.append(time.perf_counter())
         return scores
 
@@ -105,6 +119,7 @@ def run_once(model, method: str, options: dict, ids: torch.Tensor, new: int) -> 
     clock = StepClock()
     methods = [] if method == "none" else [method]
     with lcx.attach(model, methods, **({method: options} if options else {})) as run:
+        sync(model)
         t0 = time.perf_counter()
         out = generate(run, ids, max_new_tokens=new, min_new_tokens=new,
                        logits_processor=LogitsProcessorList([clock]))
@@ -122,24 +137,31 @@ def main() -> None:
     ap.add_argument("-o", "--option", action="append", default=[], help="METHOD.KEY=VALUE, as lcx's -o")
     ap.add_argument("--new", type=int, default=16, help="decode steps timed after the prefill")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--device", default=None, help="where the models run: cpu (default), cuda (or LCX_DEVICE)")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="the model's architecture with random weights (from its config.json; speed only)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     tokens = token_counts(args.tokens)[0]
     options = parse_options((*FOT_BEFORE, *args.option))
 
-    sizes = {name: matmul_peak(dt) for name, dt in DTYPES.items()}
+    models = {name: bench_model(args.model, args.device, args.random_weights, name)[0] for name in DTYPES}
+    device = models["float32"].device
+    gpu = device.type == "cuda"
+    sizes = {name: matmul_peak(dt, (4096, 8192, 16384) if gpu else (1024, 2048, 3072, 4096), device=device)
+             for name, dt in DTYPES.items()}
     peaks = {name: s["peak"] for name, s in sizes.items()}
-    print(f"matrix-product peak ({torch.get_num_threads()} threads): fp32 {peaks['float32'] / 1e9:.0f} GFLOP/s, "
-          f"bf16 {peaks['bfloat16'] / 1e9:.0f} GFLOP/s", flush=True)
-    models = {name: load_model(args.model, dtype=dt)[0] for name, dt in DTYPES.items()}
-    ids = torch.randint(100, 40000, (1, tokens), generator=torch.Generator().manual_seed(0))
+    print(f"matrix-product peak ({device_name(models['float32'])}{'' if gpu else f', {torch.get_num_threads()} threads'}): "
+          f"fp32 {peaks['float32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bfloat16'] / 1e9:.0f} GFLOP/s", flush=True)
+    ids = torch.randint(100, 40000, (1, tokens), generator=torch.Generator().manual_seed(0)).to(device)
     linear_flops, attention_flops = prefill_flops(models["float32"], tokens)
     flops = linear_flops + attention_flops
     rows: dict[str, dict] = {}
     for method in args.methods.split(","):
         per: dict[str, list[dict]] = {name: [] for name in DTYPES}
         for name in DTYPES:  # untimed: what a method resolves on first use (fot's memory layers=auto) and kernel warm-up
-            run_once(models[name], method, options.get(method, {}), ids[:, :256], 2)
+            # (a GPU picks kernels per shape on first use: warm it up on the whole prompt)
+            run_once(models[name], method, options.get(method, {}), ids if gpu else ids[:, :256], 2)
         for r in range(args.rounds):
             order = list(DTYPES) if r % 2 == 0 else list(DTYPES)[::-1]
             for name in order:
@@ -167,7 +189,8 @@ def main() -> None:
         rows[method] = row
 
     result = {"benchmark": "dtype", **environment(),
-              "model": args.model, "tokens": tokens, "new_tokens": args.new, "rounds": args.rounds,
+              "model": args.model, "device": device_name(models["float32"]), "random_weights": args.random_weights,
+              "tokens": tokens, "new_tokens": args.new, "rounds": args.rounds,
               "cpu_bf16_flags": sorted({"amx_bf16", "amx_tile", "avx512_bf16"} & cpu_flags()),
               "matmul_peak_flop_per_s": peaks, "matmul_flop_per_s_by_size": sizes, "bare_prefill_flops": flops,
               "bare_prefill_flops_attention": attention_flops, "options": options, "methods": rows}

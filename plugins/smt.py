@@ -197,7 +197,7 @@ class SMT(Method):
         for _ in range(B):
             picked = sample_memory(memory, self.budget - target, self.window, self.decay_iters, self.policy, gen)
             rows.append(torch.cat([picked, torch.arange(memory, R)]))
-        pos = torch.stack(rows)
+        pos = torch.stack(rows).to(ids.device)  # the batch's device: a caller may sample after moving it
         sampled = ids.gather(1, pos)
         labels = sampled.clone()
         # The loss only on the target, and not on its first token: that one would be predicted from

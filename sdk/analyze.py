@@ -100,18 +100,18 @@ class AttentionProbe(Method):
         rep = H // key.shape[1]
         k = key.repeat_interleave(rep, dim=1).float()  # (B, H, S, D)
         scaling = kwargs.get("scaling") or D ** -0.5
-        q_pos_all = torch.arange(S - T, S)
+        q_pos_all = torch.arange(S - T, S, device=query.device)
         for s in range(0, T, self.chunk):
             q = query[:, :, s:s + self.chunk].float()  # (B, H, c, D)
             c = q.shape[2]
             scores = (q @ k.transpose(-1, -2)) * scaling  # (B, H, c, S)
             qp = q_pos_all[s:s + c]
-            causal = torch.arange(S)[None, :] <= qp[:, None]  # (c, S)
+            causal = torch.arange(S, device=query.device)[None, :] <= qp[:, None]  # (c, S)
             scores = scores.masked_fill(~causal, float("-inf"))
             if attention_mask is not None and attention_mask.dtype == torch.bool:
                 scores = scores.masked_fill(~attention_mask[:, :, s:s + c, :S], float("-inf"))
             probs = scores.softmax(-1).nan_to_num(0.0)  # (B, H, c, S)
-            self.stats.add(probs.reshape(-1, S), qp.repeat(B * H))
+            self.stats.add(probs.reshape(-1, S).cpu(), qp.repeat(B * H).cpu())  # the statistics live on the CPU
         return None
 
 
@@ -120,11 +120,12 @@ def analyze(model: Any, documents: list[tuple[str, list[int]]], length: int, chu
     from tqdm.auto import tqdm
 
     from lcx.composition import attach
+    from lcx.generation import model_device
 
     probe = AttentionProbe(max_len=length, chunk=chunk, layers=layers)
     with attach(model, [probe]), torch.no_grad():
         for name, ids in tqdm(documents, desc="attention", disable=not progress):
-            x = torch.tensor(ids[:length])[None]
+            x = torch.tensor(ids[:length], device=model_device(model))[None]
             model(x, logits_to_keep=1)
     return {"length": length, "documents": [n for n, _ in documents], "layers": layers or "all",
             **probe.stats.summary()}
@@ -179,14 +180,15 @@ class RetrievalProbe(Method):
         k = key.repeat_interleave(H // key.shape[1], dim=1).float()
         scores = (query.float() @ k.transpose(-1, -2)) * (kwargs.get("scaling") or D ** -0.5)  # (B, H, T, S)
         # a sliding-window layer's cache holds only the last S of the `total` positions
-        k_pos, q_pos = torch.arange(self.total - S, self.total), torch.arange(self.total - T, self.total)
+        k_pos = torch.arange(self.total - S, self.total, device=query.device)
+        q_pos = torch.arange(self.total - T, self.total, device=query.device)
         visible = k_pos[None, :] <= q_pos[:, None]  # (T, S)
         window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
         if window:
             visible &= q_pos[:, None] - k_pos[None, :] < window
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         seen = [t - (self.total - S) for t in self.targets if t >= self.total - S]  # targets still in the cache
-        self.mass[module.layer_idx] += probs[..., seen].sum(-1).mean(dim=(0, 2)).double()
+        self.mass[module.layer_idx] += probs[..., seen].sum(-1).mean(dim=(0, 2)).double().cpu()
         if module.layer_idx == 0:
             self.count += 1
         return None
@@ -204,6 +206,9 @@ def retrieval_layers(model: Any, tokenizer: Any, length: int, depths: list[float
 
     from lcx.composition import attach
     from lcx.evals.passkey import build_prompt_ids
+    from lcx.generation import model_device
+
+    device = model_device(model)
     cfg = getattr(model.config, "text_config", None) or model.config
     n_layers, n_heads = cfg.num_hidden_layers, cfg.num_attention_heads
     probe = RetrievalProbe(n_layers=n_layers, n_heads=n_heads)
@@ -215,10 +220,11 @@ def retrieval_layers(model: Any, tokenizer: Any, length: int, depths: list[float
             prompt = ids.tolist()
             hits = [i for i in range(len(prompt) - len(answer) + 1) if prompt[i:i + len(answer)] == answer]
             probe.targets = []
-            out = model(ids[None, :-1], use_cache=True, logits_to_keep=1)  # prefill: not measured
+            out = model(ids[None, :-1].to(device), use_cache=True, logits_to_keep=1)  # prefill: not measured
             probe.targets = sorted({i + j for i in hits for j in range(len(answer))})
             probe.total = len(prompt) - 1 + len(answer)
-            model(torch.tensor([prompt[-1:] + answer[:-1]]), past_key_values=out.past_key_values, logits_to_keep=1)
+            model(torch.tensor([prompt[-1:] + answer[:-1]], device=device), past_key_values=out.past_key_values,
+                  logits_to_keep=1)
     mass = (probe.mass / max(probe.count, 1)).float()
     best = mass.max(dim=1).values
     layers = [i for i, v in enumerate(best.tolist()) if v >= threshold]

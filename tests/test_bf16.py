@@ -6,10 +6,12 @@ End to end, the bf16-vs-float32 gap of a method's logits (the root mean square o
 log-softmaxes over the scored tokens, in nats) stays within SLACK times the bare model's own.  That gap is the
 model's bf16 noise, about one rounding per matmul, so it catches crashes and gross errors (positions, ranges,
 masks) but not one extra rounding; the float32 parts are held to their contract directly at the end of the file.
+The end-to-end tests run on ``LCX_TEST_DEVICE`` (cpu where unset; cuda on a GPU machine), the parts on the CPU.
 """
 
 from __future__ import annotations
 
+import os
 from functools import cache
 
 import pytest
@@ -29,6 +31,7 @@ from tests.conftest import tiny_model
 T, N = 300, 32  # input tokens (window 128; past 256 bf16 cannot count positions), scored tokens at its end
 TRAIN_T = 64  # training windows: (w + 1) x local of fot's crossbatch below
 SLACK = 2.0  # a method may be this much further from float32 than the bare model is
+DEVICE = torch.device(os.environ.get("LCX_TEST_DEVICE") or "cpu")
 
 #: Every built-in method, with options that make it act on a T-token input.  Each test runs over the cases
 #: whose method has the stages it tests: logits, an inference stage; losses, a loss stage.
@@ -63,14 +66,14 @@ def as_bf16(model):
     frequencies left in float32 (``model.to(torch.bfloat16)`` would round those too)."""
     bf16 = AutoModelForCausalLM.from_config(model.config, dtype=torch.bfloat16, attn_implementation="sdpa")
     bf16.load_state_dict(model.state_dict())
-    return bf16.eval()
+    return bf16.to(DEVICE).eval()
 
 
 @cache
 def models(family: str):
     """(float32, bf16) tiny models of ``family``, the same weights."""
     model = tiny_model(family)
-    return model, as_bf16(model)
+    return model.to(DEVICE), as_bf16(model)
 
 
 @cache
@@ -88,7 +91,7 @@ def gap(a: torch.Tensor, b: torch.Tensor) -> float:
 def bare_gap(family: str) -> float:
     """The bare model's own bf16-vs-float32 gap on the same N scored tokens, read as it reads them natively:
     the input's last window."""
-    window = ids()[:, -models(family)[0].config.max_position_embeddings:]
+    window = ids()[:, -models(family)[0].config.max_position_embeddings:].to(DEVICE)
     with torch.no_grad():
         fp32, bf16 = (m(window).logits[0, -N - 1:-1] for m in models(family))
     return gap(fp32, bf16)
@@ -114,11 +117,11 @@ def test_logits_in_bf16_are_as_close_to_float32_as_the_bare_models(family, metho
 def with_adapters(seed: int = 3):
     """The float32 and bf16 tiny llama with the same LoRA adapter, its B random (an untrained one, B = 0,
     would change nothing; focusllm's candidate gate opens it at candidate positions only)."""
-    fp32 = add_adapter(tiny_model("llama"), roles=("q", "k", "v", "o"), rank=4)
+    fp32 = add_adapter(tiny_model("llama").to(DEVICE), roles=("q", "k", "v", "o"), rank=4)
     g = torch.Generator().manual_seed(seed)
     for name, p in fp32.named_parameters():
         if "lora_B" in name:
-            p.data.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            p.data.copy_(torch.randn(p.shape, generator=g).to(p.device) * 0.5)
     bf16 = add_adapter(as_bf16(models("llama")[0]), roles=("q", "k", "v", "o"), rank=4)
     bf16.load_state_dict(fp32.state_dict())
     return fp32, bf16
@@ -130,7 +133,7 @@ def test_training_losses_are_float32_and_as_close_as_the_bare_models_logits(meth
     square of theirs (Cauchy-Schwarz): within SLACK times the bare model's gap."""
     losses = []
     for model in with_adapters():
-        x = ids(TRAIN_T, rows=2)
+        x = ids(TRAIN_T, rows=2).to(DEVICE)
         batch = {"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()}
         with lcx.attach(model, [method], **{method: options}) as run, torch.no_grad():
             run.seed = 0

@@ -157,9 +157,9 @@ def d_for_step(schedule: str, d: int, step: int, seed: int, accuracy: list[float
     return d, False
 
 
-def chunk_positions(batch: int, layout_: Layout) -> torch.Tensor:
+def chunk_positions(batch: int, layout_: Layout, device: torch.device | None = None) -> torch.Tensor:
     """Position ids (B, (w + 1) * L): 0..L-1 in every context."""
-    return torch.arange(layout_.local).repeat(layout_.contexts)[None].expand(batch, -1).contiguous()
+    return torch.arange(layout_.local, device=device).repeat(layout_.contexts)[None].expand(batch, -1).contiguous()
 
 
 def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:

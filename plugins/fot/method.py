@@ -395,7 +395,7 @@ class FoT(Method):
             raise LcxError(f"d={d} (documents a memory layer sees) is larger than the batch ({B} rows); "
                            f"raise --batch-size to >= {d} or lower d")
         run.state["crossbatch"] = self.crossbatch_layout(d)
-        return {**batch, "position_ids": crossbatch.chunk_positions(B, run.state["crossbatch"])}
+        return {**batch, "position_ids": crossbatch.chunk_positions(B, run.state["crossbatch"], ids.device)}
 
     @hookimpl
     def lcx_loss(self, run, model, batch):
