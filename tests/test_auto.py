@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import lcx
 from lcx import auto
@@ -185,3 +186,74 @@ def test_lcx_methods_on_a_model_shows_what_auto_comes_to_there(folder, probes, t
     assert "512" in llama["rope"]["factor"] and llama["smt"] == {}
     gemma = make_tiny_model_dir(tmp_path / "gemma", family="gemma3_text", max_position_embeddings=512)
     assert on(gemma)["fot"] == {"memory_layers": "1", "local": 512} and probes == [512]  # its full-attention layer
+
+
+# ---------------------------------------------------------------------- fot's gate=auto (calibrate.py)
+def test_the_gate_chosen_is_the_largest_that_leaves_every_answer_token_enough_open_heads():
+    from lcx.plugins.fot.calibrate import choose_gate
+
+    m = torch.full((2, 4, 3), -5.0)  # (layers, heads, answer tokens)
+    m[0, :, 0], m[1, :3, 1], m[:, :2, 2] = 3.0, 1.5, 2.5  # token 0: 4 heads at 3; token 1: 3 at 1.5; token 2: 4 at 2.5
+    gates = [-1.0, 0.0, 1.0, 2.0, 3.0]
+    assert choose_gate([m], gates, min_open=3) == 1.0  # 2 would leave token 1 with none
+    assert choose_gate([m], gates, min_open=4) is None  # token 1 never has 4 heads above -5
+    assert choose_gate([m, torch.full((2, 4, 2), 9.0)], gates, min_open=3) == 1.0  # every probe counts
+    assert choose_gate([torch.empty(0, 0, 2)], gates, min_open=1) is None  # no probe reached memory
+
+
+def test_memory_attention_records_the_margin_its_gate_thresholds():
+    from lcx.plugins.fot.attention import memory_attention
+    from lcx.plugins.fot.cache import add_to_memory
+    from lcx.plugins.fot.memory import make_store
+
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, T, S, D, M = 1, 4, 2, 5, 7, 16, 12
+    q, k, v = torch.randn(B, H, T, D, generator=g), torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    memory = {(0, h): make_store() for h in range(Hkv)}
+    mk = torch.randn(Hkv, M, D, generator=g) * 2
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, D, 2) / D)
+    add_to_memory(memory, 0, mk, torch.randn(Hkv, M, D, generator=g), torch.arange(M), inv_freq, doc_id=0)
+    mask = torch.zeros(1, 1, T, S)
+    recorded: list = []
+    run = lambda gate, margins=None: memory_attention(q, k, v, mask, memory, torch.zeros(B, T), inv_freq,  # noqa: E731
+                                                      D ** -0.5, M, False, 2, gate, None, None, margins)
+    run(None, recorded)
+    margins = torch.cat(recorded, dim=-1)  # (H, T), two blocks of 2 queries and one of 1
+    kv = torch.arange(H) // (H // Hkv)
+    stored = torch.stack([memory[(0, h)].keys for h in range(Hkv)])  # un-rotated; the queries' shift is 0
+    want = (torch.einsum("htd,hmd->htm", q[0], stored[kv]).amax(-1)
+            - torch.einsum("htd,hsd->hts", q[0], k[0, kv]).amax(-1)) * D ** -0.5
+    assert margins.shape == (H, T) and torch.allclose(margins, want, atol=1e-5)
+    # a gate just above a head's margin shuts its memory: its output is the local keys' alone
+    h, t = divmod(int(margins.argmax()), T)
+    shut, local_only = run(float(margins[h, t]) + 1e-3), run(1e9)
+    assert torch.allclose(shut[0, t, h], local_only[0, t, h]) and not torch.allclose(run(None)[0, t, h], local_only[0, t, h])
+
+
+def test_gate_auto_calibrates_on_probes_once_caches_it_and_an_explicit_gate_wins(folder, probes, capsys):
+    from lcx.plugins.fot.calibrate import GATE_PROBE
+
+    model, _ = load_model(str(folder))
+    opts = {"gate": "auto", "local": 128, "chunk": 64, "sinks": 0}
+    with lcx.attach(model, ["fot"], fot=opts) as run:
+        gate = run.method("fot").gate
+    entry = json.loads((folder / auto.AUTO_FILE).read_text())["entries"]["fot.gate"]
+    found = entry["value"]
+    assert entry["inputs"]["length"] == 256 and entry["inputs"]["fot"]["memory_layers"] == "1"  # measured with auto's layers
+    assert len(found["probes"]) == len(GATE_PROBE["depths"]) * GATE_PROBE["keys"]
+    weakest = {g: min(p["weakest_token_open_pairs"][str(g)] for p in found["probes"]) for g in GATE_PROBE["gates"]}
+    fits = [g for g in GATE_PROBE["gates"] if weakest[g] >= GATE_PROBE["min_open"]]
+    assert found["gate"] == (max(fits) if fits else None)
+    assert gate == (found["gate"] if fits else "auto")  # not calibrated: auto keeps the default's rule
+    err = capsys.readouterr().err
+    assert "fot.gate=auto: measuring it on this model" in err and "fot: gate " in err
+    with lcx.attach(model, ["fot"], fot=opts):  # cached: not measured again
+        assert "measuring" not in capsys.readouterr().err
+    with lcx.attach(model, ["fot"], fot={**opts, "gate": 1.5}) as run:
+        assert run.method("fot").gate == 1.5
+
+
+def test_gate_auto_where_nothing_is_calibrated_is_the_default_gate():
+    from lcx.plugins.fot.method import FoT
+
+    assert FoT.from_options(gate="auto").gate_logit == FoT.from_options().gate_logit  # no folder: the rule

@@ -182,7 +182,7 @@ def test_gate_on_a_model_changes_what_memory_adds_and_is_checked():
     assert not torch.allclose(shut, base)
     half = _logits(model, ids, local=32, gate="0")[0]
     assert not torch.allclose(half, base) and not torch.allclose(half, shut)
-    with pytest.raises(lcx.LcxError, match="gate must be a number .* or off, got 'some'"):
+    with pytest.raises(lcx.LcxError, match="gate must be a number .*, off or auto, got 'some'"):
         lcx.attach(model, ["fot"], gate="some")
 
 

@@ -35,10 +35,13 @@ def memory_attention(
     gate: float | None = None,
     heads: torch.Tensor | None = None,  # (H,) bool: the query heads that read memory (None: every head)
     gate_keys: torch.Tensor | None = None,  # (B|1, S) bool: the local keys the gate measures against (None: all)
+    margins: list | None = None,
 ) -> torch.Tensor:
     """(B, T, H, Dv): each query head's softmax over its local keys (under ``mask``) joined with its KV head's
     top-``k`` memory keys (``dense``: every memory key; ``gate``: see ``joint_softmax``; a head left out of
-    ``heads`` attends to its local keys only).  All KV heads of a row are computed together (the G
+    ``heads`` attends to its local keys only).  ``margins``: where given, each row's query blocks append their
+    (H, c) gate margins to it (on the CPU): a query head's best memory score minus its best local score (among
+    ``gate_keys``), the quantity ``gate`` thresholds (-inf for a head left out of ``heads``).  All KV heads of a row are computed together (the G
     query heads of KV head h are rows g * c + i of a (Hkv, G * c, D) block); the search runs per store, or once
     per row where ``memory[row]`` holds all the row's KV heads (a store with ``search_heads``, as lcx's served
     fot keeps: ``lcx.integrations.vllm.attention.HeadsStore``)."""
@@ -66,6 +69,9 @@ def memory_attention(
                 if heads is not None:
                     mem = mem.masked_fill(~heads.view(Hkv, G).repeat_interleave(c, 1)[..., None], float("-inf"))
                 ref = None if gate_keys is None else gate_keys[b if gate_keys.shape[0] > 1 else 0]
+                if margins is not None:
+                    best = (local if ref is None else local.masked_fill(~ref, float("-inf"))).amax(-1)
+                    margins.append(((mem * scaling).amax(-1) - best).view(H, c).cpu())
                 o = joint_softmax(local, vl, mem * scaling, mv, dense, gate, ref)
             out[b, s:e] = o.view(H, c, -1).transpose(0, 1).to(out.dtype)
     return out

@@ -46,6 +46,7 @@ from lcx.plugins.fot.ray_memory import NO_HOST, STARTS_HERE, split_address
 
 #: How memory_layers=auto measures the layers that retrieve (``lcx analyze retrieval``'s inputs; the length is
 #: capped at the model's window).
+GATE_RULE = -1.0  # gate=auto where it cannot be calibrated (no model folder, or no probe reached memory)
 RETRIEVAL_PROBE = {"probe": "retrieval", "length": 4096, "depths": [0.2, 0.5, 0.8], "keys": 1, "seed": 12345,
                    "threshold": 0.15}
 
@@ -95,7 +96,7 @@ class FoT(Method):
     ivf_train: int = option(32768, "faiss-ivf: entries searched exactly before the lists are trained on them")
     max_entries: int = option(0, "memory entries kept per layer and head (oldest evicted first); 0 = unbounded")
     mode: Literal["single", "multi"] = option("single", "single: memory cleared per input; multi: kept across inputs (documents)")
-    gate: float | str = option(-1.0, "memory keys a query reads: only those scoring at least its best local key's score + GATE (a logit; 0: only keys that beat every local key; negative: a margin below it); off: all its k best", before="off")
+    gate: float | str = option(-1.0, "memory keys a query reads: only those scoring at least its best local key's score + GATE (a logit; 0: only keys that beat every local key; negative: a margin below it); off: all its k best; auto: the largest gate that keeps passkey probes' answers reading memory, calibrated once on the model (fot's first use on it takes a few long forwards) and cached beside it (-1 where the model has no folder)", before="off")
     gate_sinks: bool = option(True, "whether GATE's best local key may be a sink; false: the best of the window's own keys (a sink's score says how much a head attends nowhere, not how well a key matches)")
     block: int = option(256, "queries per block in memory attention (bounds peak memory)")
     # training (crossbatch; `lcx train --method fot`, training windows of (w + 1) * local tokens)
@@ -116,8 +117,8 @@ class FoT(Method):
             raise ValueError(f"bank_k must be > 0, got {self.bank_k}")
         if self.bank < 0:
             raise ValueError(f"bank must be >= 0 (contexts of earlier steps kept as memory; 0 = none), got {self.bank}")
-        if self.gate != "off" and isinstance(self.gate, str):
-            raise ValueError(f"gate must be a number (a logit: 0, -2, ...) or off, got {self.gate!r}")
+        if self.gate not in ("off", "auto") and isinstance(self.gate, str):
+            raise ValueError(f"gate must be a number (a logit: 0, -2, ...), off or auto, got {self.gate!r}")
         if not self.gate_sinks and self.gate == "off":
             raise ValueError("gate_sinks=false says what a gate measures against, and gate is off; give a gate "
                              "(-o fot.gate=0) or drop gate_sinks")
@@ -151,6 +152,9 @@ class FoT(Method):
         parse_heads(self.memory_heads)  # validates LAYER:HEAD pairs (against the model at attach)
         self._auto_for: Path | None = None  # the model folder memory_layers=auto was measured on
         self._heads_auto_for: Path | None = None  # and memory_heads=auto
+        self._gate_auto_for: Path | None = None  # and gate=auto
+        #: layer -> [(H, c) margins] while a calibration records them (calibrate.py); None otherwise
+        self.record_margins: dict[int, list[torch.Tensor]] | None = None
         self._head_masks: dict[tuple[int, torch.device], torch.Tensor] = {}  # (layer, device) -> head_mask (cleared when the model changes)
         self._stores: dict[int, dict[tuple[int, int], MemoryStore]] | None = None  # multi-document memory
         self._shared: dict[int, dict[tuple[int, int], MemoryStore]] | None = None  # while a document is added
@@ -173,7 +177,35 @@ class FoT(Method):
     def resolve_auto(self, folder: Path, load) -> None:
         """memory_layers=auto on a model whose layers all attend fully: the layers that retrieve, by
         ``lcx analyze retrieval`` on its own passkey probes (seed 12345; no evaluation uses those keys);
-        memory_heads=auto: the heads that retrieve, by the same analysis."""
+        memory_heads=auto: the heads that retrieve, by the same analysis; gate=auto: calibrated on passkey probes
+        with those layers and heads (``calibrate.py``)."""
+        self._resolve_layers_and_heads(folder, load)
+        if self._gate_auto_for != folder and (self._gate_auto_for is not None or self.gate == "auto"):
+            self._calibrate_gate(folder, load)
+
+    def _calibrate_gate(self, folder: Path, load) -> None:
+        from lcx.plugins.fot.calibrate import GATE_PROBE, calibrate_gate
+
+        self.gate, self._gate_auto_for = "auto", None
+        config = json.loads((folder / "config.json").read_text())
+        local = self.local or families.json_window(config)
+        shaping = ("local", "chunk", "sinks", "positions", "fixed_distance", "k", "dense", "gate_sinks",
+                   "memory_layers", "memory_heads")
+        options = {**{k: v for k, v in self.to_options().items() if k in shaping}, "local": local}
+        inputs = {**GATE_PROBE, "length": 2 * local, "fot": options}
+
+        def describe(found: dict) -> str:
+            if found["gate"] is None:
+                return f"fot: gate calibration found no probe answer reading memory; gate {GATE_RULE:g} (the default)"
+            return (f"fot: gate {found['gate']:g} chosen by calibration (passkey probes keep >= "
+                    f"{GATE_PROBE['min_open']} memory heads open at each answer token)")
+
+        found = auto.measured(folder, "fot.gate", inputs,
+                              lambda: calibrate_gate(*load(), options, 2 * local, GATE_PROBE), describe)
+        if found["gate"] is not None:
+            self.gate, self._gate_auto_for = float(found["gate"]), folder
+
+    def _resolve_layers_and_heads(self, folder: Path, load) -> None:
         layers_auto = self._auto_for != folder and (self._auto_for is not None or str(self.memory_layers).strip() == "auto")
         heads_auto = self._heads_auto_for != folder and (self._heads_auto_for is not None or self.memory_heads == "auto")
         if not (layers_auto or heads_auto):
@@ -454,12 +486,15 @@ class FoT(Method):
             layer.inv_freq, kwargs.get("scaling") or query.shape[-1] ** -0.5, self.k, self.dense, self.block,
             self.gate_logit, self.head_mask(run.model.config, module.layer_idx, query.device),
             past_sinks,
+            margins=None if self.record_margins is None else self.record_margins.setdefault(module.layer_idx, []),
         )
         return out, None
 
     @property
     def gate_logit(self) -> float | None:
-        """``gate`` as memory attention takes it (None: off)."""
+        """``gate`` as memory attention takes it (None: off; auto not calibrated on this model: the default)."""
+        if self.gate == "auto":
+            return GATE_RULE
         return None if self.gate == "off" else float(self.gate)
 
     def query_shift(self, q_index: torch.Tensor, local_start: torch.Tensor) -> torch.Tensor:
