@@ -257,3 +257,18 @@ def test_gate_auto_where_nothing_is_calibrated_is_the_default_gate():
     from lcx.plugins.fot.method import FoT
 
     assert FoT.from_options(gate="auto").gate_logit == FoT.from_options().gate_logit  # no folder: the rule
+
+
+def test_a_gate_entry_edited_into_nonsense_keeps_the_default_gate(folder, probes, capsys):
+    model, _ = load_model(str(folder))
+    opts = {"gate": "auto", "local": 128, "chunk": 64, "sinks": 0}
+    with lcx.attach(model, ["fot"], fot=opts):
+        pass
+    path = folder / auto.AUTO_FILE
+    data = json.loads(path.read_text())
+    data["entries"]["fot.gate"]["value"] = "high"
+    path.write_text(json.dumps(data))
+    auto._said.clear()
+    with lcx.attach(model, ["fot"], fot=opts) as run:
+        assert run.method("fot").gate == "auto" and run.method("fot").gate_logit == -1.0
+    assert "gate calibration found no probe answer reading memory; gate -1 (the default)" in capsys.readouterr().err

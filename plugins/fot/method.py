@@ -194,16 +194,20 @@ class FoT(Method):
         options = {**{k: v for k, v in self.to_options().items() if k in shaping}, "local": local}
         inputs = {**GATE_PROBE, "length": 2 * local, "fot": options}
 
-        def describe(found: dict) -> str:
-            if found["gate"] is None:
+        def gate_of(found) -> float | None:  # an entry that is not calibrate_gate's answer (edited by hand): none
+            gate = found.get("gate") if isinstance(found, dict) else None
+            return float(gate) if isinstance(gate, (int, float)) and not isinstance(gate, bool) else None
+
+        def describe(found) -> str:
+            if gate_of(found) is None:
                 return f"fot: gate calibration found no probe answer reading memory; gate {GATE_RULE:g} (the default)"
-            return (f"fot: gate {found['gate']:g} chosen by calibration (passkey probes keep >= "
+            return (f"fot: gate {gate_of(found):g} chosen by calibration (passkey probes keep >= "
                     f"{GATE_PROBE['min_open']} memory heads open at each answer token)")
 
         found = auto.measured(folder, "fot.gate", inputs,
                               lambda: calibrate_gate(*load(), options, 2 * local, GATE_PROBE), describe)
-        if found["gate"] is not None:
-            self.gate, self._gate_auto_for = float(found["gate"]), folder
+        if gate_of(found) is not None:
+            self.gate, self._gate_auto_for = gate_of(found), folder
 
     def _resolve_layers_and_heads(self, folder: Path, load) -> None:
         layers_auto = self._auto_for != folder and (self._auto_for is not None or str(self.memory_layers).strip() == "auto")
