@@ -44,9 +44,9 @@ from lcx.plugins.fot.cache import FoTLayer, fot_cache
 from lcx.plugins.fot.ray_memory import NO_HOST, STARTS_HERE, split_address
 
 
+GATE_RULE = -1.0  # gate=auto where it cannot be calibrated (no model folder, or no probe reached memory)
 #: How memory_layers=auto measures the layers that retrieve (``lcx analyze retrieval``'s inputs; the length is
 #: capped at the model's window).
-GATE_RULE = -1.0  # gate=auto where it cannot be calibrated (no model folder, or no probe reached memory)
 RETRIEVAL_PROBE = {"probe": "retrieval", "length": 4096, "depths": [0.2, 0.5, 0.8], "keys": 1, "seed": 12345,
                    "threshold": 0.15}
 
