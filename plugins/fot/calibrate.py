@@ -6,7 +6,7 @@ truncation, and at some point shuts the heads that copy a far needle.  Calibrati
 passkey probes whose needle lies in memory (the repeated filler, keys of a fixed seed that no evaluation uses),
 teacher-forces the key, and records every (memory layer, query head) margin at the key's tokens.  The gate chosen
 is the largest candidate that leaves every key token at least ``min_open`` open (layer, head) pairs: the answer
-needs several heads, not one (results/models: on Qwen2.5, 3 open pairs lost keys that 10 kept).
+needs several heads, not one (results/models/README.md, "fot.gate=auto", has the measurements behind the rule).
 """
 
 from __future__ import annotations
