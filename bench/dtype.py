@@ -25,7 +25,7 @@ import lcx
 from lcx.generation import generate
 from lcx.io import token_counts
 from lcx.models import cpu_flags
-from loading import bench_model, device_name, sync
+from loading import bench_model, device_name, sync_device
 from lcx.session import parse_options
 from provenance import environment  # bench/provenance.py (scripts here run as `python bench/NAME.py`)
 
@@ -47,22 +47,17 @@ def matmul_peak(dtype: torch.dtype, sizes: tuple[int, ...] = (1024, 2048, 3072, 
         best, spent, t_end = float("inf"), 0.0, time.perf_counter() + seconds
         while time.perf_counter() < t_end:  # warm-up (synced: a GPU would queue products faster than it runs them)
             torch.mm(a, b)
-            _sync(device)
+            sync_device(device)
         while spent < seconds:
-            _sync(device)
+            sync_device(device)
             t0 = time.perf_counter()
             torch.mm(a, b)
-            _sync(device)
+            sync_device(device)
             dt = time.perf_counter() - t0
             best, spent = min(best, dt), spent + dt
         out[str(n)] = 2 * n ** 3 / best
     out["peak"] = max(out.values())
     return out
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def attention_seconds(model, tokens: int, dtype: torch.dtype) -> float:
@@ -77,10 +72,10 @@ def attention_seconds(model, tokens: int, dtype: torch.dtype) -> float:
     sdpa(q[:, :, :512], k[:, :, :512], v[:, :, :512], is_causal=True, enable_gqa=True)
     best = float("inf")
     for _ in range(2):
-        _sync(dev)
+        sync_device(dev)
         t0 = time.perf_counter()
         sdpa(q, k, v, is_causal=True, enable_gqa=True)
-        _sync(dev)
+        sync_device(dev)
         best = min(best, time.perf_counter() - t0)
     return best * cfg.num_hidden_layers
 
@@ -107,7 +102,7 @@ class StepClock:
         self.stamps: list[float] = []
 
     def __call__(self, input_ids, scores):
-        _sync(scores.device)
+        sync_device(scores.device)
         self.stamps.append(time.perf_counter())
         return scores
 
@@ -119,7 +114,7 @@ def run_once(model, method: str, options: dict, ids: torch.Tensor, new: int) -> 
     clock = StepClock()
     methods = [] if method == "none" else [method]
     with lcx.attach(model, methods, **({method: options} if options else {})) as run:
-        sync(model)
+        sync_device(model.device)
         t0 = time.perf_counter()
         out = generate(run, ids, max_new_tokens=new, min_new_tokens=new,
                        logits_processor=LogitsProcessorList([clock]))

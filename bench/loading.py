@@ -42,8 +42,15 @@ def device_name(model) -> str:
 
 def sync(model) -> None:
     """Wait for the model's device (CUDA kernels run asynchronously: time the work, not its launch)."""
-    if _on_cuda(model):
-        torch.cuda.synchronize()
+    from lcx.generation import model_device
+
+    sync_device(model_device(model))
+
+
+def sync_device(device: torch.device) -> None:
+    """``sync`` for a device: wait for its queued work (nothing to wait for on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def reset_gpu_peak(model) -> None:

@@ -69,10 +69,10 @@ def memory_attention(
                 if heads is not None:
                     mem = mem.masked_fill(~heads.view(Hkv, G).repeat_interleave(c, 1)[..., None], float("-inf"))
                 ref = None if gate_keys is None else gate_keys[b if gate_keys.shape[0] > 1 else 0]
+                mem = mem * scaling
                 if margins is not None:
-                    best = (local if ref is None else local.masked_fill(~ref, float("-inf"))).amax(-1)
-                    margins.append(((mem * scaling).amax(-1) - best).view(H, c).cpu())
-                o = joint_softmax(local, vl, mem * scaling, mv, dense, gate, ref)
+                    margins.append((mem.amax(-1, keepdim=True) - best_local(local, ref))[..., 0].view(H, c).cpu())
+                o = joint_softmax(local, vl, mem, mv, dense, gate, ref)
             out[b, s:e] = o.view(H, c, -1).transpose(0, 1).to(out.dtype)
     return out
 
@@ -85,12 +85,17 @@ def joint_softmax(local: torch.Tensor, local_values: torch.Tensor, mem: torch.Te
     only where its score is at least the query's best local score + gate (weak matches are left out), the best
     among the local keys ``gate_keys`` (bool, broadcast to (..., S)) marks where given."""
     if gate is not None:
-        ref = local if gate_keys is None else local.masked_fill(~gate_keys, float("-inf"))
-        mem = mem.masked_fill(mem < ref.amax(-1, keepdim=True) + gate, float("-inf"))
+        mem = mem.masked_fill(mem < best_local(local, gate_keys) + gate, float("-inf"))
     joint = torch.cat([local, mem], dim=-1).softmax(-1)
     pl, pm = joint[..., :local.shape[-1]], joint[..., local.shape[-1]:]
     mem_out = torch.matmul(pm, mem_values) if dense else (pm[..., None, :] @ mem_values)[..., 0, :]
     return torch.matmul(pl, local_values) + mem_out
+
+
+def best_local(local: torch.Tensor, gate_keys: torch.Tensor | None = None) -> torch.Tensor:
+    """Each query's best local score (..., Q, 1), among the keys ``gate_keys`` marks where given: what a gate
+    measures memory scores against."""
+    return (local if gate_keys is None else local.masked_fill(~gate_keys, float("-inf"))).amax(-1, keepdim=True)
 
 
 def row_entries(memory: dict, row: int, kv_heads: int) -> int:

@@ -41,10 +41,16 @@ def probe_margins(model: Any, tokenizer: Any, options: dict, length: int, depth:
     return torch.stack([torch.cat(blocks, dim=-1)[:, -len(answer):] for _, blocks in sorted(recorded.items())])
 
 
+def weakest_open(margins: torch.Tensor, gate: float) -> int:
+    """Of one probe's answer tokens (``margins``: (layers, heads, tokens)), the fewest (layer, head) pairs whose
+    margin reaches ``gate``; 0 where no margin was recorded."""
+    return int((margins >= gate).sum((0, 1)).min()) if margins.numel() else 0
+
+
 def choose_gate(margins: list[torch.Tensor], gates: list[float], min_open: int) -> float | None:
     """The largest of ``gates`` that leaves every answer token of every probe (``margins``: (layers, heads,
     tokens) each) at least ``min_open`` (layer, head) pairs whose margin reaches it; None where none does."""
-    fits = [g for g in gates if all(int((m >= g).sum((0, 1)).min()) >= min_open for m in margins if m.numel())]
+    fits = [g for g in gates if all(weakest_open(m, g) >= min_open for m in margins if m.numel())]
     return max(fits) if fits and any(m.numel() for m in margins) else None
 
 
@@ -62,6 +68,5 @@ def calibrate_gate(model: Any, tokenizer: Any, options: dict, length: int, probe
                            unit="probe", disable=not progress):
         m = probe_margins(model, tokenizer, options, length, depth, key)
         margins.append(m)
-        rows.append({"depth": depth, "weakest_token_open_pairs": {
-            str(g): int((m >= g).sum((0, 1)).min()) if m.numel() else 0 for g in probe["gates"]}})
+        rows.append({"depth": depth, "weakest_token_open_pairs": {str(g): weakest_open(m, g) for g in probe["gates"]}})
     return {"gate": choose_gate(margins, probe["gates"], probe["min_open"]), "length": length, "probes": rows}
