@@ -189,8 +189,7 @@ class FoT(Method):
         self.gate, self._gate_auto_for = "auto", None
         config = json.loads((folder / "config.json").read_text())
         local = self.local or families.json_window(config)
-        shaping = ("local", "chunk", "sinks", "positions", "fixed_distance", "k", "dense", "gate_sinks",
-                   "memory_layers", "memory_heads")
+        shaping = {*self.shapes_memory, "memory_layers"} - {"gate"}  # what the memory it reads depends on
         options = {**{k: v for k, v in self.to_options().items() if k in shaping}, "local": local}
         inputs = {**GATE_PROBE, "length": 2 * local, "fot": options}
 
