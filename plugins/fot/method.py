@@ -200,8 +200,9 @@ class FoT(Method):
         def describe(found) -> str:
             if gate_of(found) is None:
                 return f"fot: gate calibration found no probe answer reading memory; gate {GATE_RULE:g} (the default)"
-            return (f"fot: gate {gate_of(found):g} chosen by calibration (passkey probes keep >= "
-                    f"{GATE_PROBE['min_open']} memory heads open at each answer token)")
+            answered = f"{found['answered']} of {len(found['probes'])} " if "answered" in found else ""
+            return (f"fot: gate {gate_of(found):g} chosen by calibration (the {answered}passkey probes answered "
+                    f"from memory keep >= {GATE_PROBE['min_open']} memory heads open at each key token)")
 
         found = auto.measured(folder, "fot.gate", inputs,
                               lambda: calibrate_gate(*load(), options, 2 * local, GATE_PROBE), describe)
