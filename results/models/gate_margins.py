@@ -12,7 +12,6 @@ fot runs with its gate off (every query reads its k best memory keys); the margi
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 from pathlib import Path
@@ -23,7 +22,6 @@ import lcx
 from lcx.evals.passkey import Haystack, passkey_found, prompt_and_needle
 from lcx.generation import generate
 from lcx.models import load_model
-from lcx.plugins.fot import attention as fot_attention
 from lcx.plugins.fot.method import FoT
 
 ANSWER = 8  # new tokens a needle's answer is read from (the key and what follows it)
@@ -31,40 +29,11 @@ GATES = [-2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 6.0]
 BOOKS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "books"
 
 
-class Recorder:
-    """Patches fot's joint softmax to keep, per memory layer, each query head's margin (best memory score minus
-    best local score, the quantity fot's gate thresholds)."""
-
-    def __init__(self) -> None:
-        self.layer, self.groups = -1, 1
-        self.margins: dict[int, list[torch.Tensor]] = {}  # layer -> [(H, Q) margins]
-        self._joint, self._attention = fot_attention.joint_softmax, FoT.lcx_attention
-
-    def __enter__(self) -> "Recorder":
-        rec = self
-
-        @functools.wraps(self._attention)  # keeps the hook's marker and signature, which pluggy reads
-        def attention(method, run, module, query, key, *args, **kwargs):
-            rec.layer, rec.groups = module.layer_idx, query.shape[1] // key.shape[1]
-            return rec._attention(method, run, module, query, key, *args, **kwargs)
-
-        def joint(local, local_values, mem, mem_values, dense, gate=None, gate_keys=None):
-            ref = local if gate_keys is None else local.masked_fill(~gate_keys, float("-inf"))
-            margin = mem.amax(-1) - ref.amax(-1)  # (Hkv, G * c): row g * c + i is query i of head h * G + g
-            rec.margins.setdefault(rec.layer, []).append(margin.reshape(-1, margin.shape[-1] // rec.groups).cpu())
-            return rec._joint(local, local_values, mem, mem_values, dense, gate, gate_keys)
-
-        fot_attention.joint_softmax, FoT.lcx_attention = joint, attention
-        return self
-
-    def __exit__(self, *exc) -> None:
-        fot_attention.joint_softmax, FoT.lcx_attention = self._joint, self._attention
-
-    def take(self) -> dict[int, torch.Tensor]:
-        """layer -> (H, Q) margins recorded since the last take; cleared."""
-        out = {i: torch.cat(v, dim=-1) for i, v in self.margins.items()}
-        self.margins = {}
-        return out
+def take(fot: FoT) -> dict[int, torch.Tensor]:
+    """layer -> (H, Q) margins fot recorded since the last take (its ``record_margins`` seam); cleared."""
+    out = {i: torch.cat(v, dim=-1) for i, v in fot.record_margins.items()}
+    fot.record_margins = {}
+    return out
 
 
 def passes(margins: dict[int, torch.Tensor], gate: float) -> dict:
@@ -99,14 +68,16 @@ def main() -> None:
     result = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "fot": opts, "dtype": args.dtype,
               "haystack": args.haystack,
               "gates": GATES, "needles": [], "text": []}
-    with Recorder() as rec, lcx.attach(model, ["fot"], fot=opts) as run:
+    with lcx.attach(model, ["fot"], fot=opts) as run:
+        fot = run.method("fot")
+        fot.record_margins = {}
         for depth in map(float, args.depths.split(",")):
             for key in map(int, args.keys.split(",")):
                 ids, _ = prompt_and_needle(tok, args.length, depth, key, hay)
                 new = generate(run, ids[None], max_new_tokens=ANSWER)
                 text = tok.decode(new[0])
                 # the queries that produced the answer: the prompt's last one and the decode steps after it
-                steps = {i: v[:, -new.shape[1]:] for i, v in rec.take().items()}
+                steps = {i: v[:, -new.shape[1]:] for i, v in take(fot).items()}
                 row = {"depth": depth, "key": key, "answer": text, "found": passkey_found(key, text),
                        "best_margin_per_token": [round(float(x), 3) for x in
                                                  torch.stack(list(steps.values())).amax((0, 1))],
@@ -117,7 +88,7 @@ def main() -> None:
             ids = Haystack([path]).fill(tok, args.length)
             ids = torch.tensor([t for s in ids for t in s])[None]
             generate(run, ids, max_new_tokens=1)
-            m = rec.take()
+            m = take(fot)
             row = {"text": Path(path).name, "queries": int(next(iter(m.values())).shape[-1]),
                    "margin_quantiles": {q: round(float(torch.stack(list(m.values())).float().quantile(float(q))), 3)
                                         for q in ("0.5", "0.9", "0.99", "0.999")},
