@@ -108,15 +108,19 @@ def _write(path: Path, ident: dict[str, Any], entries: dict[str, Any]) -> None:
 
 
 def measured(folder: Path, key: str, inputs: dict[str, Any], measure: Callable[[], Any], describe: Callable[[Any], str],
-             log: Callable[[str], None] = note) -> Any:
+             log: Callable[[str], None] = note, valid: Callable[[Any], bool] = lambda value: True) -> Any:
     """The value of ``key`` (e.g. ``"fot.memory_layers"``) for the model in ``folder``: cached when an entry with
-    the same ``inputs`` exists, else ``measure()``'d and cached.  ``describe(value)`` words the one line said
-    the first time a process uses it ("fot: memory layers 6,7,8 chosen by retrieval analysis")."""
+    the same ``inputs`` and a ``valid`` value exists, else ``measure()``'d and cached.  ``describe(value)`` words
+    the one line said the first time a process uses it ("fot: memory layers 6,7,8 chosen by retrieval analysis")."""
     path = cache_file(folder)
     ident = identity(folder)
     entries = _read(path, ident, log)
     entry = entries.get(key)
-    if isinstance(entry, dict) and entry.get("inputs") == inputs and "value" in entry:
+    cached = isinstance(entry, dict) and entry.get("inputs") == inputs and "value" in entry
+    if cached and not valid(entry["value"]):
+        log(f"note: {key} in {path} holds {entry['value']!r}, not a value lcx writes; measuring it again")
+        cached = False
+    if cached:
         value, how = entry["value"], "cached in"
     else:
         log(f"{key}=auto: measuring it on this model, once (then cached in {path})")

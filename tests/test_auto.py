@@ -215,6 +215,8 @@ def test_only_the_probes_fot_answered_choose_the_gate(monkeypatch):
     assert [p["answered"] for p in found["probes"]] == [True, False, True] and found["probes"][1]["output"] == " 7"
     script = iter([(wide, [7], False)] * 3)
     assert calibrate.calibrate_gate(None, tokenizer, {}, 256, probe, progress=False)["gate"] is None  # none answered
+    script = iter([(narrow, [1], True)] + [(wide, [7], False)] * 2)  # answered, but every gate shuts its heads
+    assert calibrate.calibrate_gate(None, tokenizer, {}, 256, probe, progress=False)["gate"] == "off"
 
 
 def test_a_probes_margins_are_those_at_the_queries_that_wrote_its_answer(folder):
@@ -285,8 +287,9 @@ def test_gate_auto_calibrates_on_probes_once_caches_it_and_an_explicit_gate_wins
     assert found["answered"] == len(answered)
     fits = [g for g in GATE_PROBE["gates"]
             if answered and all(p["weakest_token_open_pairs"][str(g)] >= GATE_PROBE["min_open"] for p in answered)]
-    assert found["gate"] == (max(fits) if fits else None)
-    assert gate == (found["gate"] if fits else "auto")  # not calibrated: auto keeps the default's rule
+    want = max(fits) if fits else ("off" if answered else None)  # answered, no gate keeps its heads: off
+    assert found["gate"] == want
+    assert gate == (want if want is not None else "auto")  # none answered: auto keeps the default's rule
     err = capsys.readouterr().err
     assert "fot.gate=auto: measuring it on this model" in err and "fot: gate " in err
     with lcx.attach(model, ["fot"], fot=opts):  # cached: not measured again
@@ -301,7 +304,7 @@ def test_gate_auto_where_nothing_is_calibrated_is_the_default_gate():
     assert FoT.from_options(gate="auto").gate_logit == FoT.from_options().gate_logit  # no folder: the rule
 
 
-def test_a_gate_entry_edited_into_nonsense_keeps_the_default_gate(folder, probes, capsys):
+def test_a_gate_entry_edited_into_nonsense_is_measured_again(folder, probes, capsys):
     model, _ = load_model(str(folder))
     opts = {"gate": "auto", "local": 128, "chunk": 64, "sinks": 0}
     with lcx.attach(model, ["fot"], fot=opts):
@@ -311,6 +314,12 @@ def test_a_gate_entry_edited_into_nonsense_keeps_the_default_gate(folder, probes
     data["entries"]["fot.gate"]["value"] = "high"
     path.write_text(json.dumps(data))
     auto._said.clear()
+    capsys.readouterr()
     with lcx.attach(model, ["fot"], fot=opts) as run:
-        assert run.method("fot").gate == "auto" and run.method("fot").gate_logit == -1.0
-    assert "gate calibration found no probe answer reading memory; gate -1 (the default)" in capsys.readouterr().err
+        gate = run.method("fot").gate
+    err = capsys.readouterr().err
+    assert "fot.gate in" in err and "holds 'high', not a value lcx writes; measuring it again" in err
+    found = json.loads(path.read_text())["entries"]["fot.gate"]["value"]
+    assert isinstance(found, dict) and gate == (found["gate"] if found["gate"] is not None else "auto")
+    if found["gate"] is None:
+        assert "gate calibration: fot answered none of its passkey probes; gate -1 (the default)" in err

@@ -7,7 +7,8 @@ passkey probes whose needle lies in memory (the repeated filler, keys of a fixed
 lets it answer, and records every (memory layer, query head) margin at the queries that wrote the key.  Only the
 probes it answered count (a missed key says nothing about the heads that copy it).  The gate chosen is the largest
 candidate that leaves every key token of those probes at least ``min_open`` open (layer, head) pairs: the answer
-needs several heads, not one (results/models/README.md, "fot.gate=auto", has the measurements behind the rule).
+needs several heads, not one.  Where none does (a model with few memory heads), the gate is off, as the probes
+were answered (results/models/README.md, "fot.gate=auto", has the measurements behind the rule).
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ def choose_gate(margins: list[torch.Tensor], gates: list[float], min_open: int) 
 def calibrate_gate(model: Any, tokenizer: Any, options: dict, length: int, probe: dict = GATE_PROBE,
                    progress: bool = True) -> dict:
     """Calibrate fot's gate for ``model`` with ``options`` (its memory layers, heads and windows resolved) on
-    ``probe``'s passkeys ``length`` tokens long: the chosen gate (None: no probe was answered from memory enough
-    for any candidate) and, per probe, its answer and the open pairs of its weakest key token at each gate."""
+    ``probe``'s passkeys ``length`` tokens long: the chosen gate ("off": answered, but no candidate keeps enough
+    pairs open; None: no probe answered) and, per probe, its answer and its weakest key token's open pairs at each gate."""
     from tqdm.auto import tqdm
 
     rng = random.Random(probe["seed"])
@@ -77,4 +78,6 @@ def calibrate_gate(model: Any, tokenizer: Any, options: dict, length: int, probe
                      "answered": found,
                      "weakest_token_open_pairs": {str(g): weakest_open(m, g) for g in probe["gates"]}})
     gate = choose_gate(answered, probe["gates"], probe["min_open"]) if answered else None
+    if gate is None and answered:
+        gate = "off"  # it answered with no gate, and every gate shuts heads the answers read
     return {"gate": gate, "length": length, "answered": len(answered), "probes": rows}

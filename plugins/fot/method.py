@@ -44,7 +44,7 @@ from lcx.plugins.fot.cache import FoTLayer, fot_cache
 from lcx.plugins.fot.ray_memory import NO_HOST, STARTS_HERE, split_address
 
 
-GATE_RULE = -1.0  # gate=auto where it cannot be calibrated (no model folder, or no probe reached memory)
+GATE_RULE = -1.0  # gate=auto where it cannot be calibrated (no model folder, or no probe answered)
 #: How memory_layers=auto measures the layers that retrieve (``lcx analyze retrieval``'s inputs; the length is
 #: capped at the model's window).
 RETRIEVAL_PROBE = {"probe": "retrieval", "length": 4096, "depths": [0.2, 0.5, 0.8], "keys": 1, "seed": 12345,
@@ -96,7 +96,7 @@ class FoT(Method):
     ivf_train: int = option(32768, "faiss-ivf: entries searched exactly before the lists are trained on them")
     max_entries: int = option(0, "memory entries kept per layer and head (oldest evicted first); 0 = unbounded")
     mode: Literal["single", "multi"] = option("single", "single: memory cleared per input; multi: kept across inputs (documents)")
-    gate: float | str = option(-1.0, "memory keys a query reads: only those scoring at least its best local key's score + GATE (a logit; 0: only keys that beat every local key; negative: a margin below it); off: all its k best; auto: the largest gate that keeps passkey probes' answers reading memory, calibrated once on the model (fot's first use on it takes a few long forwards) and cached beside it (-1 where the model has no folder)", before="off")
+    gate: float | str = option(-1.0, "memory keys a query reads: only those scoring at least its best local key's score + GATE (a logit; 0: only keys that beat every local key; negative: a margin below it); off: all its k best; auto: the largest gate that keeps passkey probes' answers reading memory (off where none does), calibrated once on the model (fot's first use on it takes a few long forwards) and cached beside it (-1 where the model has no folder)", before="off")
     gate_sinks: bool = option(True, "whether GATE's best local key may be a sink; false: the best of the window's own keys (a sink's score says how much a head attends nowhere, not how well a key matches)")
     block: int = option(256, "queries per block in memory attention (bounds peak memory)")
     # training (crossbatch; `lcx train --method fot`, training windows of (w + 1) * local tokens)
@@ -193,19 +193,27 @@ class FoT(Method):
         options = {**{k: v for k, v in self.to_options().items() if k in shaping}, "local": local}
         inputs = {**GATE_PROBE, "length": 2 * local, "fot": options}
 
-        def gate_of(found) -> float | None:  # an entry that is not calibrate_gate's answer (edited by hand): none
+        def gate_of(found) -> float | str | None:  # calibrate_gate's gate; None where it chose none
             gate = found.get("gate") if isinstance(found, dict) else None
+            if gate == "off":
+                return gate
             return float(gate) if isinstance(gate, (int, float)) and not isinstance(gate, bool) else None
 
         def describe(found) -> str:
-            if gate_of(found) is None:
-                return f"fot: gate calibration found no probe answer reading memory; gate {GATE_RULE:g} (the default)"
+            gate = gate_of(found)
+            if gate is None:
+                return f"fot: gate calibration: fot answered none of its passkey probes; gate {GATE_RULE:g} (the default)"
             answered = f"{found['answered']} of {len(found['probes'])} " if "answered" in found else ""
-            return (f"fot: gate {gate_of(found):g} chosen by calibration (the {answered}passkey probes answered "
+            if gate == "off":
+                return (f"fot: gate off chosen by calibration (no gate keeps >= {GATE_PROBE['min_open']} memory heads "
+                        f"open at every key token of the {answered}passkey probes it answered with the gate off)")
+            return (f"fot: gate {gate:g} chosen by calibration (the {answered}passkey probes answered "
                     f"from memory keep >= {GATE_PROBE['min_open']} memory heads open at each key token)")
 
         found = auto.measured(folder, "fot.gate", inputs,
-                              lambda: calibrate_gate(*load(), options, 2 * local, GATE_PROBE), describe)
+                              lambda: calibrate_gate(*load(), options, 2 * local, GATE_PROBE), describe,
+                              valid=lambda found: isinstance(found, dict) and (gate_of(found) is not None
+                                                                               or found.get("gate", 0) is None))
         if gate_of(found) is not None:
             self.gate, self._gate_auto_for = gate_of(found), folder
 

@@ -63,10 +63,13 @@ held_stack() {  # $1 stack: sets METHOD and OPTS, a stack past the window held t
         fot-gate0) METHOD=fot; OPTS=(-o fot.local=4096 -o fot.gate=0) ;;  # stricter than the default's -1
         # stricter still: a memory key must beat every local key by N logits, toward streaming's floor
         fot-gate[1-9]) METHOD=fot; OPTS=(-o fot.local=4096 -o fot.gate=${1#fot-gate}) ;;  # fot-gate1 ... fot-gate9
+        fot-gate-m2) METHOD=fot; OPTS=(-o fot.local=4096 -o fot.gate=-2) ;;  # looser than the default's -1
+        fot-gate-off) METHOD=fot; OPTS=(-o fot.local=4096 -o fot.gate=off) ;;  # every query reads memory
+        none) METHOD=none; OPTS=() ;;  # the bare model reading all 8K, inside its real window: the ceiling
         # memory read only by the query heads retrieval analysis finds on a needle
         fot-heads) METHOD=fot; OPTS=(-o fot.local=4096 -o fot.memory_heads=auto) ;;
         *) echo "run.sh: unknown stack $1 (vanilla, streaming, fot, fot-k2, fot-layers07,
-           fot-gate0-past-sinks, fot-gate0, fot-gate1 ... fot-gate9, fot-heads)" >&2
+           fot-gate0-past-sinks, fot-gate0, fot-gate1 ... fot-gate9, fot-gate-m2, fot-gate-off, fot-heads, none)" >&2
            return 2 ;;
     esac
 }
