@@ -20,7 +20,8 @@ import torch
 
 #: What a calibration measures with; part of its cache entry (another value: measured again).
 GATE_PROBE = {"probe": "gate", "depths": [0.1, 0.25, 0.4], "keys": 1, "seed": 24680, "haystack": "filler",
-              "gates": [-2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0], "min_open": 10, "counts": "answered probes"}
+              "gates": [-2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0], "min_open": 10, "counts": "answered probes",
+              "none_fits": "off"}
 
 
 def probe_margins(model: Any, tokenizer: Any, options: dict, length: int, depth: float,
