@@ -93,7 +93,8 @@ held_passkey() {  # $1 model, $2 stack (held_stack), $3 folder, then eval passke
     # window), 2 keys a depth
     local model=$1 stack=$2 folder=$3; shift 3
     held_stack "$stack"
-    $LCX eval passkey -m "$model" --method "$METHOD" "${OPTS[@]}" --lengths 8K --depths 0.1,0.25,0.4 --samples 2 \
+    local method=(--method "$METHOD"); [ "$METHOD" = none ] && method=()  # the bare model: no method
+    $LCX eval passkey -m "$model" "${method[@]}" "${OPTS[@]}" --lengths 8K --depths 0.1,0.25,0.4 --samples 2 \
         "$@" --out "results/models/$model/$folder-$DTYPE/$stack" "${COMMON[@]}"
 }
 passkey_held() {  # $1 model, $2 stack: held_passkey in prose (the 8 books)
