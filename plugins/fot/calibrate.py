@@ -44,7 +44,8 @@ def probe_margins(model: Any, tokenizer: Any, options: dict, length: int, depth:
             recorded, fot.record_margins = fot.record_margins, None
     if not recorded:
         return torch.empty(0, 0, len(new)), new, new == answer
-    return torch.stack([torch.cat(blocks, dim=-1)[:, -len(new):] for _, blocks in sorted(recorded.items())]), new, new == answer
+    margins = torch.stack([torch.cat(blocks, dim=-1)[:, -len(new):] for _, blocks in sorted(recorded.items())])
+    return margins, new, new == answer
 
 
 def weakest_open(margins: torch.Tensor, gate: float) -> int:
@@ -64,7 +65,8 @@ def calibrate_gate(model: Any, tokenizer: Any, options: dict, length: int, probe
                    progress: bool = True) -> dict:
     """Calibrate fot's gate for ``model`` with ``options`` (its memory layers, heads and windows resolved) on
     ``probe``'s passkeys ``length`` tokens long: the chosen gate ("off": answered, but no candidate keeps enough
-    pairs open; None: no probe answered) and, per probe, its answer and its weakest key token's open pairs at each gate."""
+    pairs open; None: no probe answered) and, per probe, its answer and its weakest key token's open pairs at
+    each gate."""
     from tqdm.auto import tqdm
 
     rng = random.Random(probe["seed"])
