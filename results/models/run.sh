@@ -25,6 +25,10 @@ gemma_fot64() {  # the first figure past the window: fot training-free at 64K (2
     $LCX eval passkey -m gemma3-270m --method fot -o local=4096 -o chunk=1024 --lengths 64K --samples 1 \
         "${FOT_BEFORE[@]}" --haystack $BOOKS --out results/models/gemma3-270m/fot-64k-prose "${COMMON[@]}"
 }
+gemma_fot64_gate() {  # $1 gate (-1: today's default; auto; off): gemma_fot64 at fot's defaults since issue 52
+    $LCX eval passkey -m gemma3-270m --method fot -o local=4096 -o chunk=1024 -o fot.gate="$1" --lengths 64K \
+        --samples 1 --haystack $BOOKS --out "results/models/gemma3-270m/fot-64k-prose-gate$1" "${COMMON[@]}"
+}
 inside() {  # $1 model, $2 length: each method at a 4K window against the bare model's full attention, prose
     local extra=(); [ "$1" = qwen2.5-0.5b ] && extra=("${QWEN_FOT[@]}")
     $LCX eval compare passkey -m "$1" --stack none --stack fot --stack streaming --stack focusllm --stack vanilla \
