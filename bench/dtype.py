@@ -25,7 +25,7 @@ import lcx
 from lcx.generation import generate
 from lcx.io import token_counts
 from lcx.models import cpu_flags
-from loading import bench_model, device_name, sync_device
+from loading import bench_model, device_name, sync, sync_device
 from lcx.session import parse_options
 from provenance import environment  # bench/provenance.py (scripts here run as `python bench/NAME.py`)
 
@@ -114,7 +114,7 @@ def run_once(model, method: str, options: dict, ids: torch.Tensor, new: int) -> 
     clock = StepClock()
     methods = [] if method == "none" else [method]
     with lcx.attach(model, methods, **({method: options} if options else {})) as run:
-        sync_device(model.device)
+        sync(model)
         t0 = time.perf_counter()
         out = generate(run, ids, max_new_tokens=new, min_new_tokens=new,
                        logits_processor=LogitsProcessorList([clock]))
