@@ -95,10 +95,10 @@ def test_auto_heads_outside_every_memory_layer_leave_every_head_reading(folder, 
         assert (note in err) if note else ("have no retrieving head" not in err)
 
 
-def test_an_explicit_option_wins_and_nothing_is_measured(folder, probes):
+def test_explicit_options_win_and_nothing_is_measured(folder, probes):
     model, _ = load_model(str(folder))
-    with lcx.attach(model, ["fot"], fot={"memory_layers": "0"}) as run:
-        assert run.method("fot").layer_indices(run) == [0]
+    with lcx.attach(model, ["fot"], fot={"memory_layers": "0", "gate": 0.5}) as run:
+        assert run.method("fot").layer_indices(run) == [0] and run.method("fot").gate_logit == 0.5
     assert probes == [] and not (folder / auto.AUTO_FILE).exists()
 
 
@@ -181,12 +181,14 @@ def test_lcx_methods_on_a_model_shows_what_auto_comes_to_there(folder, probes, t
         return {m["name"]: m["on_model"] for m in json.loads(r.stdout)["methods"]}
 
     llama = on(folder)
-    assert llama["fot"] == {"memory_layers": "1", "local": 512} and probes == [512]  # measured, then cached beside it
+    gate = json.loads((folder / auto.AUTO_FILE).read_text())["entries"]["fot.gate"]["value"]["gate"]  # calibrated
+    assert llama["fot"] == {"memory_layers": "1", "gate": -1.0 if gate is None else gate, "local": 512}
+    assert probes == [512]  # measured, then cached beside it
     assert llama["vanilla"] == {"window": 512}
     assert "streaming.chunk=" in llama["streaming"]["error"]  # its default chunk (512) fills this window: said, listed
     assert "512" in llama["rope"]["factor"] and llama["smt"] == {}
     gemma = make_tiny_model_dir(tmp_path / "gemma", family="gemma3_text", max_position_embeddings=512)
-    assert on(gemma)["fot"] == {"memory_layers": "1", "local": 512} and probes == [512]  # its full-attention layer
+    assert on(gemma)["fot"]["memory_layers"] == "1" and probes == [512]  # its full-attention layer
 
 
 # ---------------------------------------------------------------------- fot's gate=auto (calibrate.py)
@@ -274,6 +276,7 @@ def test_memory_attention_records_the_margin_its_gate_thresholds():
 
 def test_gate_auto_calibrates_on_probes_once_caches_it_and_an_explicit_gate_wins(folder, probes, capsys):
     from lcx.plugins.fot.calibrate import GATE_PROBE
+    from lcx.plugins.fot.method import GATE_RULE
 
     model, _ = load_model(str(folder))
     opts = {"gate": "auto", "local": 128, "chunk": 64, "sinks": 0}
@@ -289,7 +292,7 @@ def test_gate_auto_calibrates_on_probes_once_caches_it_and_an_explicit_gate_wins
             if answered and all(p["weakest_token_open_pairs"][str(g)] >= GATE_PROBE["min_open"] for p in answered)]
     want = max(fits) if fits else ("off" if answered else None)  # answered, no gate keeps its heads: off
     assert found["gate"] == want
-    assert gate == (want if want is not None else "auto")  # none answered: auto keeps the default's rule
+    assert gate == (want if want is not None else GATE_RULE)  # none answered: auto's fallback
     err = capsys.readouterr().err
     assert "fot.gate=auto: measuring it on this model" in err and "fot: gate " in err
     with lcx.attach(model, ["fot"], fot=opts):  # cached: not measured again
@@ -298,10 +301,10 @@ def test_gate_auto_calibrates_on_probes_once_caches_it_and_an_explicit_gate_wins
         assert run.method("fot").gate == 1.5
 
 
-def test_gate_auto_where_nothing_is_calibrated_is_the_default_gate():
-    from lcx.plugins.fot.method import FoT
+def test_gate_auto_is_the_default_and_where_nothing_is_calibrated_reads_by_the_fallback_gate():
+    from lcx.plugins.fot.method import GATE_RULE, FoT
 
-    assert FoT.from_options(gate="auto").gate_logit == FoT.from_options().gate_logit  # no folder: the rule
+    assert FoT.from_options().gate == "auto" and FoT.from_options().gate_logit == GATE_RULE == -1.0  # no folder
 
 
 def test_a_gate_entry_edited_into_nonsense_is_measured_again(folder, probes, capsys):
@@ -320,6 +323,6 @@ def test_a_gate_entry_edited_into_nonsense_is_measured_again(folder, probes, cap
     err = capsys.readouterr().err
     assert "fot.gate in" in err and "holds 'high', not a value lcx writes; measuring it again" in err
     found = json.loads(path.read_text())["entries"]["fot.gate"]["value"]
-    assert isinstance(found, dict) and gate == (found["gate"] if found["gate"] is not None else "auto")
+    assert isinstance(found, dict) and gate == (found["gate"] if found["gate"] is not None else -1.0)
     if found["gate"] is None:
-        assert "gate calibration: fot answered none of its passkey probes; gate -1 (the default)" in err
+        assert "gate calibration: fot answered none of its passkey probes; gate -1 (auto's fallback)" in err

@@ -373,9 +373,9 @@ def test_the_analyses_read_jsonl_documents_by_text_field(tiny_dir, tmp_path):
     assert_error(lcx(*args, "--out", str(tmp_path / "a0")), "has no 'text' field", "--text-field NAME")
     r = lcx(*args, "--text-field", "body", "--out", str(tmp_path / "a1"))
     assert r.exit_code == 0, r.output
-    # memory layers given: the error is then the only output (at auto, fot first measures them on the model)
+    # memory layers and gate given: the error is then the only output (at auto, fot first measures them on the model)
     assert_error(lcx("analyze", "distraction", "-m", str(tiny_dir), "-d", str(jl), "--text-field", "nope",
-                     "-o", "memory_layers=1", "--out", str(tmp_path / "d")), "has no 'nope' field")
+                     "-o", "memory_layers=1", "-o", "gate=-1", "--out", str(tmp_path / "d")), "has no 'nope' field")
 
 
 def test_models_init_overwrite_replaces_the_folder_and_takes_nested_settings(tiny_dir, tmp_path):

@@ -201,7 +201,7 @@ def test_analyze_distraction_cli(tmp_path):
             "--ds", "1,2,3", "--batches", "2", "--out", str(tmp_path / "dis"), "--json"]
     r = CliRunner().invoke(main, [*args, "--label", "a"])
     assert r.exit_code == 0, r.output
-    share = json.loads(r.output)["positive_share"]
+    share = json.loads(r.stdout)["positive_share"]
     assert share["1"] == pytest.approx(1.0) and 0 < share["3"] < share["2"] < 1  # random model: about 1/d
     r = CliRunner().invoke(main, [*args, "--label", "b"])
     res = json.loads((tmp_path / "dis" / "distraction.json").read_text())

@@ -475,16 +475,18 @@ def test_local_0_is_the_models_window_so_memory_holds_only_what_truncation_drops
     with pytest.raises(lcx.LcxError, match=r"sinks must be in 0..local - 1 \(127\), got 200"):
         lcx.attach(model, ["fot"], local=0, sinks=200)
     config = {"model_type": "llama", "num_hidden_layers": 4, "max_position_embeddings": 128}
-    assert FoT.from_options(local=0, memory_layers="1").resolved(config) == {"memory_layers": "1", "local": 128}
+    assert FoT.from_options(local=0, memory_layers="1").resolved(config) == {"memory_layers": "1", "gate": -1.0,
+                                                                           "local": 128}  # no folder: auto's fallback
 
 
 def test_records_written_before_the_defaults_changed_keep_fots_own_settings():
-    """fot's defaults became results/fot/ppl-safe's (the whole window local, sinks, memory keys at 4096, gate
-    -1): an adapter sidecar or journal that lacks those options ran FoT's own, and is read so, not at today's."""
+    """fot's defaults became results/fot/ppl-safe's (the whole window local, sinks, memory keys at 4096, a gate:
+    -1, then auto): an adapter sidecar or journal that lacks those options ran FoT's own, and is read so, not at
+    today's."""
     from lcx.session import trained_methods
 
     changed = ("local", "chunk", "sinks", "positions", "fixed_distance", "gate")
-    assert [FoT.default_options()[k] for k in changed] == [0, 256, 4, "fixed", 4096, -1.0]
+    assert [FoT.default_options()[k] for k in changed] == [0, 256, 4, "fixed", 4096, "auto"]
     assert [FoT.unrecorded_options()[k] for k in changed] == [2048, 0, 0, "first", 0, "off"]
     old = {"methods": [{"name": "fot", "options": {"local": 256, "chunk": 0, "positions": "first", "k": 32}}]}
     assert trained_methods(old)["fot"] == {"local": 256, "chunk": 0, "positions": "first", "k": 32,

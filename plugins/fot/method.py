@@ -7,9 +7,10 @@ layers move the tokens that leave it into a kNN memory (the memory stage), and
 attend to their local keys plus the top-``k`` memory keys per query and head
 under one softmax (the attention stage).  The defaults keep the model's whole
 window local (memory adds only what truncation drops), the prompt's first tokens
-beside it, and read the memory keys near the best local key's score, placed at a
-fixed distance; FoT's own settings are ``-o fot.local=2048 -o fot.chunk=0
--o fot.sinks=0 -o fot.positions=first -o fot.gate=off``.  Training-free, a memory only helps in
+beside it, memory keys placed at a fixed distance, and read only where they score
+near the best local key (a gate calibrated on the model's first use); FoT's own
+settings are ``-o fot.local=2048 -o fot.chunk=0 -o fot.sinks=0 -o fot.positions=first
+-o fot.gate=off``.  Training-free, a memory only helps in
 the layers that copy from far context: ``lcx analyze retrieval`` finds them.  Generation continues with
 ``model.generate()``; new tokens join memory as the local window slides.
 
@@ -96,7 +97,7 @@ class FoT(Method):
     ivf_train: int = option(32768, "faiss-ivf: entries searched exactly before the lists are trained on them")
     max_entries: int = option(0, "memory entries kept per layer and head (oldest evicted first); 0 = unbounded")
     mode: Literal["single", "multi"] = option("single", "single: memory cleared per input; multi: kept across inputs (documents)")
-    gate: float | str = option(-1.0, "memory keys a query reads: only those scoring at least its best local key's score + GATE (a logit; 0: only keys that beat every local key; negative: a margin below it); off: all its k best; auto: the largest gate that keeps passkey probes' answers reading memory (off where none does), calibrated once on the model (fot's first use on it takes a few long forwards) and cached beside it (-1 where the model has no folder)", before="off")
+    gate: float | str = option("auto", "memory keys a query reads: only those scoring at least its best local key's score + GATE (a logit; 0: only keys that beat every local key; negative: a margin below it); off: all its k best; auto: the largest gate that keeps passkey probes' answers reading memory (off where none does), calibrated once per model and options (fot's first use takes three passkey forwards twice its local window long) and cached beside the model (-1 where the model has no folder or fot answers no probe)", before="off")
     gate_sinks: bool = option(True, "whether GATE's best local key may be a sink; false: the best of the window's own keys (a sink's score says how much a head attends nowhere, not how well a key matches)")
     block: int = option(256, "queries per block in memory attention (bounds peak memory)")
     # training (crossbatch; `lcx train --method fot`, training windows of (w + 1) * local tokens)
@@ -202,7 +203,7 @@ class FoT(Method):
         def describe(found) -> str:
             gate = gate_of(found)
             if gate is None:
-                return f"fot: gate calibration: fot answered none of its passkey probes; gate {GATE_RULE:g} (the default)"
+                return f"fot: gate calibration: fot answered none of its passkey probes; gate {GATE_RULE:g} (auto's fallback)"
             answered = f"{found['answered']} of {len(found['probes'])} " if "answered" in found else ""
             if gate == "off":
                 return (f"fot: gate off chosen by calibration (no gate keeps >= {GATE_PROBE['min_open']} memory heads "
@@ -214,8 +215,7 @@ class FoT(Method):
                               lambda: calibrate_gate(*load(), options, 2 * local, GATE_PROBE), describe,
                               valid=lambda found: isinstance(found, dict) and (gate_of(found) is not None
                                                                                or found.get("gate", 0) is None))
-        if gate_of(found) is not None:
-            self.gate, self._gate_auto_for = gate_of(found), folder
+        self.gate, self._gate_auto_for = (GATE_RULE if gate_of(found) is None else gate_of(found)), folder
 
     def _resolve_layers_and_heads(self, folder: Path, load) -> None:
         layers_auto = self._auto_for != folder and (self._auto_for is not None or str(self.memory_layers).strip() == "auto")
@@ -277,6 +277,7 @@ class FoT(Method):
         if self.memory_heads != "all":
             heads = self.heads_of(layers, int(text["num_attention_heads"]))
             out["memory_heads"] = "all" if heads is None else ",".join(f"{i}:{h}" for i in layers for h in heads[i])
+        out["gate"] = "off" if self.gate_logit is None else self.gate_logit  # auto: calibrated, or its fallback
         return {**out, "local": families.json_window(config)} if self._local_is_window else out
 
     def reach(self, run, tokens: int, new: int, span: tuple[int, int]) -> tuple[bool, str]:

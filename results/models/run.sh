@@ -25,7 +25,7 @@ gemma_fot64() {  # the first figure past the window: fot training-free at 64K (2
     $LCX eval passkey -m gemma3-270m --method fot -o local=4096 -o chunk=1024 --lengths 64K --samples 1 \
         "${FOT_BEFORE[@]}" --haystack $BOOKS --out results/models/gemma3-270m/fot-64k-prose "${COMMON[@]}"
 }
-gemma_fot64_gate() {  # $1 gate (-1: today's default; auto; off): gemma_fot64 at fot's defaults since issue 52
+gemma_fot64_gate() {  # $1 gate (-1: the default before auto; auto: today's; off): gemma_fot64 at fot's defaults since issue 52
     $LCX eval passkey -m gemma3-270m --method fot -o local=4096 -o chunk=1024 -o fot.gate="$1" --lengths 64K \
         --samples 1 --haystack $BOOKS --out "results/models/gemma3-270m/fot-64k-prose-gate$1" "${COMMON[@]}"
 }
@@ -43,8 +43,9 @@ ppl() {  # $1 model: perplexity at 16K and 32K, two books, same stacks
 }
 ppl_held() {  # $1 model: perplexity past a window held to 4K (2x it: 8K), fot at its defaults against truncation to
     # the same 4K and the bare model reading all 8K (inside its real 32K window: the ceiling), the books of ppl()
+    # (fot's default gate then, -1, pinned: gate=auto became the default since; held_stack fot-auto runs it)
     $LCX eval compare ppl -m "$1" --stack none --stack vanilla --stack fot -o vanilla.window=4096 -o fot.local=4096 \
-        -d $BOOKS/wells_invisible_man.txt -d $BOOKS/doyle_hound_of_the_baskervilles.txt --contexts 4K,8K --target 256 \
+        -o fot.gate=-1 -d $BOOKS/wells_invisible_man.txt -d $BOOKS/doyle_hound_of_the_baskervilles.txt --contexts 4K,8K --target 256 \
         --dtype "$DTYPE" --out "results/models/$1/ppl-held-4k-$DTYPE"
 }
 ppl_held_k2() {  # $1 model: ppl_held's fot with each query reading its 2 best memory keys and no gate (the
@@ -58,7 +59,8 @@ held_stack() {  # $1 stack: sets METHOD and OPTS, a stack past the window held t
     case $1 in
         vanilla) OPTS=(-o vanilla.window=4096) ;;
         streaming) OPTS=(-o streaming.window=4096) ;;  # the 4 sinks and 4K recent tokens: fot with no memory
-        fot) OPTS=(-o fot.local=4096) ;;
+        fot) OPTS=(-o fot.local=4096 -o fot.gate=-1) ;;  # the default gate before auto: its folders were measured so
+        fot-auto) METHOD=fot; OPTS=(-o fot.local=4096) ;;  # fot's defaults since gate=auto: calibrated on the model
         fot-k2) METHOD=fot; OPTS=(-o fot.local=4096 -o fot.k=2 -o fot.gate=off) ;;
         # Qwen2.5's cost candidates: memory only in the layers whose best head puts >= 0.7 on the key (8 of auto's
         # 18, retrieval/retrieval.json), and gate 0 measured past the sinks (results/fot/ppl-safe's cheapest cell)
@@ -72,7 +74,7 @@ held_stack() {  # $1 stack: sets METHOD and OPTS, a stack past the window held t
         none) METHOD=none; OPTS=() ;;  # the bare model reading all 8K, inside its real window: the ceiling
         # memory read only by the query heads retrieval analysis finds on a needle
         fot-heads) METHOD=fot; OPTS=(-o fot.local=4096 -o fot.memory_heads=auto) ;;
-        *) echo "run.sh: unknown stack $1 (vanilla, streaming, fot, fot-k2, fot-layers07,
+        *) echo "run.sh: unknown stack $1 (vanilla, streaming, fot, fot-auto, fot-k2, fot-layers07,
            fot-gate0-past-sinks, fot-gate0, fot-gate1 ... fot-gate9, fot-gate-m2, fot-gate-off, fot-heads, none)" >&2
            return 2 ;;
     esac

@@ -2,6 +2,8 @@
 # Issue 52, build 2: fot configurations whose perplexity on ordinary text is not worse than truncation to the
 # window, measured side by side with truncation (vanilla), SmolLM2-135M, two books (as results/fot/run.sh ppl).
 #   bash results/fot/ppl-safe/run.sh [STEP...]     # steps: local8k gate sinks8k sinks sinks_fixed sinks_fixed_gate passkey passkey_far passkey_far_fixed passkey_far_fixed_gate heads_fixed passkey_far_heads fixed4096 passkey_far_fixed4096 fixed4096_gate passkey_far_fixed4096_gate fixed4096_gate_m2 passkey_far_fixed4096_gate_m2 fixed4096_gate_m1 passkey_far_fixed4096_gate_m1 confirm_books confirm_seed confirm_32k gate_past_sinks passkey_mid_gate_past_sinks passkey_mid_gate_off passkey_edge_local7k bare_window_edge bare_window_depths gate_m2_past_sinks passkey_mid_gate_m2_past_sinks k4_gate_off passkey_mid_k4_gate_off k_sweep passkey_mid_k_small confirm_k2_books confirm_k2_seed spans
+# A step's options not given here ran at fot's defaults of its day, which each JSON records (since then: positions
+# fixed at 4096, then gate -1, then gate=auto); give those as -o to rerun a cell as it was made.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 LCX=${LCX:-.venv/bin/lcx}  # LCX=echo prints the commands
