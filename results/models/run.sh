@@ -29,6 +29,10 @@ gemma_fot64_gate() {  # $1 gate (-1: the default before auto; auto: today's; off
     $LCX eval passkey -m gemma3-270m --method fot -o local=4096 -o chunk=1024 -o fot.gate="$1" --lengths 64K \
         --samples 1 --haystack $BOOKS --out "results/models/gemma3-270m/fot-64k-prose-gate$1" "${COMMON[@]}"
 }
+qwen_fot64() {  # Qwen2.5's 64K prose passkey at fot's defaults (gate auto: 1 at local 4K), gemma_fot64_gate's draw
+    $LCX eval passkey -m qwen2.5-0.5b --method fot -o local=4096 -o chunk=1024 --lengths 64K --samples 1 \
+        --haystack $BOOKS --out "results/models/qwen2.5-0.5b/fot-64k-prose-gateauto" "${COMMON[@]}"
+}
 inside() {  # $1 model, $2 length: each method at a 4K window against the bare model's full attention, prose
     local extra=(); [ "$1" = qwen2.5-0.5b ] && extra=("${QWEN_FOT[@]}")
     $LCX eval compare passkey -m "$1" --stack none --stack fot --stack streaming --stack focusllm --stack vanilla \
