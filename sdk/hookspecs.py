@@ -51,8 +51,9 @@ asked:
                   memory_built_note                       with otherwise (said in a note)
     training      lora_roles, lora_gated, data_order,     what ``lcx train`` adapts, how its data is ordered,
                   fixed_by_training, inference_only,      the options a trained adapter fixes and those it
-                  grads_through_cache, check_training     does not carry, whether FSDP2 keeps blocks gathered
-                                                          through backward, options training refuses
+                  grads_through_cache, check_training,    does not carry, whether FSDP2 keeps blocks gathered
+                  begin_training                          through backward, options training refuses, and
+                                                          that it trains (its inference-only autos unmeasured)
     serving       serving, not_served_because,            how vLLM serves it (``lcx serve``, ``lcx export``):
                   check_serving, vllm_config,             as the plain model, a rewritten config, rewritten
                   serve_prompt, serve_state,              prompts, per-request state computed by lcx's

@@ -139,6 +139,10 @@ class Method:
         what would otherwise follow each request's length (rope's factor=auto), before the model loads the
         method and before its options are written beside an export or adapter.  Nothing by default."""
 
+    def begin_training(self) -> None:
+        """``lcx train`` is about to attach this instance to train it (after :meth:`fix_length`, before
+        :meth:`resolve_auto`): leave unmeasured the ``auto`` options only inference reads.  Nothing by default."""
+
     def check_training(self) -> None:
         """Refuse (``LcxError`` naming the option and the fix) options ``lcx train`` cannot train with; called
         before the model loads."""

@@ -263,6 +263,7 @@ class Trainer:
         methods = resolve_methods(cfg.methods, cfg.options)
         for m in methods:  # an adapter learns one length: what follows a request's length is fixed by --seq-len
             m.fix_length(families.context_window(self.model), cfg.seq_len)
+            m.begin_training()
         self.run = attach(self.model, methods)
         self.run.seed = cfg.seed
         self.run.rank = self.rank  # per-process randomness in sampling stages (DDP)

@@ -314,6 +314,30 @@ def test_fot_crossbatch_trains_and_resumes_with_its_d_schedule(model_dir, corpus
         open_session(str(model_dir), ["fot"], {"positions": "first"}, adapter=full)
 
 
+def test_fot_training_leaves_its_gate_to_be_calibrated_where_the_adapter_is_used(corpus, tmp_path):
+    """Crossbatch attention reads no gate: training measures none (nor caches one beside the model); using the
+    adapter does."""
+    from lcx import auto
+    from lcx.session import open_session
+
+    folder = make_tiny_model_dir(tmp_path / "llama")
+    opts = {"fot": {"local": 16, "memory_layers": "1"}}
+    out = train(_cfg(folder, corpus, tmp_path / "run", methods=["fot"], options=opts, seq_len=32, steps=1),
+                progress=False)
+
+    def entries() -> dict:
+        path = folder / auto.AUTO_FILE
+        return json.loads(path.read_text())["entries"] if path.exists() else {}
+
+    assert "fot.gate" not in entries()
+    assert json.loads((out / "lcx.json").read_text())["methods"][0]["options"]["gate"] == "auto"
+    s = open_session(str(folder), adapter=out)
+    try:
+        assert s.run.method("fot").gate != "auto" and entries()["fot.gate"]["inputs"]["length"] == 32
+    finally:
+        s.close()
+
+
 def test_from_scratch_full_training_on_the_dictionary_task(tmp_path):
     """`lcx models init` + `lcx train --full all -d task:dictionary --method fot`: every weight trains,
     the result is a model folder `lcx eval dictionary` loads, and resuming is exact."""

@@ -154,6 +154,7 @@ class FoT(Method):
         self._auto_for: Path | None = None  # the model folder memory_layers=auto was measured on
         self._heads_auto_for: Path | None = None  # and memory_heads=auto
         self._gate_auto_for: Path | None = None  # and gate=auto
+        self._trains = False  # lcx train attaches it: crossbatch attention reads no gate
         #: layer -> [(H, c) margins] while a calibration records them (calibrate.py); None otherwise
         self.record_margins: dict[int, list[torch.Tensor]] | None = None
         self._head_masks: dict[tuple[int, torch.device], torch.Tensor] = {}  # (layer, device) -> head_mask (cleared when the model changes)
@@ -172,6 +173,9 @@ class FoT(Method):
             self.local = window
             self._check_windows(LcxError)
 
+    def begin_training(self) -> None:
+        self._trains = True
+
     def layer_indices(self, run) -> list[int]:
         return self.layers_of(families.num_layers(run.model, run.family), getattr(run.model.config, "layer_types", None))
 
@@ -181,6 +185,8 @@ class FoT(Method):
         memory_heads=auto: the heads that retrieve, by the same analysis; gate=auto: calibrated on passkey probes
         with those layers and heads (``calibrate.py``)."""
         self._resolve_layers_and_heads(folder, load)
+        if self._trains:  # gate=auto is kept as given: the adapter's use calibrates it
+            return
         if self._gate_auto_for != folder and (self._gate_auto_for is not None or self.gate == "auto"):
             self._calibrate_gate(folder, load)
 
