@@ -3,8 +3,9 @@
 A method whose best option depends on the model (fot's memory layers: the layers that copy from far context)
 resolves ``auto`` by measuring it (:meth:`lcx.method.Method.resolve_auto`), and ``measured`` caches the answer
 in ``lcx-auto.json`` in the model's folder (or under ``$LCX_HOME/auto`` when that folder is read-only).  An
-entry is trusted only for the same model files, the same lcx version and the same measurement inputs; a damaged
-file or one from another model or version is measured again, with a note saying why.
+entry is trusted only for the same model files, the same lcx version and the same measurement inputs (each option
+keeps its latest ``KEPT`` sets of inputs); a damaged file or one from another model or version is measured again,
+with a note saying why.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Any, Callable
 
 AUTO_FILE = "lcx-auto.json"
 FORMAT = 1
+#: Measurements of one key kept per model, for as many sets of inputs (one model run at several local windows).
+KEPT = 8
 #: Files whose bytes (small ones) or names and sizes (weights) identify a model for the cache.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
@@ -107,6 +110,15 @@ def _write(path: Path, ident: dict[str, Any], entries: dict[str, Any]) -> None:
     write_json({"format": FORMAT, "lcx": _version(), "model": ident, "entries": entries}, path)
 
 
+def _kept(entry: Any) -> list[dict[str, Any]]:
+    """A key's cached measurements, latest first: the entry itself, then those of other inputs it keeps."""
+    out = []
+    for e in [entry, *((entry.get("earlier") or []) if isinstance(entry, dict) else [])]:
+        if isinstance(e, dict) and "inputs" in e and "value" in e:
+            out.append({"inputs": e["inputs"], "value": e["value"]})
+    return out
+
+
 def measured(folder: Path, key: str, inputs: dict[str, Any], measure: Callable[[], Any], describe: Callable[[Any], str],
              log: Callable[[str], None] = note, valid: Callable[[Any], bool] = lambda value: True) -> Any:
     """The value of ``key`` (e.g. ``"fot.memory_layers"``) for the model in ``folder``: cached when an entry with
@@ -115,17 +127,18 @@ def measured(folder: Path, key: str, inputs: dict[str, Any], measure: Callable[[
     path = cache_file(folder)
     ident = identity(folder)
     entries = _read(path, ident, log)
-    entry = entries.get(key)
-    cached = isinstance(entry, dict) and entry.get("inputs") == inputs and "value" in entry
-    if cached and not valid(entry["value"]):
+    kept = _kept(entries.get(key))
+    entry = next((e for e in kept if e["inputs"] == inputs), None)
+    if entry is not None and not valid(entry["value"]):
         log(f"note: {key} in {path} holds {entry['value']!r}, not a value lcx writes; measuring it again")
-        cached = False
-    if cached:
+        entry = None
+    if entry is not None:
         value, how = entry["value"], "cached in"
     else:
         log(f"{key}=auto: measuring it on this model, once (then cached in {path})")
         value, how = measure(), "measured now, cached in"
-        entries[key] = {"inputs": inputs, "value": value}
+        earlier = [e for e in kept if e["inputs"] != inputs][:KEPT - 1]
+        entries[key] = {"inputs": inputs, "value": value, **({"earlier": earlier} if earlier else {})}
         try:
             _write(path, ident, entries)
         except OSError as e:  # measured all the same: the next process measures again

@@ -326,3 +326,20 @@ def test_a_gate_entry_edited_into_nonsense_is_measured_again(folder, probes, cap
     assert isinstance(found, dict) and gate == (found["gate"] if found["gate"] is not None else -1.0)
     if found["gate"] is None:
         assert "gate calibration: fot answered none of its passkey probes; gate -1 (auto's fallback)" in err
+
+
+def test_an_option_measured_under_other_inputs_keeps_its_earlier_measurements(folder):
+    calls: list[int] = []
+
+    def at(n: int) -> int:
+        def measure() -> int:
+            calls.append(n)
+            return 10 * n
+        return auto.measured(folder, "fot.gate", {"length": n}, measure, lambda v: f"{v}", log=lambda line: None)
+
+    assert [at(n) for n in range(auto.KEPT + 1)] == [10 * n for n in range(auto.KEPT + 1)]
+    assert [at(n) for n in range(1, auto.KEPT + 1)] == [10 * n for n in range(1, auto.KEPT + 1)]  # all cached
+    assert calls == list(range(auto.KEPT + 1))
+    assert at(0) == 0 and calls[-1] == 0  # the oldest was dropped: measured again
+    entry = json.loads((folder / auto.AUTO_FILE).read_text())["entries"]["fot.gate"]
+    assert entry["inputs"] == {"length": 0} and len(entry["earlier"]) == auto.KEPT - 1
