@@ -58,6 +58,29 @@ ppl_held_k2() {  # $1 model: ppl_held's fot with each query reading its 2 best m
         -d $BOOKS/wells_invisible_man.txt -d $BOOKS/doyle_hound_of_the_baskervilles.txt --contexts 4K,8K --target 256 \
         --dtype "$DTYPE" --out "results/models/$1/ppl-held-4k-k2-$DTYPE"
 }
+ppl64() {  # $1 model [options]: perplexity at 2x the window (64K) and at the window (32K) on the same scored tokens,
+    # ppl()'s books: the bare model, truncation to the window (vanilla), fot at its defaults (local = the window,
+    # gate auto; options after the model, e.g. auto's calibrated value given explicitly, are passed on)
+    $LCX eval compare ppl -m "$1" --stack none --stack vanilla --stack fot -d $BOOKS/wells_invisible_man.txt \
+        -d $BOOKS/doyle_hound_of_the_baskervilles.txt --contexts 32K,64K --target 256 --dtype "$DTYPE" \
+        --out "results/models/$1/ppl-64k-$DTYPE" "${@:2}"
+}
+ppl64_fot() {  # $1 model, $2 label, options: ppl64's fot alone with other options (ppl-64k-$2-$DTYPE), e.g.
+    # "ppl64_fot gemma3-270m gate-1 -o fot.gate=-1" beside ppl64's gate off
+    $LCX eval compare ppl -m "$1" --stack fot -d $BOOKS/wells_invisible_man.txt \
+        -d $BOOKS/doyle_hound_of_the_baskervilles.txt --contexts 32K,64K --target 256 --dtype "$DTYPE" \
+        --out "results/models/$1/ppl-64k-$2-$DTYPE" "${@:3}"
+}
+ppl64_before() {  # $1 model: ppl64's fot in gemma_fot64's passkey configuration (local 4K, chunk 1K, FoT's options)
+    $LCX eval compare ppl -m "$1" --stack fot -o fot.local=4096 -o fot.chunk=1024 "${FOT_BEFORE[@]}" \
+        -d $BOOKS/wells_invisible_man.txt -d $BOOKS/doyle_hound_of_the_baskervilles.txt --contexts 32K,64K \
+        --target 256 --dtype "$DTYPE" --out "results/models/$1/ppl-64k-before-$DTYPE"
+}
+inside_bare() {  # $1 model: the bare model inside its window, 32K prose prompts, one key per depth: the reference
+    # issue 52 puts the 64K fot figures (gemma_fot64_gate, qwen_fot64) against
+    $LCX eval passkey -m "$1" --lengths 32K --samples 1 --haystack $BOOKS \
+        --out "results/models/$1/inside-32k-prose-none" "${COMMON[@]}"
+}
 held_stack() {  # $1 stack: sets METHOD and OPTS, a stack past the window held to 4K (ppl_held_spans, passkey_held)
     METHOD=$1; OPTS=()
     case $1 in
