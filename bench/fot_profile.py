@@ -1,0 +1,105 @@
+"""Where fot's prefill time goes: a cProfile of one long prompt, grouped into the parts of fot's memory path.
+
+Feeds N tokens of the shared books through ``fot`` (what a passkey sample's prompt costs) and sorts the
+profile's own time into the kNN search, the joint local + memory attention of the memory layers, the model's
+projections and MLPs, and the other layers' attention kernel.  The search grows with memory (every chunk's
+queries against every memory key), the rest with the prompt, so two lengths show how the shares move.
+
+    .venv/bin/python bench/fot_profile.py                        # Qwen2.5 0.5B, 8K and 16K, bf16
+    .venv/bin/python bench/fot_profile.py --model gemma3-270m -o memory_layers=auto
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import time
+from pathlib import Path
+
+import torch
+
+import lcx
+from lcx.generation import make_plan, prefill
+from lcx.io import token_counts
+from lcx.session import parse_options
+
+from books import book_tokens  # bench/books.py (scripts here run as `python bench/NAME.py`)
+from loading import bench_model
+from provenance import environment
+
+OUT = Path(__file__).parent / "results" / "fot-profile.json"
+# qwen_fot64's configuration (results/models): local 4K, chunk 1K, the 18 layers memory_layers=auto chose, and
+# the gate auto chose there (pinned, so the profile does not include the calibration)
+DEFAULT = ["local=4096", "chunk=1024", "memory_layers=3,5,6,7,9,10,11,12,13,14,15,16,17,18,19,20,21,22", "gate=1"]
+# (part, the profile entries whose own time it sums: (file suffix, function name))
+PARTS = [
+    ("kNN search: scores (matmul)", [("memory.py", "_search")]),
+    ("kNN search: topk", [("~", "<method 'topk' of 'torch._C.TensorBase' objects>")]),
+    ("kNN search: query copies, gather of values", [("memory.py", "search"), ("attention.py", "_memory_scores"),
+                                                    ("~", "<built-in method torch.stack>")]),
+    ("memory layers: local scores (baddbmm)", [("~", "<built-in method torch.baddbmm>")]),
+    ("memory layers: joint softmax (cat, softmax, value products)",
+     [("~", "<built-in method torch.cat>"), ("~", "<method 'softmax' of 'torch._C.TensorBase' objects>"),
+      ("~", "<built-in method torch.matmul>"), ("attention.py", "joint_softmax")]),
+    ("memory layers: the rest (mask repeat, casts, loop)",
+     [("attention.py", "memory_attention"), ("~", "<method 'repeat' of 'torch._C.TensorBase' objects>"),
+      ("~", "<method 'float' of 'torch._C.TensorBase' objects>")]),
+    ("projections and MLPs (linear)", [("~", "<built-in method torch._C._nn.linear>")]),
+    ("other layers' attention (sdpa)", [("~", "<built-in method torch._C._nn.scaled_dot_product_attention>")]),
+]
+
+
+def profile(model, ids: torch.Tensor, options: dict) -> dict:
+    def run() -> None:
+        with lcx.attach(model, ["fot"], fot=options) as r:
+            prefill(r, make_plan(r, ids, None, 0), include_last=True)
+
+    prof = cProfile.Profile()
+    start = time.perf_counter()
+    prof.enable()
+    run()
+    prof.disable()
+    total = time.perf_counter() - start
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, primitive calls, own time, cumulative, callers)
+    own: dict[tuple[str, str], float] = {}
+    for (file, _, name), (_, _, tt, _, _) in stats.items():
+        own[(file, name)] = own.get((file, name), 0.0) + tt
+    parts = {}
+    for part, entries in PARTS:
+        parts[part] = sum(t for (file, name), t in own.items()
+                          if any(file.endswith(f) and name == n for f, n in entries))
+    parts["everything else"] = total - sum(parts.values())
+    return {"tokens": ids.shape[1], "seconds": round(total, 1),
+            "parts": {p: {"seconds": round(t, 1), "share": round(t / total, 3)} for p, t in parts.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-0.5b")
+    ap.add_argument("--lengths", default="8K,16K", help="prompt lengths, each profiled alone (K suffix allowed)")
+    ap.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16")
+    ap.add_argument("-o", "--option", action="append", default=None, help=f"fot option KEY=VALUE (default: {DEFAULT})")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+    options = parse_options(args.option or DEFAULT)
+    model, tok = bench_model(args.model, None, False, args.dtype)
+    lengths = token_counts(args.lengths)
+    ids = book_tokens(tok, max(lengths))
+    profile(model, ids[:, :2048], options)  # warm-up (first calls, allocator), not reported
+    runs = []
+    for n in lengths:
+        runs.append(profile(model, ids[:, :n], options))
+        print(f"{n} tokens: {runs[-1]['seconds']} s")
+        for p, v in runs[-1]["parts"].items():
+            print(f"  {v['share']:6.1%} {v['seconds']:8.1f} s  {p}")
+    result = {"benchmark": "where fot's prefill time goes (cProfile own time)", "model": args.model,
+              "dtype": args.dtype, "fot_options": options, **environment(), "runs": runs}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
