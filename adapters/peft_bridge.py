@@ -9,6 +9,7 @@ what we write.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -72,6 +73,24 @@ def adapter_digest(adapter_dir: str | os.PathLike) -> str:
 def unwrap(model: nn.Module) -> nn.Module:
     """The transformers model inside a PeftModel (or the model itself)."""
     return model.get_base_model() if isinstance(model, PeftModel) else model
+
+
+@contextlib.contextmanager
+def lora_off(model: nn.Module):
+    """``model`` with its LoRA layers off inside (its base weights alone), as they were after."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [(m, m.disable_adapters) for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    grads = {p: p.requires_grad for p in model.parameters()}  # enable_adapters(True) sets them: kept as they were
+    for m, _ in layers:
+        m.enable_adapters(False)
+    try:
+        yield model
+    finally:
+        for m, off in layers:
+            m.enable_adapters(not off)
+        for p, g in grads.items():
+            p.requires_grad_(g)
 
 
 def lora_targets(model: nn.Module, roles: tuple[str, ...]) -> list[str]:

@@ -24,7 +24,7 @@ KEPT = 8
 #: Files whose bytes (small ones) or names and sizes (weights) identify a model for the cache.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
-_said: set[tuple[str, str]] = set()  # (file, key) reported in this process: a value is announced once
+_said: set[tuple[str, str, str]] = set()  # (file, key, inputs) reported in this process: a value is announced once
 
 
 def note(message: str) -> None:
@@ -137,13 +137,15 @@ def measured(folder: Path, key: str, inputs: dict[str, Any], measure: Callable[[
     else:
         log(f"{key}=auto: measuring it on this model, once (then cached in {path})")
         value, how = measure(), "measured now, cached in"
-        earlier = [e for e in kept if e["inputs"] != inputs][:KEPT - 1]
+        entries = _read(path, ident, lambda line: None)  # read again: another process may have written meanwhile
+        earlier = [e for e in _kept(entries.get(key)) if e["inputs"] != inputs][:KEPT - 1]
         entries[key] = {"inputs": inputs, "value": value, **({"earlier": earlier} if earlier else {})}
         try:
             _write(path, ident, entries)
         except OSError as e:  # measured all the same: the next process measures again
             log(f"note: could not cache {key} in {path} ({e})")
-    if (str(path), key) not in _said:
-        _said.add((str(path), key))
+    said = (str(path), key, json.dumps(inputs, sort_keys=True, default=str))
+    if said not in _said:
+        _said.add(said)
         log(f"{describe(value)} ({how} {path})")
     return value

@@ -207,7 +207,9 @@ def attach(
 
 
 def _resolve_auto(model: nn.Module, instances: list[Method]) -> None:
-    """Each method's ``auto`` options measured on ``model`` itself, before anything is attached."""
+    """Each method's ``auto`` options measured on ``model`` itself, before anything is attached: on its base
+    weights, with an adapter's LoRA off, as ``lcx export`` and ``lcx methods -m`` measure them (one cache entry
+    for the model in its folder, whichever runs first)."""
     from lcx import auto
 
     def load() -> tuple[nn.Module, Any]:
@@ -216,7 +218,13 @@ def _resolve_auto(model: nn.Module, instances: list[Method]) -> None:
         return model, AutoTokenizer.from_pretrained(folder)
 
     folder = auto.model_folder(model)
-    auto.resolve(instances, folder, load)
+    bare = contextlib.nullcontext()
+    if "peft" in sys.modules:  # an adapter may be loaded (no LoRA layer exists otherwise)
+        from lcx.adapters.peft_bridge import lora_off
+
+        bare = lora_off(model)
+    with bare:
+        auto.resolve(instances, folder, load)
 
 
 def attached_run(model: nn.Module) -> Run | None:

@@ -314,7 +314,7 @@ def test_fot_crossbatch_trains_and_resumes_with_its_d_schedule(model_dir, corpus
         open_session(str(model_dir), ["fot"], {"positions": "first"}, adapter=full)
 
 
-def test_fot_training_leaves_its_gate_to_be_calibrated_where_the_adapter_is_used(corpus, tmp_path):
+def test_fot_training_leaves_its_gate_to_be_calibrated_where_the_adapter_is_used(corpus, tmp_path, monkeypatch):
     """Crossbatch attention reads no gate: training measures none (nor caches one beside the model); using the
     adapter does."""
     from lcx import auto
@@ -331,9 +331,18 @@ def test_fot_training_leaves_its_gate_to_be_calibrated_where_the_adapter_is_used
 
     assert "fot.gate" not in entries()
     assert json.loads((out / "lcx.json").read_text())["methods"][0]["options"]["gate"] == "auto"
+    lora_on: list[bool] = []
+
+    def calibrate(model, tokenizer, options, length, probe):  # records whether the adapter's LoRA was on
+        lora_on.append(any(not getattr(m, "disable_adapters", True) for m in model.modules()))
+        return {"gate": "off", "answered": 1, "probes": [{}]}
+
+    monkeypatch.setattr("lcx.plugins.fot.calibrate.calibrate_gate", calibrate)
     s = open_session(str(folder), adapter=out)
-    try:
-        assert s.run.method("fot").gate != "auto" and entries()["fot.gate"]["inputs"]["length"] == 32
+    try:  # measured on the base weights, as lcx export and lcx methods -m measure it: one entry for the model
+        assert s.run.method("fot").gate == "off" and entries()["fot.gate"]["inputs"]["length"] == 32
+        assert lora_on == [False] and any(not m.disable_adapters for m in s.model.modules()
+                                          if hasattr(m, "disable_adapters"))  # and on again after
     finally:
         s.close()
 
