@@ -196,3 +196,22 @@ def test_fots_joint_softmax_of_bf16_inputs_is_the_float32_one_rounded_once(dense
     out = attend(torch.bfloat16)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, attend(torch.float32).bfloat16())
+
+
+def test_a_bf16_models_memory_search_picks_its_candidates_in_bf16(monkeypatch):
+    """The search's matrix product, fot's largest cost at long memories, runs at the model's precision; the
+    scores it answers are float32 (tests/test_memory.py holds the search to that)."""
+    import lcx.plugins.fot.memory as store_module
+
+    seen, search = [], store_module.top_inner_products
+    monkeypatch.setattr(store_module, "top_inner_products", lambda *a: seen.append(a[3]) or search(*a))
+    H, Q, S, D, M = 2, 4, 6, 32, 40
+    memory = {(0, 0): make_store()}
+    add_to_memory(memory, 0, _bf16_values(1, M, D, seed=3), _bf16_values(1, M, D, seed=4), torch.arange(M),
+                  INV_FREQ, doc_id=0)
+    mask = torch.zeros(1, 1, Q, S)
+    for dtype in (torch.bfloat16, torch.float32):
+        memory_attention(_bf16_values(1, H, Q, D).to(dtype), _bf16_values(1, 1, S, D, seed=1).to(dtype),
+                         _bf16_values(1, 1, S, D, seed=2).to(dtype), mask, memory,
+                         torch.zeros(1, Q, dtype=torch.float64), INV_FREQ, D ** -0.5, k=8, dense=False, block=4)
+    assert seen == [torch.bfloat16, torch.float32]

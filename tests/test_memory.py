@@ -28,6 +28,20 @@ def test_faiss_exact_equals_torch_exact():
     torch.testing.assert_close(s1, s2, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_models_search_picks_candidates_in_its_dtype_and_answers_float32_exact_scores(dtype):
+    # keys a half-precision model makes (its dtype's values), queries re-rotated in float32, as fot searches them
+    keys, values, q = _data(4000, 64)
+    keys, q = keys.to(dtype).float(), torch.randn(300, 64, generator=torch.Generator().manual_seed(1))
+    store = make_store(kind="torch")
+    store.add(keys, torch.zeros(4000, 4), torch.arange(4000))
+    exact, half = store.search(q, 32), store.search(q, 32, dtype)
+    assert torch.equal(half[1].sort(-1).values, exact[1].sort(-1).values)  # the same 32 entries per query
+    torch.testing.assert_close(half[0], exact[0], atol=1e-5, rtol=1e-6)  # rescored in float32, best first
+    only_half = (q.to(dtype) @ keys.to(dtype).T).float().topk(32, dim=-1).indices
+    assert not torch.equal(only_half.sort(-1).values, exact[1].sort(-1).values)  # rescoring is what makes it exact
+
+
 @pytest.mark.parametrize("kind,extra", [("faiss-hnsw", {}), ("faiss-ivf", {"nlist": 16, "nprobe": 16})])
 def test_approximate_backends_have_high_recall(kind, extra):
     keys, values, q = _data(2000)

@@ -65,7 +65,8 @@ def memory_attention(
                 o = torch.bmm(local.softmax(-1), vl)  # (Hkv, G*c, Dv)
             else:
                 qm = q_rel[b, :, s:e].float().reshape(Hkv, G * c, D)
-                mem, mv = row_search(memory, b, qm, k, dense)  # (Hkv, G*c, W), values (Hkv, [G*c,] W, Dv)
+                # (Hkv, G*c, W), values (Hkv, [G*c,] W, Dv); a half-precision model's candidates picked in its dtype
+                mem, mv = row_search(memory, b, qm, k, dense, query.dtype)
                 if heads is not None:
                     mem = mem.masked_fill(~heads.view(Hkv, G).repeat_interleave(c, 1)[..., None], float("-inf"))
                 ref = None if gate_keys is None else gate_keys[b if gate_keys.shape[0] > 1 else 0]
@@ -104,20 +105,22 @@ def row_entries(memory: dict, row: int, kv_heads: int) -> int:
     return len(heads) if heads is not None else max(len(memory[(row, h)]) for h in range(kv_heads))
 
 
-def row_search(memory: dict, row: int, qm: torch.Tensor, k: int, dense: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def row_search(memory: dict, row: int, qm: torch.Tensor, k: int, dense: bool,
+               select_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Row ``row``'s memory searched with queries qm (Hkv, Q, D), each KV head's against its own keys:
     ``_memory_scores``'s answer, from one store per KV head or from one holding them all (``search_heads``)."""
     heads = memory.get(row)
     if heads is not None:
         return heads.search_heads(qm, k, dense)
-    return _memory_scores(qm, [memory[(row, h)] for h in range(qm.shape[0])], k, dense)
+    return _memory_scores(qm, [memory[(row, h)] for h in range(qm.shape[0])], k, dense, select_dtype)
 
 
-def _memory_scores(qm: torch.Tensor, stores: list[MemoryStore], k: int,
-                   dense: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _memory_scores(qm: torch.Tensor, stores: list[MemoryStore], k: int, dense: bool,
+                   select_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Unscaled inner products of the queries qm (Hkv, Q, D) with their KV head's memory keys and the keys'
     values: the top ``k`` per query (values (Hkv, Q, W, Dv)), or every key when ``dense`` (values (Hkv, W, Dv)).
-    Heads whose stores hold fewer entries are padded to the widest with -inf scores and zero values."""
+    Heads whose stores hold fewer entries are padded to the widest with -inf scores and zero values.
+    ``select_dtype``: the precision a store may pick its candidates in (``MemoryStore.search``)."""
     scores, values = [], []
     for h, store in enumerate(stores):
         if not len(store):
@@ -127,7 +130,7 @@ def _memory_scores(qm: torch.Tensor, stores: list[MemoryStore], k: int,
             scores.append(qm[h] @ store.keys.to(qm.device).T)  # (Q, M)
             values.append(store.values.float().to(qm.device))  # (M, Dv)
         else:  # a store answers on its own device (FAISS: the CPU)
-            sc, idx = store.search(qm[h], k)  # (Q, k'): every backend returns exact inner products
+            sc, idx = store.search(qm[h], k, select_dtype)  # (Q, k'): every backend returns exact inner products
             scores.append(sc.to(qm.device))
             values.append(store.values[idx].float().to(qm.device))  # (Q, k', Dv)
     W = max(x.shape[1] for x in scores)

@@ -6,7 +6,8 @@ of stores keyed by (layer, kv_head).  ``search`` returns the top-k entries by
 inner product for each query.
 
 Backends (``make_store(kind, ...)``):
-    torch       exact, dense matmul + topk; best for small memories
+    torch       exact, dense matmul + topk (a half-precision model's candidates picked in its precision,
+                then scored in float32: top_inner_products); best for small memories
     faiss-flat  exact inner product (IndexFlatIP)
     faiss-ivf   approximate: inverted lists (nlist, nprobe); trains on the first entries.  Inner
                 product search is run as nearest-neighbour search on keys extended by one coordinate
@@ -208,14 +209,17 @@ class MemoryStore(ABC):
         self._rebuild()
 
     # ------------------------------------------------------------------ reading
-    def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-``k`` inner products: scores (Q, k') and entry indices (Q, k'), k' = min(k, len)."""
+    def search(self, queries: torch.Tensor, k: int,
+               select_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-``k`` inner products: scores (Q, k') and entry indices (Q, k'), k' = min(k, len).  ``select_dtype``:
+        a half precision the caller's model runs in, which an exact search may pick its candidates in
+        (``top_inner_products``); the scores returned are float32 either way."""
         if k <= 0:
             raise LcxError(f"k must be > 0, got {k}")
         k = min(k, len(self))
         if k == 0:
             return torch.zeros(queries.shape[0], 0), torch.zeros(queries.shape[0], 0, dtype=torch.long)
-        return self._search(queries.detach().float().to(self.keys.device).contiguous(), k)
+        return self._search(queries.detach().float().to(self.keys.device).contiguous(), k, select_dtype)
 
     def _device(self, keys: torch.Tensor) -> torch.device:
         """Where the entries live: with the first keys added (the model's device); FAISS indexes read CPU arrays."""
@@ -233,7 +237,8 @@ class MemoryStore(ABC):
         self._rebuild()
 
     @abstractmethod
-    def _search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def _search(self, queries: torch.Tensor, k: int,
+                select_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     # ------------------------------------------------------------------ persistence
     def tensors(self, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -258,10 +263,24 @@ class TorchStore(MemoryStore):
     def _rebuild(self) -> None:
         pass
 
-    def _search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = queries @ self.keys.T  # (Q, N)
-        top = scores.topk(k, dim=-1)
+    def _search(self, queries: torch.Tensor, k: int,
+                select_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return top_inner_products(queries, self.keys, k, select_dtype)
+
+
+def top_inner_products(queries: torch.Tensor, keys: torch.Tensor, k: int,
+                       select_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's (Q, D) top-``k`` float32 inner products with ``keys`` (N, D), best first, and their rows.
+    With a half ``select_dtype``, the 2k best scores in it are the candidates and only those are scored in
+    float32: the same top-k unless its rounding outweighs the gap between the k-th and the 2k-th score, at
+    the half-precision matrix product's speed."""
+    if select_dtype in (None, torch.float32, torch.float64) or 2 * k >= keys.shape[0]:
+        top = (queries @ keys.T).topk(k, dim=-1)
         return top.values, top.indices
+    cand = (queries.to(select_dtype) @ keys.to(select_dtype).T).topk(2 * k, dim=-1).indices  # (Q, 2k)
+    exact = (keys[cand] @ queries[:, :, None])[..., 0]
+    top = exact.topk(k, dim=-1)
+    return top.values, cand.gather(1, top.indices)
 
 
 def faiss_gpu_available() -> bool:
@@ -397,9 +416,10 @@ class FaissStore(MemoryStore):
         extra = (self._r2 - keys.pow(2).sum(1, keepdim=True)).clamp(min=0).sqrt()
         return torch.cat([keys, extra], dim=1).numpy()
 
-    def _search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _search(self, queries: torch.Tensor, k: int,
+                select_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if self.index is None:  # IVF before training: exact fallback
-            return TorchStore._search(self, queries, k)  # type: ignore[arg-type]
+            return top_inner_products(queries, self.keys, k, select_dtype)
         ivf = self.config.kind == "faiss-ivf"
         if ivf:
             queries = torch.cat([queries, queries.new_zeros(queries.shape[0], 1)], dim=1)
@@ -443,14 +463,15 @@ class UnionStore:
         """Indexable like a (N, Dv) tensor without copying the shared memory: ``values[idx]`` gathers."""
         return _UnionRows(self.shared.values, self.own.values)
 
-    def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def search(self, queries: torch.Tensor, k: int,
+               select_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         parts = [(store, offset) for store, offset in ((self.shared, 0), (self.own, len(self.shared))) if len(store)]
         if not parts:
             return self.own.search(queries, k)  # empty: the store's own empty answer
         if len(parts) == 1:
-            scores, idx = parts[0][0].search(queries, k)
+            scores, idx = parts[0][0].search(queries, k, select_dtype)
             return scores, idx + parts[0][1]
-        found = [store.search(queries, k) for store, _ in parts]  # each on its store's device
+        found = [store.search(queries, k, select_dtype) for store, _ in parts]  # each on its store's device
         scores = torch.cat([f[0].to(queries.device) for f in found], dim=1)
         idx = torch.cat([f[1].to(queries.device) + offset for f, (_, offset) in zip(found, parts)], dim=1)
         top = scores.topk(min(k, scores.shape[1]), dim=1)

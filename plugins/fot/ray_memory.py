@@ -336,9 +336,11 @@ class RayStore:
             self.add(t[f"{prefix}keys"], t[f"{prefix}values"], t[f"{prefix}positions"], t[f"{prefix}doc_ids"])
 
     # ------------------------------------------------------------------ reading
-    def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def search(self, queries: torch.Tensor, k: int,
+               select_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-``k`` inner products: scores (Q, k') and entry indices (Q, k'), k' = min(k, len); each shard's
-        top-k, merged.  The values of the entries found are fetched with them (``values[idx]`` reads those)."""
+        top-k, merged (exact in float32: ``select_dtype`` is not sent to the shards).  The values of the entries
+        found are fetched with them (``values[idx]`` reads those)."""
         if k <= 0:
             raise LcxError(f"k must be > 0, got {k}")
         k = min(k, len(self))
