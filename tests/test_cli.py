@@ -30,6 +30,22 @@ def test_eval_passkey_writes_json_and_heatmap(tiny_dir, tmp_path):
     assert len(res["samples"]) == 2 and {"accuracy", "accuracy_by_length"} <= set(res["summary"])
     assert res["samples"][0]["tokens"] > 512  # longer than the tiny model's window
     assert (tmp_path / "pk" / "passkey.png").stat().st_size > 1000
+    assert res["config"]["max_new_tokens"] == 8
+
+
+def test_eval_passkey_and_compare_generate_the_new_tokens_asked_for(tiny_dir, tmp_path, monkeypatch):
+    import lcx.generation
+
+    asked, generate = [], lcx.generation.generate
+    monkeypatch.setattr(lcx.generation, "generate",
+                        lambda *a, **kw: asked.append(kw["max_new_tokens"]) or generate(*a, **kw))
+    args = ["-m", str(tiny_dir), "--lengths", "400", "--depths", "0.5", "--samples", "1", "--max-new-tokens", "13"]
+    r = run("eval", "passkey", *args, "--out", str(tmp_path / "pk"))
+    assert r.exit_code == 0, r.output
+    r = run("eval", "compare", "passkey", *args, "--stack", "none", "--out", str(tmp_path / "cmp"))
+    assert r.exit_code == 0, r.output
+    assert asked == [13, 13]
+    assert json.loads((tmp_path / "pk" / "passkey.json").read_text())["config"]["max_new_tokens"] == 13
 
 
 def test_eval_compare_ppl_writes_table(tiny_dir, tmp_path):

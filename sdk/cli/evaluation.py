@@ -36,12 +36,15 @@ def eval_grp() -> None:
                    ".jsonl (e.g. ../shared/data/books); whole sentences from the start, so one length's prompts "
                    "share their text. Repeatable.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Draws the keys (same seed, same prompts).")
+@click.option("--max-new-tokens", type=click.IntRange(1), default=8, show_default=True,
+              help="New tokens per answer; the key must be among them (a model that restates the question before "
+                   "answering needs more).")
 @click.option("--out", type=OUT_DIR, default=Path("out/passkey"), show_default=True,
               help="Folder for passkey.json and passkey.png.")
 @click.option("--resume", is_flag=True, help=RESUME_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def eval_passkey(model, methods, options, adapter, trust_remote_code, lengths, depths, samples, haystack, seed, out,
-                 resume, as_json):
+def eval_passkey(model, methods, options, adapter, trust_remote_code, lengths, depths, samples, haystack, seed,
+                 max_new_tokens, out, resume, as_json):
     """Passkey retrieval over a length x depth grid: a 5-digit key hidden in repeated filler (FoT, FocusLLM)
     or, with --haystack, in real text.
 
@@ -54,7 +57,7 @@ def eval_passkey(model, methods, options, adapter, trust_remote_code, lengths, d
     from lcx.evals import passkey
 
     cfg = passkey.PasskeyConfig(lengths=lengths, depths=depths, samples=samples, seed=seed,
-                                haystack=_haystack(haystack))
+                                haystack=_haystack(haystack), max_new_tokens=max_new_tokens)
     _run_grid(passkey, "passkey", cfg, model, methods, options, adapter, trust_remote_code, out, resume, as_json,
               lambda label, by: f"passkey accuracy ({label}): "
               + ", ".join(f"{n}: {a:.0%}" for n, a in by["accuracy_by_length"].items()))
@@ -77,7 +80,8 @@ def ruler_options(f):
     from lcx.evals.ruler import TASKS
 
     f = click.option("--max-new-tokens", type=click.IntRange(1), default=None,
-                     help="ruler: new tokens per answer (default: each task's own, enough for its answer).")(f)
+                     help="New tokens per answer (default: passkey 8; ruler: each task's own, enough for its "
+                          "answer).")(f)
     f = click.option("--tasks", callback=_tasks, default="all", show_default=True,
                      help="ruler: comma-separated tasks, `all`, or `niah` for every needle task: "
                           + ", ".join(TASKS) + ".")(f)
@@ -318,7 +322,8 @@ def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, 
     if suite in ("passkey", "ruler"):
         if suite == "passkey":
             cfg = passkey.PasskeyConfig(lengths=lengths, depths=depths, samples=samples or 5, seed=seed,
-                                        haystack=_haystack(haystack))
+                                        haystack=_haystack(haystack), **({"max_new_tokens": max_new_tokens}
+                                                                         if max_new_tokens else {}))
         else:
             if not haystack:
                 raise LcxError("ruler needs real text: give --haystack PATH (e.g. ../shared/data/books)")
