@@ -76,10 +76,11 @@ ppl64_before() {  # $1 model: ppl64's fot in gemma_fot64's passkey configuration
         -d $BOOKS/wells_invisible_man.txt -d $BOOKS/doyle_hound_of_the_baskervilles.txt --contexts 32K,64K \
         --target 256 --dtype "$DTYPE" --out "results/models/$1/ppl-64k-before-$DTYPE"
 }
-inside_bare() {  # $1 model: the bare model inside its window, 32K prose prompts, one key per depth: the reference
-    # issue 52 puts the 64K fot figures (gemma_fot64_gate, qwen_fot64) against
-    $LCX eval passkey -m "$1" --lengths 32K --samples 1 --haystack $BOOKS \
-        --out "results/models/$1/inside-32k-prose-none" "${COMMON[@]}"
+inside_bare() {  # $1 model[, $2 new tokens]: the bare model inside its window, 32K prose prompts, one key per depth:
+    # the reference issue 52 puts the 64K fot figures (gemma_fot64_gate, qwen_fot64) against; 16 new tokens leave
+    # room for an answer that restates the question first (Gemma 3's at 32K)
+    $LCX eval passkey -m "$1" --lengths 32K --samples 1 --haystack $BOOKS --max-new-tokens "${2:-8}" \
+        --out "results/models/$1/inside-32k-prose-none${2:+-$2tok}" "${COMMON[@]}"
 }
 held_stack() {  # $1 stack: sets METHOD and OPTS, a stack past the window held to 4K (ppl_held_spans, passkey_held)
     METHOD=$1; OPTS=()
