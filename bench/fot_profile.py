@@ -7,6 +7,7 @@ queries against every memory key), the rest with the prompt, so two lengths show
 
     .venv/bin/python bench/fot_profile.py                        # Qwen2.5 0.5B, 8K and 16K, bf16
     .venv/bin/python bench/fot_profile.py --model gemma3-270m -o memory_layers=auto
+    .venv/bin/python bench/fot_profile.py --search both         # float32 search, then candidates in bf16, per length
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 import lcx
+import lcx.plugins.fot.memory as memory
 from lcx.generation import make_plan, prefill
 from lcx.io import token_counts
 from lcx.session import parse_options
@@ -35,7 +37,7 @@ OUT = Path(__file__).parent / "results" / "fot-profile.json"
 DEFAULT = ["local=4096", "chunk=1024", "memory_layers=3,5,6,7,9,10,11,12,13,14,15,16,17,18,19,20,21,22", "gate=1"]
 # (part, the profile entries whose own time it sums: (file suffix, function name))
 PARTS = [
-    ("kNN search: scores (matmul)", [("memory.py", "_search")]),
+    ("kNN search: scores (matmul)", [("memory.py", "_search"), ("memory.py", "top_inner_products")]),
     ("kNN search: topk", [("~", "<method 'topk' of 'torch._C.TensorBase' objects>")]),
     ("kNN search: query copies, gather of values", [("memory.py", "search"), ("attention.py", "_memory_scores"),
                                                     ("~", "<built-in method torch.stack>")]),
@@ -51,10 +53,22 @@ PARTS = [
 ]
 
 
-def profile(model, ids: torch.Tensor, options: dict) -> dict:
+HALF_SEARCH = memory.top_inner_products
+
+
+def float32_search(queries, keys, k, select_dtype=None):
+    """The search before candidates were picked in the model's dtype: every score in float32."""
+    return HALF_SEARCH(queries, keys, k)
+
+
+def profile(model, ids: torch.Tensor, options: dict, search: str = "dtype") -> dict:
     def run() -> None:
-        with lcx.attach(model, ["fot"], fot=options) as r:
-            prefill(r, make_plan(r, ids, None, 0), include_last=True)
+        memory.top_inner_products = float32_search if search == "float32" else HALF_SEARCH
+        try:
+            with lcx.attach(model, ["fot"], fot=options) as r:
+                prefill(r, make_plan(r, ids, None, 0), include_last=True)
+        finally:
+            memory.top_inner_products = HALF_SEARCH
 
     prof = cProfile.Profile()
     start = time.perf_counter()
@@ -71,7 +85,7 @@ def profile(model, ids: torch.Tensor, options: dict) -> dict:
         parts[part] = sum(t for (file, name), t in own.items()
                           if any(file.endswith(f) and name == n for f, n in entries))
     parts["everything else"] = total - sum(parts.values())
-    return {"tokens": ids.shape[1], "seconds": round(total, 1),
+    return {"tokens": ids.shape[1], "search": search, "seconds": round(total, 1),
             "parts": {p: {"seconds": round(t, 1), "share": round(t / total, 3)} for p, t in parts.items()}}
 
 
@@ -81,6 +95,9 @@ def main() -> None:
     ap.add_argument("--lengths", default="8K,16K", help="prompt lengths, each profiled alone (K suffix allowed)")
     ap.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16")
     ap.add_argument("-o", "--option", action="append", default=None, help=f"fot option KEY=VALUE (default: {DEFAULT})")
+    ap.add_argument("--search", choices=["dtype", "float32", "both"], default="dtype",
+                    help="dtype: the kNN search picks its candidates in the model's dtype (lcx's default); float32: "
+                         "every score in float32; both: one then the other at each length, side by side")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     options = parse_options(args.option or DEFAULT)
@@ -90,10 +107,11 @@ def main() -> None:
     profile(model, ids[:, :2048], options)  # warm-up (first calls, allocator), not reported
     runs = []
     for n in lengths:
-        runs.append(profile(model, ids[:, :n], options))
-        print(f"{n} tokens: {runs[-1]['seconds']} s")
-        for p, v in runs[-1]["parts"].items():
-            print(f"  {v['share']:6.1%} {v['seconds']:8.1f} s  {p}")
+        for search in ("float32", "dtype") if args.search == "both" else (args.search,):
+            runs.append(profile(model, ids[:, :n], options, search))
+            print(f"{n} tokens, search {search}: {runs[-1]['seconds']} s")
+            for p, v in runs[-1]["parts"].items():
+                print(f"  {v['share']:6.1%} {v['seconds']:8.1f} s  {p}")
     result = {"benchmark": "where fot's prefill time goes (cProfile own time)", "model": args.model,
               "dtype": args.dtype, "fot_options": options, **environment(), "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -271,13 +271,14 @@ class TorchStore(MemoryStore):
 def top_inner_products(queries: torch.Tensor, keys: torch.Tensor, k: int,
                        select_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query's (Q, D) top-``k`` float32 inner products with ``keys`` (N, D), best first, and their rows.
-    With a half ``select_dtype``, the 2k best scores in it are the candidates and only those are scored in
-    float32: the same top-k unless its rounding outweighs the gap between the k-th and the 2k-th score, at
-    the half-precision matrix product's speed."""
-    if select_dtype in (None, torch.float32, torch.float64) or 2 * k >= keys.shape[0]:
+    With a half ``select_dtype``, the k + ``spare`` best scores in it are the candidates and only those are
+    scored in float32: the same top-k unless its rounding outweighs the gap between the k-th score and the
+    (k + spare)-th, at the half-precision matrix product's speed."""
+    spare = max(8, k // 4)  # a topk's cost grows with its k: a few spare candidates, not 2k
+    if select_dtype in (None, torch.float32, torch.float64) or k + spare >= keys.shape[0]:
         top = (queries @ keys.T).topk(k, dim=-1)
         return top.values, top.indices
-    cand = (queries.to(select_dtype) @ keys.to(select_dtype).T).topk(2 * k, dim=-1).indices  # (Q, 2k)
+    cand = (queries.to(select_dtype) @ keys.to(select_dtype).T).topk(k + spare, dim=-1).indices  # (Q, k + spare)
     exact = (keys[cand] @ queries[:, :, None])[..., 0]
     top = exact.topk(k, dim=-1)
     return top.values, cand.gather(1, top.indices)
