@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lcx.errors import LcxError
+from lcx.models import native_bf16
 from lcx.plugins.fot.memory import StoreConfig, faiss_gpu_available, load_memory, make_store, recall_at_k, save_memory
 
 
@@ -28,8 +29,9 @@ def test_faiss_exact_equals_torch_exact():
     torch.testing.assert_close(s1, s2, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_a_half_precision_models_search_picks_candidates_in_its_dtype_and_answers_float32_exact_scores(dtype):
+@pytest.mark.skipif(not native_bf16(torch.device("cpu")), reason="the bf16 candidate step runs where bf16 is native")
+def test_a_half_precision_models_search_picks_candidates_in_its_dtype_and_answers_float32_exact_scores():
+    dtype = torch.bfloat16
     # keys a half-precision model makes (its dtype's values), queries re-rotated in float32, as fot searches them
     keys, values, q = _data(4000, 64)
     keys, q = keys.to(dtype).float(), torch.randn(300, 64, generator=torch.Generator().manual_seed(1))

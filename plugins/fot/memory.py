@@ -275,13 +275,21 @@ def top_inner_products(queries: torch.Tensor, keys: torch.Tensor, k: int,
     scored in float32: the same top-k unless its rounding outweighs the gap between the k-th score and the
     (k + spare)-th, at the half-precision matrix product's speed."""
     spare = max(8, k // 4)  # a topk's cost grows with its k: a few spare candidates, not 2k
-    if select_dtype in (None, torch.float32, torch.float64) or k + spare >= keys.shape[0]:
+    if not _fast_half(select_dtype, keys.device) or k + spare >= keys.shape[0]:
         top = (queries @ keys.T).topk(k, dim=-1)
         return top.values, top.indices
     cand = (queries.to(select_dtype) @ keys.to(select_dtype).T).topk(k + spare, dim=-1).indices  # (Q, k + spare)
     exact = (keys[cand] @ queries[:, :, None])[..., 0]
     top = exact.topk(k, dim=-1)
     return top.values, cand.gather(1, top.indices)
+
+
+def _fast_half(dtype: torch.dtype | None, device: torch.device) -> bool:
+    """Whether a ``dtype`` matrix product beats float32 on ``device``: fp16 on a GPU, bf16 where it is native
+    (elsewhere a half-precision product is emulated, slower than float32)."""
+    from lcx.models import native_bf16
+
+    return (dtype == torch.float16 and device.type == "cuda") or (dtype == torch.bfloat16 and native_bf16(device))
 
 
 def faiss_gpu_available() -> bool:
