@@ -32,6 +32,7 @@ stores keep theirs on the CPU.  Search answers on the store's device; callers mo
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import importlib.util
 import json
@@ -284,6 +285,7 @@ def top_inner_products(queries: torch.Tensor, keys: torch.Tensor, k: int,
     return top.values, cand.gather(1, top.indices)
 
 
+@functools.cache  # read once per dtype and device: a search runs per block of queries, per layer and KV head
 def _fast_half(dtype: torch.dtype | None, device: torch.device) -> bool:
     """Whether a ``dtype`` matrix product beats float32 on ``device``: fp16 on a GPU, bf16 where it is native
     (elsewhere a half-precision product is emulated, slower than float32)."""
