@@ -7,10 +7,11 @@ import re
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from lcx.errors import LcxError
 from lcx.models import native_bf16
-from lcx.plugins.fot.memory import StoreConfig, faiss_gpu_available, load_memory, make_store, recall_at_k, save_memory
+from lcx.plugins.fot.memory import faiss_gpu_available, half_pays, load_memory, make_store, recall_at_k, save_memory
 
 
 def _data(n=600, d=32, seed=0):
@@ -33,15 +34,44 @@ def test_faiss_exact_equals_torch_exact():
 def test_a_half_precision_models_search_picks_candidates_in_its_dtype_and_answers_float32_exact_scores():
     dtype = torch.bfloat16
     # keys a half-precision model makes (its dtype's values), queries re-rotated in float32, as fot searches them
-    keys, values, q = _data(4000, 64)
+    keys, values, q = _data(8192, 64)  # a search the half step pays for (half_pays)
     keys, q = keys.to(dtype).float(), torch.randn(300, 64, generator=torch.Generator().manual_seed(1))
     store = make_store(kind="torch")
-    store.add(keys, torch.zeros(4000, 4), torch.arange(4000))
+    store.add(keys, torch.zeros(8192, 4), torch.arange(8192))
     exact, half = store.search(q, 32), store.search(q, 32, dtype)
     assert torch.equal(half[1].sort(-1).values, exact[1].sort(-1).values)  # the same 32 entries per query
     torch.testing.assert_close(half[0], exact[0], atol=1e-5, rtol=1e-6)  # rescored in float32, best first
     only_half = (q.to(dtype) @ keys.to(dtype).T).float().topk(32, dim=-1).indices
     assert not torch.equal(only_half.sort(-1).values, exact[1].sort(-1).values)  # rescoring is what makes it exact
+
+
+class _Products(TorchFunctionMode):
+    """The dtypes of the matrix products run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.bmm):
+            self.dtypes.append(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.skipif(not native_bf16(torch.device("cpu")), reason="the bf16 candidate step runs where bf16 is native")
+def test_the_half_candidate_product_runs_where_it_pays_and_only_there():
+    """The exact answer hides which path ran (the test above): the products' dtypes show it.  Small searches
+    stay float32, where converting the keys costs more than the half product saves."""
+    for queries, keys, pays in ((256, 8192, True), (2, 16384, True), (255, 8192, False), (1, 16384, False),
+                                (4000, 8191, False)):
+        assert half_pays(queries, keys) == pays
+        store = make_store(kind="torch")
+        store.add(torch.randn(keys, 64), torch.zeros(keys, 4), torch.arange(keys))
+        q = torch.randn(queries, 64)
+        for dtype in (torch.bfloat16, torch.float32, None):
+            with _Products() as seen:
+                store.search(q, 32, dtype)
+            assert (torch.bfloat16 in seen.dtypes) == (pays and dtype == torch.bfloat16), (queries, keys, dtype)
 
 
 @pytest.mark.parametrize("kind,extra", [("faiss-hnsw", {}), ("faiss-ivf", {"nlist": 16, "nprobe": 16})])
@@ -211,7 +241,7 @@ def test_capped_index_evicts_in_place_and_stays_exact_against_torch(kind, extra)
     assert len(s) == 300 and s.evicted == 700 and s.positions[0].item() == 700
     if kind != "faiss-hnsw":
         assert s.index is index_before  # removed from in place, not rebuilt
-    (ss, si), (ts, ti) = s.search(q, 5), t.search(q, 5)
+    (_, si), (_, ti) = s.search(q, 5), t.search(q, 5)
     assert torch.equal(s.positions[si], t.positions[ti]) if kind != "faiss-hnsw" else recall_at_k(ti, si) >= 0.9
     assert si.max() < 300 and si.min() >= 0
 

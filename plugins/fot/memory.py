@@ -41,7 +41,7 @@ import re
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -269,14 +269,26 @@ class TorchStore(MemoryStore):
         return top_inner_products(queries, self.keys, k, select_dtype)
 
 
-def top_inner_products(queries: torch.Tensor, keys: torch.Tensor, k: int,
-                       select_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+# where the half candidate step pays on a CPU (bench/half_candidates.py): converting the keys costs more than the
+# half product saves below HALF_MIN_KEYS keys, and below HALF_MIN_SCORES scores (queries x keys) unless the memory
+# holds HALF_ANY_KEYS keys (then 2 queries, a decode step's, pay)
+HALF_MIN_KEYS, HALF_MIN_SCORES, HALF_ANY_KEYS = 8192, 1 << 21, 16384
+
+
+def half_pays(queries: int, keys: int) -> bool:
+    """Whether picking candidates in a fast half precision beats float32 for ``queries`` x ``keys`` scores."""
+    return keys >= HALF_MIN_KEYS and queries >= 2 and (queries * keys >= HALF_MIN_SCORES or keys >= HALF_ANY_KEYS)
+
+
+def top_inner_products(queries: torch.Tensor, keys: torch.Tensor, k: int, select_dtype: torch.dtype | None = None,
+                       pays: Callable[[int, int], bool] = half_pays) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query's (Q, D) top-``k`` float32 inner products with ``keys`` (N, D), best first, and their rows.
-    With a half ``select_dtype``, the k + ``spare`` best scores in it are the candidates and only those are
-    scored in float32: the same top-k unless its rounding outweighs the gap between the k-th score and the
-    (k + spare)-th, at the half-precision matrix product's speed."""
+    With a half ``select_dtype`` where it ``pays(Q, N)``, the k + ``spare`` best scores in it are the candidates
+    and only those are scored in float32: the same top-k unless its rounding outweighs the gap between the k-th
+    score and the (k + spare)-th, at the half product's speed."""
     spare = max(8, k // 4)  # a topk's cost grows with its k: a few spare candidates, not 2k
-    if not _fast_half(select_dtype, keys.device) or k + spare >= keys.shape[0]:
+    n = keys.shape[0]
+    if n <= k + spare or not pays(queries.shape[0], n) or not _fast_half(select_dtype, keys.device):
         top = (queries @ keys.T).topk(k, dim=-1)
         return top.values, top.indices
     cand = (queries.to(select_dtype) @ keys.to(select_dtype).T).topk(k + spare, dim=-1).indices  # (Q, k + spare)
