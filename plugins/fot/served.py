@@ -331,7 +331,7 @@ class FoTServed(ServedAttention):
         if any(sizes):
             local_start = torch.tensor([[d["local_start"]] for d in states], device=dev)
             q_rel = rotate(q[sel].float(), self._shift(pos[:, None], local_start)[..., None], self.inv_freq(module))
-            found = [row_search(m, 0, q_rel[i], self.m.k, False) if n else None
+            found = [row_search(m, 0, q_rel[i], self.m.k, False, query.dtype) if n else None
                      for i, (m, n) in enumerate(zip(memories, sizes))]
         if not any(f is not None for f in found):
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None, None, :], scale=scale)
