@@ -48,6 +48,12 @@ def test_eval_passkey_and_compare_generate_the_new_tokens_asked_for(tiny_dir, tm
     assert json.loads((tmp_path / "pk" / "passkey.json").read_text())["config"]["max_new_tokens"] == 13
 
 
+def test_ruler_help_speaks_of_ruler_and_compare_help_of_both_suites():
+    ruler, compare = (" ".join(run("eval", suite, "--help").output.split()) for suite in ("ruler", "compare"))
+    assert "passkey" not in ruler and "(default: each task's own" in ruler
+    assert "(default: passkey 8; ruler: each task's own" in compare
+
+
 def test_eval_compare_ppl_writes_table(tiny_dir, tmp_path):
     (tmp_path / "doc.txt").write_text("the quick brown fox jumps over the lazy dog. " * 30)
     r = run("eval", "compare", "ppl", "-m", str(tiny_dir), "--stack", "none", "--stack", "streaming",

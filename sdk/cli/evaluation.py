@@ -75,23 +75,25 @@ def _tasks(ctx, param, value: str) -> list[str]:
         raise click.BadParameter(str(e)) from None
 
 
-def ruler_options(f):
-    """The options `eval ruler` and `eval compare ruler` share."""
+def ruler_options(compare: bool):
+    """The options `eval ruler` and `eval compare` share, their help in the command's own terms."""
     from lcx.evals.ruler import TASKS
 
-    f = click.option("--max-new-tokens", type=click.IntRange(1), default=None,
-                     help="New tokens per answer (default: passkey 8; ruler: each task's own, enough for its "
-                          "answer).")(f)
-    f = click.option("--tasks", callback=_tasks, default="all", show_default=True,
-                     help="ruler: comma-separated tasks, `all`, or `niah` for every needle task: "
-                          + ", ".join(TASKS) + ".")(f)
-    return f
+    new_tokens = "passkey 8; ruler: each task's own" if compare else "each task's own"
+    tasks = ("ruler: comma" if compare else "Comma") + "-separated tasks, `all`, or `niah` for every needle task: "
+
+    def add(f):
+        f = click.option("--max-new-tokens", type=click.IntRange(1), default=None,
+                         help=f"New tokens per answer (default: {new_tokens}, enough for its answer).")(f)
+        return click.option("--tasks", callback=_tasks, default="all", show_default=True,
+                            help=tasks + ", ".join(TASKS) + ".")(f)
+    return add
 
 
 @eval_grp.command("ruler", context_settings=CONTEXT)
 @model_option
 @method_options
-@ruler_options
+@ruler_options(compare=False)
 @click.option("--lengths", callback=_int_list, default="4096", show_default=True,
               help="Comma-separated prompt lengths in tokens; K suffix allowed (4K = 4096).")
 @click.option("--samples", type=click.IntRange(1), default=5, show_default=True, help="Samples per task and length.")
@@ -288,7 +290,7 @@ def eval_ppl(model, methods, options, adapter, trust_remote_code, data, text_fie
 @click.option("--haystack", "haystack", multiple=True, type=click.Path(exists=True, path_type=Path), metavar="PATH",
               help="passkey: hide the needle in real text instead of the repeated filler; ruler (required): the "
                    "text of every task. " + HAYSTACK_HELP)
-@ruler_options
+@ruler_options(compare=True)
 @click.option("--data", "-d", multiple=True, metavar="PATH", help="ppl: documents.")
 @text_field_option
 @click.option("--max-docs", type=click.IntRange(1), default=None, help="ppl: at most this many documents.")
