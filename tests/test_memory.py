@@ -62,8 +62,8 @@ class _Products(TorchFunctionMode):
 def test_the_half_candidate_product_runs_where_it_pays_and_only_there():
     """The exact answer hides which path ran (the test above): the products' dtypes show it.  Small searches
     stay float32, where converting the keys costs more than the half product saves."""
-    for queries, keys, pays in ((256, 8192, True), (2, 16384, True), (255, 8192, False), (1, 16384, False),
-                                (4000, 8191, False)):
+    for queries, keys, pays in ((256, 8192, True), (4, 16384, True), (700, 3072, True), (255, 8192, False),
+                                (3, 16384, False), (4000, 3071, False)):
         assert half_pays(queries, keys) == pays
         store = make_store(kind="torch")
         store.add(torch.randn(keys, 64), torch.zeros(keys, 4), torch.arange(keys))

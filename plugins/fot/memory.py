@@ -269,15 +269,16 @@ class TorchStore(MemoryStore):
         return top_inner_products(queries, self.keys, k, select_dtype)
 
 
-# where the half candidate step pays on a CPU (bench/half_candidates.py): converting the keys costs more than the
-# half product saves below HALF_MIN_KEYS keys, and below HALF_MIN_SCORES scores (queries x keys) unless the memory
-# holds HALF_ANY_KEYS keys (then 2 queries, a decode step's, pay)
-HALF_MIN_KEYS, HALF_MIN_SCORES, HALF_ANY_KEYS = 8192, 1 << 21, 16384
+# where the half candidate step pays on a CPU (bench/half_candidates.py, in a real prefill and alone): converting
+# the keys costs more than the half product saves below HALF_MIN_QUERIES queries or HALF_MIN_KEYS keys, and below
+# HALF_MIN_SCORES scores (queries x keys) unless the memory holds HALF_ANY_KEYS keys (then a decode step's pay)
+HALF_MIN_QUERIES, HALF_MIN_KEYS, HALF_MIN_SCORES, HALF_ANY_KEYS = 4, 3072, 1 << 21, 16384
 
 
 def half_pays(queries: int, keys: int) -> bool:
     """Whether picking candidates in a fast half precision beats float32 for ``queries`` x ``keys`` scores."""
-    return keys >= HALF_MIN_KEYS and queries >= 2 and (queries * keys >= HALF_MIN_SCORES or keys >= HALF_ANY_KEYS)
+    return (queries >= HALF_MIN_QUERIES and keys >= HALF_MIN_KEYS
+            and (queries * keys >= HALF_MIN_SCORES or keys >= HALF_ANY_KEYS))
 
 
 def top_inner_products(queries: torch.Tensor, keys: torch.Tensor, k: int, select_dtype: torch.dtype | None = None,
