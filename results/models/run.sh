@@ -139,12 +139,17 @@ passkey_held_fresh() {  # $1 model, $2 stack: passkey_held on a fresh draw (keys
     held_passkey "$1" "$2" passkey-held-4k-fresh --seed 1 --haystack $BOOKS/stevenson_treasure_island.txt \
         --haystack $BOOKS/twain_tom_sawyer.txt
 }
-beyond() {  # $1 model, $2 haystack (prose|filler): 64K, every training-free stack and YaRN x2
-    local extra=(); [ "$1" = qwen2.5-0.5b ] && extra=("${QWEN_FOT[@]}")
+beyond() {  # $1 model, $2 haystack (prose|filler): 64K, every training-free stack and YaRN x2 (fot at its defaults:
+    # memory layers and gate auto)
     local hay=(); [ "$2" = prose ] && hay=(--haystack $BOOKS)
     $LCX eval compare passkey -m "$1" --stack vanilla --stack rope --stack streaming --stack fot --stack focusllm \
-        -o rope.factor=2 "${extra[@]}" --lengths 64K --samples 3 "${hay[@]}" \
+        -o rope.factor=2 --lengths 64K --samples 3 "${hay[@]}" \
         --out "results/models/$1/beyond-64k-$2" "${COMMON[@]}"
+}
+fot64_defaults() {  # $1 model[, $2 keys per depth, default 3]: fot with no option at all, 64K prose, 5 depths: issue
+    # 52's "no options" figure and issue 50's fot row of the beyond grid, the first use's calibration included
+    $LCX eval passkey -m "$1" --method fot --lengths 64K --samples "${2:-3}" --haystack $BOOKS \
+        --out "results/models/$1/fot-64k-prose-defaults" "${COMMON[@]}"
 }
 
 steps=("$@")
