@@ -6,8 +6,8 @@ of stores keyed by (layer, kv_head).  ``search`` returns the top-k entries by
 inner product for each query.
 
 Backends (``make_store(kind, ...)``):
-    torch       exact, dense matmul + topk (a half-precision model's candidates picked in its precision,
-                then scored in float32: top_inner_products); best for small memories
+    torch       exact, dense matmul + topk (a half-precision model's candidates picked in its precision where
+                that pays, then scored in float32: top_inner_products); best for small memories
     faiss-flat  exact inner product (IndexFlatIP)
     faiss-ivf   approximate: inverted lists (nlist, nprobe); trains on the first entries.  Inner
                 product search is run as nearest-neighbour search on keys extended by one coordinate
@@ -269,14 +269,14 @@ class TorchStore(MemoryStore):
         return top_inner_products(queries, self.keys, k, select_dtype)
 
 
-# where the half candidate step pays on a CPU (bench/half_candidates.py, in a real prefill and alone): converting
-# the keys costs more than the half product saves below HALF_MIN_QUERIES queries or HALF_MIN_KEYS keys, and below
-# HALF_MIN_SCORES scores (queries x keys) unless the memory holds HALF_ANY_KEYS keys (then a decode step's pay)
-HALF_MIN_QUERIES, HALF_MIN_KEYS, HALF_MIN_SCORES, HALF_ANY_KEYS = 4, 3072, 1 << 21, 16384
+# where the half candidate step pays on a CPU (bench/half_candidates.py, in a real prefill and alone): below
+# HALF_MIN_QUERIES queries or HALF_MIN_KEYS keys converting the keys costs more than the half product saves, and
+# it needs HALF_MIN_SCORES scores (queries x keys) unless the memory holds HALF_ANY_KEYS keys
+HALF_MIN_QUERIES, HALF_MIN_KEYS, HALF_MIN_SCORES, HALF_ANY_KEYS = 4, 3072, 1 << 21, 8192
 
 
 def half_pays(queries: int, keys: int) -> bool:
-    """Whether picking candidates in a fast half precision beats float32 for ``queries`` x ``keys`` scores."""
+    """Whether picking candidates in a fast half precision beats float32 on a CPU for ``queries`` x ``keys``."""
     return (queries >= HALF_MIN_QUERIES and keys >= HALF_MIN_KEYS
             and (queries * keys >= HALF_MIN_SCORES or keys >= HALF_ANY_KEYS))
 
@@ -284,12 +284,14 @@ def half_pays(queries: int, keys: int) -> bool:
 def top_inner_products(queries: torch.Tensor, keys: torch.Tensor, k: int, select_dtype: torch.dtype | None = None,
                        pays: Callable[[int, int], bool] = half_pays) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query's (Q, D) top-``k`` float32 inner products with ``keys`` (N, D), best first, and their rows.
-    With a half ``select_dtype`` where it ``pays(Q, N)``, the k + ``spare`` best scores in it are the candidates
-    and only those are scored in float32: the same top-k unless its rounding outweighs the gap between the k-th
-    score and the (k + spare)-th, at the half product's speed."""
+    With a half ``select_dtype`` where it ``pays(Q, N)`` (on a CPU; a GPU's crossover is not measured), the
+    k + ``spare`` best scores in it are the candidates and only those are scored in float32: the same top-k
+    unless its rounding outweighs the gap between the k-th score and the (k + spare)-th, at the half product's
+    speed."""
     spare = max(8, k // 4)  # a topk's cost grows with its k: a few spare candidates, not 2k
     n = keys.shape[0]
-    if n <= k + spare or not pays(queries.shape[0], n) or not _fast_half(select_dtype, keys.device):
+    if (n <= k + spare or not _fast_half(select_dtype, keys.device)
+            or (keys.device.type == "cpu" and not pays(queries.shape[0], n))):
         top = (queries @ keys.T).topk(k, dim=-1)
         return top.values, top.indices
     cand = (queries.to(select_dtype) @ keys.to(select_dtype).T).topk(k + spare, dim=-1).indices  # (Q, k + spare)
