@@ -146,15 +146,16 @@ beyond() {  # $1 model, $2 haystack (prose|filler): 64K, every training-free sta
         -o rope.factor=2 --lengths 64K --samples 3 "${hay[@]}" \
         --out "results/models/$1/beyond-64k-$2" "${COMMON[@]}"
 }
-fot64_defaults() {  # $1 model[, $2 keys per depth, default 3]: fot with no option at all, 64K prose, 5 depths: issue
+fot64_defaults() {  # $1 model[, $2 keys per depth, default 3, its own folder when given]: fot with no option at all, 64K prose, 5 depths: issue
     # 52's "no options" figure and issue 50's fot row of the beyond grid, the first use's calibration included
     $LCX eval passkey -m "$1" --method fot --lengths 64K --samples "${2:-3}" --haystack $BOOKS \
-        --out "results/models/$1/fot-64k-prose-defaults" "${COMMON[@]}"
+        --out "results/models/$1/fot-64k-prose-defaults${2:+-$2keys}" "${COMMON[@]}"
 }
 
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=("retrieval smollm2-135m" "retrieval gemma3-270m" "retrieval qwen2.5-0.5b" gemma_fot64 "inside gemma3-270m 16K" "inside qwen2.5-0.5b 16K" "ppl gemma3-270m"
     "ppl qwen2.5-0.5b" "ppl_held gemma3-270m" "ppl_held qwen2.5-0.5b"
     "inside gemma3-270m 32K" "inside qwen2.5-0.5b 32K" "beyond gemma3-270m prose"
-    "beyond qwen2.5-0.5b prose" "beyond gemma3-270m filler" "beyond qwen2.5-0.5b filler")
+    "beyond qwen2.5-0.5b prose" "beyond gemma3-270m filler" "beyond qwen2.5-0.5b filler"
+    "fot64_defaults gemma3-270m" "fot64_defaults qwen2.5-0.5b")
 for s in "${steps[@]}"; do echo "== $s"; $s; done
