@@ -16,6 +16,7 @@ from lcx.cli.base import (
     _device, _dtype, _with_limits, device_option, main, method_options, model_option, text_field_option,
 )
 from lcx.errors import LcxError
+from lcx.evals.passkey import PasskeyConfig  # its defaults are the CLI's (the CLI loads the evals anyway)
 
 
 @main.group("eval", cls=LcxGroup, context_settings=CONTEXT)
@@ -36,7 +37,7 @@ def eval_grp() -> None:
                    ".jsonl (e.g. ../shared/data/books); whole sentences from the start, so one length's prompts "
                    "share their text. Repeatable.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Draws the keys (same seed, same prompts).")
-@click.option("--max-new-tokens", type=click.IntRange(1), default=8, show_default=True,
+@click.option("--max-new-tokens", type=click.IntRange(1), default=PasskeyConfig.max_new_tokens, show_default=True,
               help="New tokens per answer; the key must be among them (a model that restates the question before "
                    "answering needs more).")
 @click.option("--out", type=OUT_DIR, default=Path("out/passkey"), show_default=True,
@@ -79,7 +80,7 @@ def ruler_options(compare: bool):
     """The options `eval ruler` and `eval compare` share, their help in the command's own terms."""
     from lcx.evals.ruler import TASKS
 
-    new_tokens = "passkey 8; ruler: each task's own" if compare else "each task's own"
+    new_tokens = f"passkey {PasskeyConfig.max_new_tokens}; ruler: each task's own" if compare else "each task's own"
     tasks = ("ruler: comma" if compare else "Comma") + "-separated tasks, `all`, or `niah` for every needle task: "
 
     def add(f):
