@@ -74,24 +74,30 @@ def main() -> None:
     bf16, _ = bench_model(args.model, dtype="bfloat16")
     defaults = memory.top_inner_products.__defaults__
     rows = {}
-    for method in (None, "fot"):
-        ref_tokens, ref_logits = run(fp32, method, options, ids, args.new)
-        top2 = ref_logits.topk(2).values
-        rows[method or "none"] = row = {"float32_tokens": ref_tokens, "float32_margin": float(top2[0] - top2[1])}
-        for rule in (RULES if method else ["-"]):
-            memory.top_inner_products.__defaults__ = (None, RULES.get(rule, memory.half_pays))
-            toks, logits = run(bf16, method, options, ids, args.new)
-            first = first_difference(toks, ref_tokens)
-            row[rule] = {"tokens": toks, "same_tokens": sum(x == y for x, y in zip(toks, ref_tokens)),
-                         "first_difference": first, "max_logit_difference": max_difference(logits, ref_logits)}
-            print(f"{method or 'none':>5} bf16 {rule:>9}: same {row[rule]['same_tokens']:2d}/{args.new}, first "
-                  f"difference at {first}, max |logit - fp32| {row[rule]['max_logit_difference']:.3f} "
-                  f"(fp32 margin {row['float32_margin']:.3f})", flush=True)
+    try:
+        measure_all(fp32, bf16, options, ids, args.new, rows)
+    finally:
         memory.top_inner_products.__defaults__ = defaults
     result = {"benchmark": "half_tokens", **environment(), "model": args.model, "tokens": tokens,
               "new_tokens": args.new, "options": options, "methods": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
+
+
+def measure_all(fp32, bf16, options: dict, ids: torch.Tensor, new: int, rows: dict) -> None:
+    for method in (None, "fot"):
+        ref_tokens, ref_logits = run(fp32, method, options, ids, new)
+        top2 = ref_logits.topk(2).values
+        rows[method or "none"] = row = {"float32_tokens": ref_tokens, "float32_margin": float(top2[0] - top2[1])}
+        for rule in (RULES if method else ["-"]):
+            memory.top_inner_products.__defaults__ = (None, RULES.get(rule, memory.half_pays))
+            toks, logits = run(bf16, method, options, ids, new)
+            first = first_difference(toks, ref_tokens)
+            row[rule] = {"tokens": toks, "same_tokens": sum(x == y for x, y in zip(toks, ref_tokens)),
+                         "first_difference": first, "max_logit_difference": max_difference(logits, ref_logits)}
+            print(f"{method or 'none':>5} bf16 {rule:>9}: same {row[rule]['same_tokens']:2d}/{new}, first "
+                  f"difference at {first}, max |logit - fp32| {row[rule]['max_logit_difference']:.3f} "
+                  f"(fp32 margin {row['float32_margin']:.3f})", flush=True)
 
 
 if __name__ == "__main__":
