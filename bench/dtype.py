@@ -36,6 +36,11 @@ FOT_BEFORE = ("fot.local=2048", "fot.chunk=0", "fot.sinks=0", "fot.positions=fir
               "fot.gate=off")
 
 
+def random_prompt(tokens: int) -> torch.Tensor:
+    """The (1, tokens) prompt every dtype comparison reads (a fixed draw, so runs and scripts compare)."""
+    return torch.randint(100, 40000, (1, tokens), generator=torch.Generator().manual_seed(0))
+
+
 # ---------------------------------------------------------------------- the roofline
 def matmul_peak(dtype: torch.dtype, sizes: tuple[int, ...] = (1024, 2048, 3072, 4096),
                 seconds: float = 1.0, device: torch.device = torch.device("cpu")) -> dict[str, float]:
@@ -148,7 +153,7 @@ def main() -> None:
     peaks = {name: s["peak"] for name, s in sizes.items()}
     print(f"matrix-product peak ({device_name(models['float32'])}{'' if gpu else f', {torch.get_num_threads()} threads'}): "
           f"fp32 {peaks['float32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bfloat16'] / 1e9:.0f} GFLOP/s", flush=True)
-    ids = torch.randint(100, 40000, (1, tokens), generator=torch.Generator().manual_seed(0)).to(device)
+    ids = random_prompt(tokens).to(device)
     linear_flops, attention_flops = prefill_flops(models["float32"], tokens)
     flops = linear_flops + attention_flops
     rows: dict[str, dict] = {}

@@ -25,7 +25,7 @@ from lcx.plugins.fot import memory
 from lcx.session import parse_options
 from loading import bench_model
 from provenance import environment  # bench/provenance.py (scripts here run as `python bench/NAME.py`)
-from dtype import FOT_BEFORE
+from dtype import FOT_BEFORE, random_prompt
 
 OUT = Path(__file__).parent / "results" / "half_tokens.json"
 RULES = {"half_pays": memory.half_pays, "always": lambda queries, keys: True, "never": lambda queries, keys: False}
@@ -69,13 +69,12 @@ def main() -> None:
     args = ap.parse_args()
     tokens = token_counts(args.tokens)[0]
     options = parse_options(FOT_BEFORE)["fot"]
-    ids = torch.randint(100, 40000, (1, tokens), generator=torch.Generator().manual_seed(0))  # bench/dtype.py's
+    ids = random_prompt(tokens)
     fp32, _ = bench_model(args.model, dtype="float32")
     bf16, _ = bench_model(args.model, dtype="bfloat16")
     defaults = memory.top_inner_products.__defaults__
-    rows = {}
     try:
-        measure_all(fp32, bf16, options, ids, args.new, rows)
+        rows = measure_all(fp32, bf16, options, ids, args.new)
     finally:
         memory.top_inner_products.__defaults__ = defaults
     result = {"benchmark": "half_tokens", **environment(), "model": args.model, "tokens": tokens,
@@ -84,7 +83,9 @@ def main() -> None:
     args.out.write_text(json.dumps(result, indent=2))
 
 
-def measure_all(fp32, bf16, options: dict, ids: torch.Tensor, new: int, rows: dict) -> None:
+def measure_all(fp32, bf16, options: dict, ids: torch.Tensor, new: int) -> dict:
+    """Per method (none, fot): float32's tokens and first-token margin, and each bf16 run's against them."""
+    rows = {}
     for method in (None, "fot"):
         ref_tokens, ref_logits = run(fp32, method, options, ids, new)
         top2 = ref_logits.topk(2).values
@@ -98,6 +99,7 @@ def measure_all(fp32, bf16, options: dict, ids: torch.Tensor, new: int, rows: di
             print(f"{method or 'none':>5} bf16 {rule:>9}: same {row[rule]['same_tokens']:2d}/{new}, first "
                   f"difference at {first}, max |logit - fp32| {row[rule]['max_logit_difference']:.3f} "
                   f"(fp32 margin {row['float32_margin']:.3f})", flush=True)
+    return rows
 
 
 if __name__ == "__main__":

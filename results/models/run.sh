@@ -146,8 +146,9 @@ beyond() {  # $1 model, $2 haystack (prose|filler): 64K, every training-free sta
         -o rope.factor=2 --lengths 64K --samples 3 "${hay[@]}" \
         --out "results/models/$1/beyond-64k-$2" "${COMMON[@]}"
 }
-fot64_defaults() {  # $1 model[, $2 keys per depth, default 3, its own folder when given]: fot with no option at all, 64K prose, 5 depths: issue
-    # 52's "no options" figure and issue 50's fot row of the beyond grid, the first use's calibration included
+fot64_defaults() {  # $1 model[, $2 keys per depth, default 3, its own folder when given]: fot with no option at
+    # all, 64K prose, 5 depths: issue 52's "no options" figure and issue 50's fot row of the beyond grid, the first
+    # use's calibration included
     $LCX eval passkey -m "$1" --method fot --lengths 64K --samples "${2:-3}" --haystack $BOOKS \
         --out "results/models/$1/fot-64k-prose-defaults${2:+-$2keys}" "${COMMON[@]}"
 }
