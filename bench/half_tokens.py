@@ -1,4 +1,4 @@
-"""Why fot's greedy tokens in bf16 agree with float32 in one run of bench/dtype.py and not in another.
+"""How far fot's bf16 greedy tokens and first-token logits stay from float32's, by where its half candidate step runs.
 
 bench/dtype.py counts, position by position, the greedy tokens a float32 and a bf16 model give after a random
 prompt: once the first token differs, every later one tends to.  This runs fot on the same bf16 model with its
