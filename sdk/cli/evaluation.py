@@ -16,7 +16,9 @@ from lcx.cli.base import (
     _device, _dtype, _with_limits, device_option, main, method_options, model_option, text_field_option,
 )
 from lcx.errors import LcxError
-from lcx.evals.passkey import PasskeyConfig  # its defaults are the CLI's (the CLI loads the evals anyway)
+from lcx.evals import passkey, ruler  # their configs' defaults are the CLI's (the CLI loads the evals anyway)
+
+DEPTHS = ",".join(map(str, passkey.DEPTHS))
 
 
 @main.group("eval", cls=LcxGroup, context_settings=CONTEXT)
@@ -29,17 +31,19 @@ def eval_grp() -> None:
 @method_options
 @click.option("--lengths", callback=_int_list, default="4096", show_default=True,
               help="Comma-separated prompt lengths in tokens; K suffix allowed (4K = 4096).")
-@click.option("--depths", callback=_float_list, default="0.1,0.3,0.5,0.7,0.9", show_default=True,
+@click.option("--depths", callback=_float_list, default=DEPTHS, show_default=True,
               help="Comma-separated needle depths in [0, 1].")
-@click.option("--samples", type=click.IntRange(1), default=5, show_default=True, help="Random keys per cell.")
+@click.option("--samples", type=click.IntRange(1), default=passkey.PasskeyConfig.samples, show_default=True,
+              help="Random keys per cell.")
 @click.option("--haystack", "haystack", multiple=True, type=click.Path(exists=True, path_type=Path), metavar="PATH",
               help="Hide the needle in real text instead of the repeated filler: text files, folders of them or "
                    ".jsonl (e.g. ../shared/data/books); whole sentences from the start, so one length's prompts "
                    "share their text. Repeatable.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Draws the keys (same seed, same prompts).")
-@click.option("--max-new-tokens", type=click.IntRange(1), default=PasskeyConfig.max_new_tokens, show_default=True,
-              help="New tokens per answer; the key must be among them (a model that restates the question before "
-                   "answering needs more).")
+@click.option("--seed", type=int, default=passkey.PasskeyConfig.seed, show_default=True,
+              help="Draws the keys (same seed, same prompts).")
+@click.option("--max-new-tokens", type=click.IntRange(1), default=passkey.PasskeyConfig.max_new_tokens,
+              show_default=True, help="New tokens per answer; the key must be among them (a model that restates "
+                                       "the question before answering needs more).")
 @click.option("--out", type=OUT_DIR, default=Path("out/passkey"), show_default=True,
               help="Folder for passkey.json and passkey.png.")
 @click.option("--resume", is_flag=True, help=RESUME_HELP)
@@ -55,8 +59,6 @@ def eval_passkey(model, methods, options, adapter, trust_remote_code, lengths, d
     memory allows it (fot, streaming) feed it once and start the cell's other keys from a copy, with
     the same answers (a sample's "seconds" then covers only what it fed).
     """
-    from lcx.evals import passkey
-
     cfg = passkey.PasskeyConfig(lengths=lengths, depths=depths, samples=samples, seed=seed,
                                 haystack=_haystack(haystack), max_new_tokens=max_new_tokens)
     _run_grid(passkey, "passkey", cfg, model, methods, options, adapter, trust_remote_code, out, resume, as_json,
@@ -78,16 +80,15 @@ def _tasks(ctx, param, value: str) -> list[str]:
 
 def ruler_options(compare: bool):
     """The options `eval ruler` and `eval compare` share, their help in the command's own terms."""
-    from lcx.evals.ruler import TASKS
-
-    new_tokens = f"passkey {PasskeyConfig.max_new_tokens}; ruler: each task's own" if compare else "each task's own"
+    own = "each task's own"
+    new_tokens = f"passkey {passkey.PasskeyConfig.max_new_tokens}; ruler: {own}" if compare else own
     tasks = ("ruler: comma" if compare else "Comma") + "-separated tasks, `all`, or `niah` for every needle task: "
 
     def add(f):
         f = click.option("--max-new-tokens", type=click.IntRange(1), default=None,
                          help=f"New tokens per answer (default: {new_tokens}, enough for its answer).")(f)
         return click.option("--tasks", callback=_tasks, default="all", show_default=True,
-                            help=tasks + ", ".join(TASKS) + ".")(f)
+                            help=tasks + ", ".join(ruler.TASKS) + ".")(f)
     return add
 
 
@@ -97,13 +98,14 @@ def ruler_options(compare: bool):
 @ruler_options(compare=False)
 @click.option("--lengths", callback=_int_list, default="4096", show_default=True,
               help="Comma-separated prompt lengths in tokens; K suffix allowed (4K = 4096).")
-@click.option("--samples", type=click.IntRange(1), default=5, show_default=True, help="Samples per task and length.")
-@click.option("--depths", callback=_float_list, default="0.1,0.3,0.5,0.7,0.9", show_default=True,
+@click.option("--samples", type=click.IntRange(1), default=ruler.RulerConfig.samples, show_default=True,
+              help="Samples per task and length.")
+@click.option("--depths", callback=_float_list, default=DEPTHS, show_default=True,
               help="Depths of the queried needle in [0, 1]: sample i takes the (i mod count)-th.")
 @click.option("--haystack", "haystack", multiple=True, required=True, type=click.Path(exists=True, path_type=Path),
               metavar="PATH", help=HAYSTACK_HELP)
-@click.option("--seed", type=int, default=0, show_default=True, help="Draws keys, values and lists (same seed, "
-              "same prompts).")
+@click.option("--seed", type=int, default=ruler.RulerConfig.seed, show_default=True,
+              help="Draws keys, values and lists (same seed, same prompts).")
 @click.option("--out", type=OUT_DIR, default=Path("out/ruler"), show_default=True,
               help="Folder for ruler.json, ruler.png and the journal.")
 @click.option("--resume", is_flag=True, help=RESUME_HELP)
@@ -122,8 +124,6 @@ def eval_ruler(model, methods, options, adapter, trust_remote_code, tasks, max_n
     Example:
       lcx eval ruler -m gemma3-270m --method fot --lengths 8K,16K --tasks niah,vt --haystack ../shared/data/books
     """
-    from lcx.evals import ruler
-
     cfg = ruler.RulerConfig(lengths=lengths, tasks=tasks, samples=samples, depths=depths, seed=seed,
                             haystack=_haystack(haystack) or "", max_new_tokens=max_new_tokens)
     _run_grid(ruler, "ruler", cfg, model, methods, options, adapter, trust_remote_code, out, resume, as_json,
@@ -281,7 +281,7 @@ def eval_ppl(model, methods, options, adapter, trust_remote_code, data, text_fie
               help="Per-method option, applied in every stack that has the method.")
 @click.option("--lengths", callback=_int_list, default="4096", show_default=True,
               help="passkey, ruler: prompt lengths.")
-@click.option("--depths", callback=_float_list, default="0.1,0.3,0.5,0.7,0.9", show_default=True,
+@click.option("--depths", callback=_float_list, default=DEPTHS, show_default=True,
               help="passkey, ruler: needle depths.")
 @click.option("--samples", type=click.IntRange(1), default=None,
               help="Keys per cell (passkey, default 5), samples per task and length (ruler, default 5) or spans "
@@ -315,7 +315,7 @@ def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, 
     """
     from lcx.data import special_prefix
     from lcx.evals import compare as cmp
-    from lcx.evals import passkey, ppl, ruler
+    from lcx.evals import ppl
     from lcx.generation import score_tail
     from lcx.models import load_model
     from lcx.session import parse_options
@@ -324,14 +324,15 @@ def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, 
     hf_model, tok = load_model(model, device=_device(), dtype=_dtype())
     if suite in ("passkey", "ruler"):
         if suite == "passkey":
-            cfg = passkey.PasskeyConfig(lengths=lengths, depths=depths, samples=samples or 5, seed=seed,
-                                        haystack=_haystack(haystack), **({"max_new_tokens": max_new_tokens}
-                                                                         if max_new_tokens else {}))
+            new = {"max_new_tokens": max_new_tokens} if max_new_tokens else {}
+            cfg = passkey.PasskeyConfig(lengths=lengths, depths=depths, seed=seed, haystack=_haystack(haystack),
+                                        samples=samples or passkey.PasskeyConfig.samples, **new)
         else:
             if not haystack:
                 raise LcxError("ruler needs real text: give --haystack PATH (e.g. ../shared/data/books)")
-            cfg = ruler.RulerConfig(lengths=lengths, tasks=tasks, samples=samples or 5, depths=depths, seed=seed,
-                                    haystack=_haystack(haystack) or "", max_new_tokens=max_new_tokens)
+            cfg = ruler.RulerConfig(lengths=lengths, tasks=tasks, samples=samples or ruler.RulerConfig.samples,
+                                    depths=depths, seed=seed, haystack=_haystack(haystack) or "",
+                                    max_new_tokens=max_new_tokens)
         grid = passkey if suite == "passkey" else ruler
         stems: dict[str, str] = {}  # journal name -> the adapter folder it is for
 

@@ -130,10 +130,13 @@ def shortest_length(tokenizer: Any) -> int:
         tokenizer(" " + FILLER, add_special_tokens=False)["input_ids"])
 
 
+DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # where a grid hides its needles unless asked otherwise
+
+
 @dataclass
 class PasskeyConfig:
     lengths: list[int]
-    depths: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9])
+    depths: list[float] = field(default_factory=lambda: list(DEPTHS))
     samples: int = 5
     seed: int = 0
     max_new_tokens: int = 8

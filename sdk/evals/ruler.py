@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from lcx.errors import LcxError
-from lcx.evals.passkey import Haystack, request_options
+from lcx.evals.passkey import DEPTHS, Haystack, request_options
 from lcx.io import Journal, pyplot, save_figure, token_label, write_json
 
 
@@ -311,7 +311,7 @@ class RulerConfig:
     tasks: list[str] = field(default_factory=lambda: list(TASKS))
     samples: int = 5
     #: sample i's queried needle sits at depths[i % len(depths)]
-    depths: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9])
+    depths: list[float] = field(default_factory=lambda: list(DEPTHS))
     seed: int = 0
     #: files or folders of text ("," joined)
     haystack: str = ""
