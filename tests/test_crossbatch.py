@@ -188,13 +188,19 @@ def test_streams_pin_each_row_to_consecutive_windows():
         rows_for(0, 0, 0, cfg, 1, 2, "streams")
 
 
-def test_analyze_distraction_cli(tmp_path):
+def test_analyze_distraction_cli(tmp_path, monkeypatch):
     import json
 
     from click.testing import CliRunner
 
     from lcx.cli import main
+    from lcx.plugins.fot import calibrate
     from tests.helpers import make_tiny_model_dir, make_word_documents
+
+    def no_calibration(*a, **k):  # the measure never reads fot's gate: calibrating it would be wasted probes
+        raise AssertionError("analyze distraction calibrated fot's gate")
+
+    monkeypatch.setattr(calibrate, "calibrate_gate", no_calibration)
 
     m, docs = make_tiny_model_dir(tmp_path / "m"), make_word_documents(tmp_path / "docs")
     args = ["analyze", "distraction", "-m", str(m), "-d", str(docs), "-o", "local=16", "-o", "memory_layers=1",

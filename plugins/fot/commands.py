@@ -140,7 +140,10 @@ def analyze_distraction(model, methods, options, adapter, trust_remote_code, dat
 
     if methods and tuple(methods) != ("fot",):
         raise LcxError(f"analyze distraction measures fot's memory layers; drop --method {' '.join(methods)}")
-    s = _open(model, methods or (() if adapter else ("fot",)), options, adapter, trust_remote_code)
+    stack = methods or (() if adapter else ("fot",))  # else the adapter's methods
+    if stack and not any(o.split("=")[0] in ("gate", "fot.gate") for o in options):
+        options = (*options, "fot.gate=off")  # crossbatch attention never reads the gate: no calibration for it
+    s = _open(model, stack, options, adapter, trust_remote_code)
     try:
         if "fot" not in [m.name for m in s.run.methods]:
             raise LcxError(f"adapter {str(adapter)!r} was not trained with fot; add --method fot")
