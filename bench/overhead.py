@@ -20,6 +20,7 @@ import torch
 import lcx
 from lcx.models import load_model
 from provenance import environment  # bench/provenance.py (scripts here run as `python bench/NAME.py`)
+from dtype import random_prompt
 
 OUT = Path(__file__).parent / "results" / "overhead.json"
 
@@ -40,7 +41,7 @@ def main() -> None:
     args = ap.parse_args()
 
     model, _ = load_model(args.model)
-    ids = torch.randint(100, 40000, (1, args.tokens), generator=torch.Generator().manual_seed(0))
+    ids = random_prompt(args.tokens)
     for _ in range(args.warmup):
         timed_forward(model, ids)
         with lcx.attach(model):
