@@ -3,13 +3,14 @@
 A method whose best option depends on the model (fot's memory layers: the layers that copy from far context)
 resolves ``auto`` by measuring it (:meth:`lcx.method.Method.resolve_auto`), and ``measured`` caches the answer
 in ``lcx-auto.json`` in the model's folder (or under ``$LCX_HOME/auto`` when that folder is read-only).  An
-entry is trusted only for the same model files, the same lcx version and the same measurement inputs (each option
-keeps its latest ``KEPT`` sets of inputs); a damaged file or one from another model or version is measured again,
-with a note saying why.
+entry is trusted only for the same model files, the same lcx version and the same measurement inputs, the dtype the
+model computes in among them (each option keeps its latest ``KEPT`` sets of inputs); a damaged file or one from
+another model or version is measured again, with a note saying why.
 """
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import json
 import os
@@ -25,6 +26,7 @@ KEPT = 8
 _WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 _said: set[tuple[str, str, str]] = set()  # (file, key, inputs) reported in this process: a value is announced once
+_dtype: contextvars.ContextVar[str | None] = contextvars.ContextVar("lcx_auto_dtype", default=None)
 
 
 def note(message: str) -> None:
@@ -32,10 +34,12 @@ def note(message: str) -> None:
     print(message, file=sys.stderr)
 
 
-def resolve(methods: list[Any], folder: Path | None, load: Callable[[], tuple[Any, Any]]) -> None:
+def resolve(methods: list[Any], folder: Path | None, load: Callable[[], tuple[Any, Any]],
+            dtype: str | None = None) -> None:
     """Let each method measure its ``auto`` options (``Method.resolve_auto``) for the model in ``folder``, with
-    nothing attached yet; ``load()`` gives ``(model, tokenizer)``, loaded at most once.  Only a local folder
-    holding a tokenizer can be measured and cached: elsewhere ``auto`` keeps its rule."""
+    nothing attached yet; ``load()`` gives ``(model, tokenizer)``, loaded at most once, computing in ``dtype``
+    (a name, "bfloat16"), which every measurement's inputs then hold: one made in another dtype is not reused.
+    Only a local folder holding a tokenizer can be measured and cached: elsewhere ``auto`` keeps its rule."""
     if folder is None or not has_tokenizer(folder):
         return
     loaded: list[tuple[Any, Any]] = []
@@ -45,8 +49,12 @@ def resolve(methods: list[Any], folder: Path | None, load: Callable[[], tuple[An
             loaded.append(load())
         return loaded[0]
 
-    for m in methods:
-        m.resolve_auto(folder, once)
+    token = _dtype.set(dtype)
+    try:
+        for m in methods:
+            m.resolve_auto(folder, once)
+    finally:
+        _dtype.reset(token)
 
 
 def model_folder(model: Any) -> Path | None:
@@ -123,7 +131,10 @@ def measured(folder: Path, key: str, inputs: dict[str, Any], measure: Callable[[
              log: Callable[[str], None] = note, valid: Callable[[Any], bool] = lambda value: True) -> Any:
     """The value of ``key`` (e.g. ``"fot.memory_layers"``) for the model in ``folder``: cached when an entry with
     the same ``inputs`` and a ``valid`` value exists, else ``measure()``'d and cached.  ``describe(value)`` words
-    the one line said the first time a process uses it ("fot: memory layers 6,7,8 chosen by retrieval analysis")."""
+    the one line said the first time a process uses it ("fot: memory layers 6,7,8 chosen by retrieval analysis").
+    Within ``resolve``, ``inputs`` gain the dtype the model computes in."""
+    if _dtype.get() is not None:
+        inputs = {**inputs, "dtype": _dtype.get()}
     path = cache_file(folder)
     ident = identity(folder)
     entries = _read(path, ident, log)

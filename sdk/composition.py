@@ -211,6 +211,7 @@ def _resolve_auto(model: nn.Module, instances: list[Method]) -> None:
     weights, with an adapter's LoRA off, as ``lcx export`` and ``lcx methods -m`` measure them (one cache entry
     for the model in its folder, whichever runs first)."""
     from lcx import auto
+    from lcx.models import dtype_name, model_dtype
 
     def load() -> tuple[nn.Module, Any]:
         from transformers import AutoTokenizer
@@ -224,7 +225,7 @@ def _resolve_auto(model: nn.Module, instances: list[Method]) -> None:
 
         bare = lora_off(model)
     with bare:
-        auto.resolve(instances, folder, load)
+        auto.resolve(instances, folder, load, dtype_name(model_dtype(model)))
 
 
 def attached_run(model: nn.Module) -> Run | None:

@@ -343,3 +343,17 @@ def test_an_option_measured_under_other_inputs_keeps_its_earlier_measurements(fo
     assert at(0) == 0 and calls[-1] == 0  # the oldest was dropped: measured again
     entry = json.loads((folder / auto.AUTO_FILE).read_text())["entries"]["fot.gate"]
     assert entry["inputs"] == {"length": 0} and len(entry["earlier"]) == auto.KEPT - 1
+
+
+def test_a_measurement_is_kept_per_dtype_the_model_computes_in(folder, probes):
+    """A model loaded in another dtype is measured again, not given the other dtype's values; both are kept."""
+    def layers(dtype) -> str:
+        model, _ = load_model(str(folder), dtype=dtype)
+        with lcx.attach(model, ["fot"]) as run:
+            return run.method("fot").memory_layers
+
+    assert layers("bfloat16") == "1" and probes == [512]
+    assert layers("float32") == "1" and probes == [512, 512]  # measured again in float32
+    entry = json.loads((folder / auto.AUTO_FILE).read_text())["entries"]["fot.memory_layers"]
+    assert entry["inputs"]["dtype"] == "float32" and entry["earlier"][0]["inputs"]["dtype"] == "bfloat16"
+    assert layers("bfloat16") == "1" and probes == [512, 512]  # each dtype's measurement reused

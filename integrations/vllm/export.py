@@ -258,7 +258,7 @@ def export_for_vllm(model: str, methods: list[str] | tuple[str, ...] = (), optio
                     log: Callable[[str], None] = lambda s: None, memory: str | Path | None = None,
                     state_gib: float = 2.0) -> Export:
     """Write a folder vLLM serves without lcx code (see the module docstring)."""
-    from lcx.models import load_model, resolve_model_path
+    from lcx.models import dtype_name, load_model, resolve_dtype, resolve_model_path
 
     out = Path(out)
     adapters = {k: Path(v) for k, v in (adapters or {}).items()}
@@ -271,7 +271,8 @@ def export_for_vllm(model: str, methods: list[str] | tuple[str, ...] = (), optio
     config = json.loads((src / "config.json").read_text())
     length = (families.json_window(config), max_model_len) if max_model_len else None
     insts = servable_methods(list(methods), options or {}, adapters, length)
-    auto.resolve(insts, src, lambda: load_model(src))  # the served options are those lcx generate uses
+    dtype = resolve_dtype()  # the served options are those lcx generate uses, in the dtype it loads by default
+    auto.resolve(insts, src, lambda: load_model(src, dtype=dtype), dtype_name(dtype))
     _attention_spec([{"name": m.name, "options": m.to_options()} for m in insts])
     # with a method whose served state lcx's middleware computes (focusllm), the adapters are that state's
     # (lcx's path gates every LoRA to the candidate positions): the middleware applies them, not vLLM

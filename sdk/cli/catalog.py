@@ -52,12 +52,13 @@ def _resolved_on(model: str, names: list[str]) -> dict[str, dict]:
 
     from lcx import auto
     from lcx.errors import LcxError
-    from lcx.models import load_model, resolve_model_path
+    from lcx.models import dtype_name, load_model, resolve_dtype, resolve_model_path
     from lcx.registry import registry
 
     folder = resolve_model_path(model)
     instances = [registry().methods[n]() for n in names]
-    auto.resolve(instances, folder, lambda: load_model(str(folder)))
+    dtype = resolve_dtype()  # what lcx generate loads the model in by default
+    auto.resolve(instances, folder, lambda: load_model(str(folder), dtype=dtype), dtype_name(dtype))
     config = json.loads((folder / "config.json").read_text())
     out = {}
     for m in instances:
