@@ -212,8 +212,10 @@ class FoT(Method):
                 return f"fot: gate calibration: fot answered none of its passkey probes; gate {GATE_RULE:g} (auto's fallback)"
             answered = f"{found['answered']} of {len(found['probes'])} " if "answered" in found else ""
             if gate == "off":
+                moot = "; gate_sinks=false has no effect without a gate" if not self.gate_sinks else ""
                 return (f"fot: gate off chosen by calibration (no gate keeps >= {GATE_PROBE['min_open']} memory heads "
-                        f"open at every key token of the {answered}passkey probes it answered with the gate off)")
+                        f"open at every key token of the {answered}passkey probes it answered with the gate off)"
+                        + moot)
             return (f"fot: gate {gate:g} chosen by calibration (the {answered}passkey probes answered "
                     f"from memory keep >= {GATE_PROBE['min_open']} memory heads open at each key token)")
 
