@@ -4,7 +4,8 @@ bench/dtype.py counts, position by position, the greedy tokens a float32 and a b
 prompt: once the first token differs, every later one tends to.  This runs fot on the same bf16 model with its
 half candidate step on every search, on none, and where ``half_pays`` says, beside float32 and the bare model,
 and reports for each: the first position where the tokens leave float32's, the largest difference of the first
-new token's logits from float32's, and float32's margin between its best and second-best first token.
+new token's logits from float32's, both runs' best two first tokens and the margin between them, and, for fot, how
+often the searches the half step ran chose float32's exact top-k (each search also scored in float32 beside it).
 
     .venv/bin/python bench/half_tokens.py [--tokens 16K] [--out bench/results/half_tokens.json]
 """
@@ -21,6 +22,7 @@ from transformers import LogitsProcessorList
 import lcx
 from lcx.generation import generate
 from lcx.io import token_counts
+from lcx.models import native_bf16
 from lcx.plugins.fot import memory
 from lcx.session import parse_options
 from loading import bench_model
@@ -60,6 +62,44 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
+def first_token(logits: torch.Tensor) -> dict:
+    """The best two first tokens and the margin between their logits."""
+    top = logits.topk(2)
+    return {"top2_ids": top.indices.tolist(), "top2_logits": top.values.tolist(),
+            "margin": float(top.values[0] - top.values[1])}
+
+
+class Searches:
+    """Stands in for ``memory.top_inner_products`` under one rule; where its half step runs, also scores the search
+    in float32 and counts the queries whose top-k rows match exactly (as sets)."""
+
+    def __init__(self, rule) -> None:
+        self.rule, self.half_searches, self.queries, self.queries_same = rule, 0, 0, 0
+        self.rows, self.rows_same = 0, 0
+
+    def __call__(self, queries, keys, k, select_dtype=None, pays=None):
+        values, rows = EXACT(queries, keys, k, select_dtype, pays=self.rule)
+        half = (memory._fast_half(select_dtype, keys.device) and keys.shape[0] > k + max(8, k // 4)
+                and self.rule(queries.shape[0], keys.shape[0]))  # top_inner_products' own test
+        if half:
+            _, exact = EXACT(queries, keys, k)
+            got, want = rows.sort(dim=-1).values, exact.sort(dim=-1).values
+            self.half_searches += 1
+            self.queries += queries.shape[0]
+            self.queries_same += int((got == want).all(dim=-1).sum())
+            self.rows += got.numel()
+            self.rows_same += int((got[:, :, None] == want[:, None, :]).any(dim=-1).sum())
+        return values, rows
+
+    def summary(self) -> dict:
+        return {"half_searches": self.half_searches, "queries": self.queries,
+                "queries_same_top_k": self.queries_same / self.queries if self.queries else None,
+                "rows_in_float32_top_k": self.rows_same / self.rows if self.rows else None}
+
+
+EXACT = memory.top_inner_products
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -67,16 +107,18 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
+    if not native_bf16(torch.device("cpu")):
+        raise SystemExit("half_tokens: this CPU has no native bf16, so fot never takes its half step and the rules "
+                         "cannot differ; run it on a CPU with avx512_bf16 or AMX")
     tokens = token_counts(args.tokens)[0]
     options = parse_options(FOT_BEFORE)["fot"]
     ids = random_prompt(tokens)
     fp32, _ = bench_model(args.model, dtype="float32")
     bf16, _ = bench_model(args.model, dtype="bfloat16")
-    defaults = memory.top_inner_products.__defaults__
     try:
         rows = measure_all(fp32, bf16, options, ids, args.new)
     finally:
-        memory.top_inner_products.__defaults__ = defaults
+        memory.top_inner_products = EXACT
     result = {"benchmark": "half_tokens", **environment(), "model": args.model, "tokens": tokens,
               "new_tokens": args.new, "options": options, "methods": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -84,21 +126,27 @@ def main() -> None:
 
 
 def measure_all(fp32, bf16, options: dict, ids: torch.Tensor, new: int) -> dict:
-    """Per method (none, fot): float32's tokens and first-token margin, and each bf16 run's against them."""
+    """Per method (none, fot): float32's tokens and first tokens, and each bf16 run's against them."""
     rows = {}
     for method in (None, "fot"):
+        memory.top_inner_products = EXACT
         ref_tokens, ref_logits = run(fp32, method, options, ids, new)
-        top2 = ref_logits.topk(2).values
-        rows[method or "none"] = row = {"float32_tokens": ref_tokens, "float32_margin": float(top2[0] - top2[1])}
+        ref = first_token(ref_logits)
+        rows[method or "none"] = row = {"float32_tokens": ref_tokens, "float32_first": ref,
+                                        "float32_margin": ref["margin"]}
         for rule in (RULES if method else ["-"]):
-            memory.top_inner_products.__defaults__ = (None, RULES.get(rule, memory.half_pays))
+            searches = Searches(RULES.get(rule, memory.half_pays))
+            memory.top_inner_products = searches
             toks, logits = run(bf16, method, options, ids, new)
             first = first_difference(toks, ref_tokens)
             row[rule] = {"tokens": toks, "same_tokens": sum(x == y for x, y in zip(toks, ref_tokens)),
-                         "first_difference": first, "max_logit_difference": max_difference(logits, ref_logits)}
-            print(f"{method or 'none':>5} bf16 {rule:>9}: same {row[rule]['same_tokens']:2d}/{new}, first "
-                  f"difference at {first}, max |logit - fp32| {row[rule]['max_logit_difference']:.3f} "
-                  f"(fp32 margin {row['float32_margin']:.3f})", flush=True)
+                         "first_difference": first, "max_logit_difference": max_difference(logits, ref_logits),
+                         "first": first_token(logits), **({"search": searches.summary()} if method else {})}
+            r = row[rule]
+            print(f"{method or 'none':>5} bf16 {rule:>9}: same {r['same_tokens']:2d}/{new}, first difference at "
+                  f"{first}, max |logit - fp32| {r['max_logit_difference']:.3f}, top2 {r['first']['top2_ids']} "
+                  f"margin {r['first']['margin']:.3f} (fp32 top2 {ref['top2_ids']} margin {ref['margin']:.3f})"
+                  + (f", search {searches.summary()}" if method else ""), flush=True)
     return rows
 
 
