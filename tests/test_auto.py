@@ -168,6 +168,9 @@ def test_an_export_for_vllm_serves_the_layers_lcx_generate_measured(folder, prob
     assert described[0]["options"]["memory_layers"] == "1"
     assert probes == [512]  # measured once, by the attach
     assert not (exp.model_dir / auto.AUTO_FILE).exists()
+    # an engine in another dtype than the attach's (the tests load in float32) is served what that dtype measures
+    export_for_vllm(str(folder), ["fot"], out=tmp_path / "y", dtype="bfloat16")
+    assert probes == [512, 512]
 
 
 def test_lcx_methods_on_a_model_shows_what_auto_comes_to_there(folder, probes, tmp_path):

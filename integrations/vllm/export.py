@@ -256,8 +256,9 @@ def export_for_vllm(model: str, methods: list[str] | tuple[str, ...] = (), optio
                     adapters: dict[str, Path] | None = None, out: str | Path = "out/vllm",
                     max_model_len: int | None = None, overwrite: bool = False,
                     log: Callable[[str], None] = lambda s: None, memory: str | Path | None = None,
-                    state_gib: float = 2.0) -> Export:
-    """Write a folder vLLM serves without lcx code (see the module docstring)."""
+                    state_gib: float = 2.0, dtype: str | None = None) -> Export:
+    """Write a folder vLLM serves without lcx code (see the module docstring).  ``dtype``: what the engine will
+    compute in (default: what ``lcx generate`` loads in), the dtype the methods' ``auto`` options are measured in."""
     from lcx.models import dtype_name, load_model, resolve_dtype, resolve_model_path
 
     out = Path(out)
@@ -271,8 +272,8 @@ def export_for_vllm(model: str, methods: list[str] | tuple[str, ...] = (), optio
     config = json.loads((src / "config.json").read_text())
     length = (families.json_window(config), max_model_len) if max_model_len else None
     insts = servable_methods(list(methods), options or {}, adapters, length)
-    dtype = resolve_dtype()  # the served options are those lcx generate uses, in the dtype it loads by default
-    auto.resolve(insts, src, lambda: load_model(src, dtype=dtype), dtype_name(dtype))
+    dtype = dtype_name(resolve_dtype(dtype))  # the served options are those lcx generate uses in that dtype
+    auto.resolve(insts, src, lambda: load_model(src, dtype=dtype), dtype)
     _attention_spec([{"name": m.name, "options": m.to_options()} for m in insts])
     # with a method whose served state lcx's middleware computes (focusllm), the adapters are that state's
     # (lcx's path gates every LoRA to the candidate positions): the middleware applies them, not vLLM

