@@ -362,14 +362,16 @@ def test_a_measurement_is_kept_per_dtype_the_model_computes_in(folder, probes):
     assert layers("bfloat16") == "1" and probes == [512, 512]  # each dtype's measurement reused
 
 
-def test_gate_auto_coming_to_off_says_that_gate_sinks_false_then_does_nothing(folder, probes, monkeypatch, capsys):
+def test_gate_auto_coming_to_off_drops_gate_sinks_false_and_says_so(folder, probes, monkeypatch, capsys):
     monkeypatch.setattr("lcx.plugins.fot.calibrate.calibrate_gate",
                         lambda *a, **k: {"gate": "off", "answered": 1, "probes": [{}]})
     model, _ = load_model(str(folder))
     with lcx.attach(model, ["fot"], fot={"gate": "auto", "gate_sinks": False, "local": 128}) as run:
-        assert run.method("fot").gate == "off"
+        fot = run.method("fot")
+        assert fot.gate == "off"
+        type(fot).from_options(**fot.to_options())  # the served form rebuilds it from its options
     assert "gate off chosen by calibration" in (err := capsys.readouterr().err)
-    assert "gate_sinks=false has no effect without a gate" in err
+    assert "gate_sinks=false dropped: it has no effect without a gate" in err
     auto._said.clear()
     with lcx.attach(model, ["fot"], fot={"gate": "auto", "local": 128}):
         assert "gate_sinks" not in capsys.readouterr().err

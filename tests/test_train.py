@@ -347,6 +347,29 @@ def test_fot_training_leaves_its_gate_to_be_calibrated_where_the_adapter_is_used
         s.close()
 
 
+def test_analyze_distraction_with_a_fot_adapter_calibrates_no_gate(corpus, tmp_path, monkeypatch):
+    """Crossbatch attention reads no gate: `lcx analyze distraction --adapter` (fot's before/after comparison)
+    measures without calibrating one, as it does on the base model."""
+    from click.testing import CliRunner
+
+    from lcx.cli import main
+    from tests.helpers import make_word_documents
+
+    folder = make_tiny_model_dir(tmp_path / "llama")
+    opts = {"fot": {"local": 16, "memory_layers": "1"}}
+    out = train(_cfg(folder, corpus, tmp_path / "run", methods=["fot"], options=opts, seq_len=32, steps=1),
+                progress=False)
+
+    def no_calibration(*a, **k):
+        raise AssertionError("analyze distraction calibrated fot's gate")
+
+    monkeypatch.setattr("lcx.plugins.fot.calibrate.calibrate_gate", no_calibration)
+    r = CliRunner().invoke(main, ["analyze", "distraction", "-m", str(folder), "--adapter", str(out), "-d",
+                                  str(make_word_documents(tmp_path / "docs")), "--ds", "1,2", "--batches", "1",
+                                  "--out", str(tmp_path / "dis"), "--json"])
+    assert r.exit_code == 0, r.output
+
+
 def test_from_scratch_full_training_on_the_dictionary_task(tmp_path):
     """`lcx models init` + `lcx train --full all -d task:dictionary --method fot`: every weight trains,
     the result is a model folder `lcx eval dictionary` loads, and resuming is exact."""

@@ -141,7 +141,14 @@ def analyze_distraction(model, methods, options, adapter, trust_remote_code, dat
     if methods and tuple(methods) != ("fot",):
         raise LcxError(f"analyze distraction measures fot's memory layers; drop --method {' '.join(methods)}")
     stack = methods or (() if adapter else ("fot",))  # else the adapter's methods
-    if stack and not any(o.split("=")[0] in ("gate", "fot.gate") for o in options):
+    if adapter and not methods:
+        from lcx.adapters.peft_bridge import read_sidecar
+        from lcx.session import adapter_methods
+
+        has_fot = any(m["name"] == "fot" for m in adapter_methods(read_sidecar(adapter)))
+    else:
+        has_fot = "fot" in stack
+    if has_fot and not any(o.split("=")[0].removeprefix("fot.") in ("gate", "gate_sinks") for o in options):
         options = (*options, "fot.gate=off")  # crossbatch attention never reads the gate: no calibration for it
     s = _open(model, stack, options, adapter, trust_remote_code)
     try:

@@ -212,7 +212,7 @@ class FoT(Method):
                 return f"fot: gate calibration: fot answered none of its passkey probes; gate {GATE_RULE:g} (auto's fallback)"
             answered = f"{found['answered']} of {len(found['probes'])} " if "answered" in found else ""
             if gate == "off":
-                moot = "; gate_sinks=false has no effect without a gate" if not self.gate_sinks else ""
+                moot = "; gate_sinks=false dropped: it has no effect without a gate" if not self.gate_sinks else ""
                 return (f"fot: gate off chosen by calibration (no gate keeps >= {GATE_PROBE['min_open']} memory heads "
                         f"open at every key token of the {answered}passkey probes it answered with the gate off)"
                         + moot)
@@ -224,6 +224,8 @@ class FoT(Method):
                               valid=lambda found: isinstance(found, dict) and (gate_of(found) is not None
                                                                                or found.get("gate", 0) is None))
         self.gate, self._gate_auto_for = (GATE_RULE if gate_of(found) is None else gate_of(found)), folder
+        if self.gate == "off":
+            self.gate_sinks = True  # moot without a gate, and refused beside gate=off where the options are rebuilt
 
     def _resolve_layers_and_heads(self, folder: Path, load) -> None:
         layers_auto = self._auto_for != folder and (self._auto_for is not None or str(self.memory_layers).strip() == "auto")
