@@ -22,7 +22,7 @@ from transformers import LogitsProcessorList
 import lcx
 from lcx.generation import generate
 from lcx.io import token_counts
-from lcx.models import native_bf16
+from lcx.models import native_bf16, resolve_device
 from lcx.plugins.fot import memory
 from lcx.session import parse_options
 from loading import bench_model
@@ -69,6 +69,9 @@ def first_token(logits: torch.Tensor) -> dict:
             "margin": float(top.values[0] - top.values[1])}
 
 
+EXACT = memory.top_inner_products
+
+
 class Searches:
     """Stands in for ``memory.top_inner_products`` under one rule; where its half step runs, also scores the search
     in float32 and counts the queries whose top-k rows match exactly (as sets)."""
@@ -80,7 +83,7 @@ class Searches:
     def __call__(self, queries, keys, k, select_dtype=None, pays=None):
         values, rows = EXACT(queries, keys, k, select_dtype, pays=self.rule)
         half = (memory._fast_half(select_dtype, keys.device) and keys.shape[0] > k + max(8, k // 4)
-                and self.rule(queries.shape[0], keys.shape[0]))  # top_inner_products' own test
+                and (keys.device.type != "cpu" or self.rule(queries.shape[0], keys.shape[0])))  # its own test
         if half:
             _, exact = EXACT(queries, keys, k)
             got, want = rows.sort(dim=-1).values, exact.sort(dim=-1).values
@@ -97,8 +100,6 @@ class Searches:
                 "rows_in_float32_top_k": self.rows_same / self.rows if self.rows else None}
 
 
-EXACT = memory.top_inner_products
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -107,6 +108,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
+    if resolve_device().type != "cpu":
+        raise SystemExit("half_tokens compares where the CPU takes the half step (half_pays is a CPU rule); "
+                         "unset LCX_DEVICE to run it on the CPU")
     if not native_bf16(torch.device("cpu")):
         raise SystemExit("half_tokens: this CPU has no native bf16, so fot never takes its half step and the rules "
                          "cannot differ; run it on a CPU with avx512_bf16 or AMX")

@@ -18,7 +18,7 @@ from lcx.cli.base import (
 from lcx.errors import LcxError
 from lcx.evals import passkey, ruler  # their configs' defaults are the CLI's (the CLI loads the evals anyway)
 
-DEPTHS = ",".join(map(str, passkey.DEPTHS))
+DEPTHS_TEXT = ",".join(map(str, passkey.DEPTHS))
 
 
 @main.group("eval", cls=LcxGroup, context_settings=CONTEXT)
@@ -31,7 +31,7 @@ def eval_grp() -> None:
 @method_options
 @click.option("--lengths", callback=_int_list, default="4096", show_default=True,
               help="Comma-separated prompt lengths in tokens; K suffix allowed (4K = 4096).")
-@click.option("--depths", callback=_float_list, default=DEPTHS, show_default=True,
+@click.option("--depths", callback=_float_list, default=DEPTHS_TEXT, show_default=True,
               help="Comma-separated needle depths in [0, 1].")
 @click.option("--samples", type=click.IntRange(1), default=passkey.PasskeyConfig.samples, show_default=True,
               help="Random keys per cell.")
@@ -100,7 +100,7 @@ def ruler_options(compare: bool):
               help="Comma-separated prompt lengths in tokens; K suffix allowed (4K = 4096).")
 @click.option("--samples", type=click.IntRange(1), default=ruler.RulerConfig.samples, show_default=True,
               help="Samples per task and length.")
-@click.option("--depths", callback=_float_list, default=DEPTHS, show_default=True,
+@click.option("--depths", callback=_float_list, default=DEPTHS_TEXT, show_default=True,
               help="Depths of the queried needle in [0, 1]: sample i takes the (i mod count)-th.")
 @click.option("--haystack", "haystack", multiple=True, required=True, type=click.Path(exists=True, path_type=Path),
               metavar="PATH", help=HAYSTACK_HELP)
@@ -281,12 +281,12 @@ def eval_ppl(model, methods, options, adapter, trust_remote_code, data, text_fie
               help="Per-method option, applied in every stack that has the method.")
 @click.option("--lengths", callback=_int_list, default="4096", show_default=True,
               help="passkey, ruler: prompt lengths.")
-@click.option("--depths", callback=_float_list, default=DEPTHS, show_default=True,
+@click.option("--depths", callback=_float_list, default=DEPTHS_TEXT, show_default=True,
               help="passkey, ruler: needle depths.")
 @click.option("--samples", type=click.IntRange(1), default=None,
-              help="Keys per cell (passkey, default 5), samples per task and length (ruler, default 5) or spans "
-                   "per document (ppl, default 1).")
-@click.option("--seed", type=int, default=0, show_default=True,
+              help=f"Keys per cell (passkey, default {passkey.PasskeyConfig.samples}), samples per task and length "
+                   f"(ruler, default {ruler.RulerConfig.samples}) or spans per document (ppl, default 1).")
+@click.option("--seed", type=int, default=passkey.PasskeyConfig.seed, show_default=True,
               help="passkey, ruler: draws the keys (same seed, same prompts).")
 @click.option("--haystack", "haystack", multiple=True, type=click.Path(exists=True, path_type=Path), metavar="PATH",
               help="passkey: hide the needle in real text instead of the repeated filler; ruler (required): the "
