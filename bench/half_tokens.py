@@ -100,7 +100,6 @@ class Searches:
                 "rows_in_float32_top_k": self.rows_same / self.rows if self.rows else None}
 
 
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")

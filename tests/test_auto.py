@@ -375,3 +375,23 @@ def test_gate_auto_coming_to_off_drops_gate_sinks_false_and_says_so(folder, prob
     auto._said.clear()
     with lcx.attach(model, ["fot"], fot={"gate": "auto", "local": 128}):
         assert "gate_sinks" not in capsys.readouterr().err
+
+
+def test_one_fot_instance_calibrates_each_model_with_the_gate_sinks_asked(tmp_path, probes, monkeypatch):
+    """gate=auto coming to off on one model drops gate_sinks=false there only: the same instance attached to
+    another model calibrates with the option as given."""
+    from lcx.plugins.fot.method import FoT
+
+    seen = []
+
+    def calibrate(model, tokenizer, options, length, probe):
+        seen.append(options["gate_sinks"])
+        return {"gate": "off" if len(seen) == 1 else 0.5, "answered": 1, "probes": [{}]}
+
+    monkeypatch.setattr("lcx.plugins.fot.calibrate.calibrate_gate", calibrate)
+    fot = FoT.from_options(gate="auto", gate_sinks="false", local=128)
+    for name in ("a", "b"):
+        model, _ = load_model(str(make_tiny_model_dir(tmp_path / name, max_position_embeddings=512, seed=len(seen))))
+        with lcx.attach(model, [fot]):
+            pass
+    assert seen == [False, False] and (fot.gate, fot.gate_sinks) == (0.5, False)

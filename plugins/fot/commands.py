@@ -149,7 +149,8 @@ def analyze_distraction(model, methods, options, adapter, trust_remote_code, dat
     else:
         has_fot = "fot" in stack
     if has_fot and not any(o.split("=")[0].removeprefix("fot.") in ("gate", "gate_sinks") for o in options):
-        options = (*options, "fot.gate=off")  # crossbatch attention never reads the gate: no calibration for it
+        # crossbatch attention never reads the gate: no calibration for it (gate_sinks, moot then, as an adapter's)
+        options = (*options, "fot.gate=off", "fot.gate_sinks=true")
     s = _open(model, stack, options, adapter, trust_remote_code)
     try:
         if "fot" not in [m.name for m in s.run.methods]:

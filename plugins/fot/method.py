@@ -154,6 +154,7 @@ class FoT(Method):
         self._auto_for: Path | None = None  # the model folder memory_layers=auto was measured on
         self._heads_auto_for: Path | None = None  # and memory_heads=auto
         self._gate_auto_for: Path | None = None  # and gate=auto
+        self._gate_sinks_asked = self.gate_sinks  # what gate=auto calibrates with (it drops the option where off)
         self._trains = False  # lcx train attaches it: crossbatch attention reads no gate
         #: layer -> [(H, c) margins] while a calibration records them (calibrate.py); None otherwise
         self.record_margins: dict[int, list[torch.Tensor]] | None = None
@@ -193,7 +194,7 @@ class FoT(Method):
     def _calibrate_gate(self, folder: Path, load) -> None:
         from lcx.plugins.fot.calibrate import GATE_PROBE, calibrate_gate
 
-        self.gate, self._gate_auto_for = "auto", None
+        self.gate, self.gate_sinks, self._gate_auto_for = "auto", self._gate_sinks_asked, None
         config = json.loads((folder / "config.json").read_text())
         local = self.local or families.json_window(config)
         shaping = {*self.shapes_memory, "memory_layers"} - {"gate"}  # what the memory it reads depends on
