@@ -574,12 +574,15 @@ def cpu_flags() -> set[str]:
     return flags
 
 
+_emulated_said: set[str] = set()  # the half dtypes whose emulation note this process printed
+
+
 def resolve_dtype(dtype: "torch.dtype | str | None" = None, device: "torch.device | str | None" = None,
                   warn: Callable[[str], None] | None = None) -> "torch.dtype":
     """The torch dtype a model is loaded in: ``dtype`` (a torch dtype or a name in ``DTYPE_NAMES``), else
     ``LCX_DTYPE``, else auto.  auto: bfloat16 where ``device`` runs it natively (:func:`native_bf16`), float32
-    elsewhere.  A half dtype asked for where the device only emulates it is said once (on stderr, or to
-    ``warn``): it runs, but slower than float32."""
+    elsewhere.  A half dtype asked for where the device only emulates it is said (once a process on stderr, or
+    to ``warn`` each call): it runs, but slower than float32."""
     import torch
 
     dev = resolve_device(device) if not isinstance(device, torch.device) else device
@@ -595,10 +598,12 @@ def resolve_dtype(dtype: "torch.dtype | str | None" = None, device: "torch.devic
         return torch.bfloat16 if native_bf16(dev) else torch.float32
     if dev.type == "cpu" and name != "float32":
         native = native_bf16(dev) if name == "bfloat16" else "amx_fp16" in cpu_flags()
-        if not native:
+        if not native and (warn is not None or name not in _emulated_said):
             flag = "amx_bf16 or avx512_bf16" if name == "bfloat16" else "amx_fp16"
             (warn or _stderr)(f"note: this CPU has no native {name} ({flag}): its matrix products are emulated, "
                               f"several times slower than float32; use --dtype auto or float32")
+            if warn is None:
+                _emulated_said.add(name)
     return getattr(torch, name)
 
 

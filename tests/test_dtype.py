@@ -69,6 +69,16 @@ def test_half_precision_without_native_support_is_said_not_silent(flags):
     assert len(said) == 1 and "amx_fp16" in said[0]
 
 
+def test_the_emulation_note_on_stderr_comes_once_a_process(flags, capsys, monkeypatch):
+    import lcx.models
+
+    monkeypatch.setattr(lcx.models, "_emulated_said", set())
+    flags("avx2")
+    for _ in range(3):  # lcx serve resolves its dtype, then the export and a measurement's load again
+        resolve_dtype("float16", CPU)
+    assert capsys.readouterr().err.count("no native float16") == 1
+
+
 def test_load_model_and_the_cli_load_in_the_asked_dtype(tmp_path, flags):
     d = make_tiny_model_dir(tmp_path / "m")
     assert load_model(d, dtype="bfloat16")[0].dtype is torch.bfloat16
