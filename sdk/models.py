@@ -487,7 +487,6 @@ def load_model(
     """
     # Before transformers/huggingface_hub are imported: they read it at import time.
     os.environ["HF_HUB_OFFLINE"] = "1"
-    import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
