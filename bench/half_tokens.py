@@ -82,9 +82,7 @@ class Searches:
 
     def __call__(self, queries, keys, k, select_dtype=None, pays=None):
         values, rows = EXACT(queries, keys, k, select_dtype, pays=self.rule)
-        half = (memory._fast_half(select_dtype, keys.device) and keys.shape[0] > k + max(8, k // 4)
-                and (keys.device.type != "cpu" or self.rule(queries.shape[0], keys.shape[0])))  # its own test
-        if half:
+        if memory.takes_half_step(queries.shape[0], keys.shape[0], k, select_dtype, keys.device, self.rule):
             _, exact = EXACT(queries, keys, k)
             got, want = rows.sort(dim=-1).values, exact.sort(dim=-1).values
             self.half_searches += 1

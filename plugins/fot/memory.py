@@ -288,16 +288,25 @@ def top_inner_products(queries: torch.Tensor, keys: torch.Tensor, k: int, select
     k + ``spare`` best scores in it are the candidates and only those are scored in float32: the same top-k
     unless its rounding outweighs the gap between the k-th score and the (k + spare)-th, at the half product's
     speed."""
-    spare = max(8, k // 4)  # a topk's cost grows with its k: a few spare candidates, not 2k
-    n = keys.shape[0]
-    if (n <= k + spare or not _fast_half(select_dtype, keys.device)
-            or (keys.device.type == "cpu" and not pays(queries.shape[0], n))):
+    if not takes_half_step(queries.shape[0], keys.shape[0], k, select_dtype, keys.device, pays):
         top = (queries @ keys.T).topk(k, dim=-1)
         return top.values, top.indices
+    spare = _spare(k)
     cand = (queries.to(select_dtype) @ keys.to(select_dtype).T).topk(k + spare, dim=-1).indices  # (Q, k + spare)
     exact = (keys[cand] @ queries[:, :, None])[..., 0]
     top = exact.topk(k, dim=-1)
     return top.values, cand.gather(1, top.indices)
+
+
+def takes_half_step(queries: int, keys: int, k: int, select_dtype: torch.dtype | None, device: torch.device,
+                    pays: Callable[[int, int], bool] = half_pays) -> bool:
+    """Whether ``top_inner_products`` picks its candidates in ``select_dtype`` for ``queries`` x ``keys``."""
+    return (keys > k + _spare(k) and _fast_half(select_dtype, device)
+            and (device.type != "cpu" or pays(queries, keys)))
+
+
+def _spare(k: int) -> int:
+    return max(8, k // 4)  # a topk's cost grows with its k: a few spare candidates, not 2k
 
 
 @functools.cache  # read once per dtype and device: a search runs per block of queries, per layer and KV head
