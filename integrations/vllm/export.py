@@ -272,8 +272,7 @@ def export_for_vllm(model: str, methods: list[str] | tuple[str, ...] = (), optio
     config = json.loads((src / "config.json").read_text())
     length = (families.json_window(config), max_model_len) if max_model_len else None
     insts = servable_methods(list(methods), options or {}, adapters, length)
-    # the served options are those lcx generate uses in that dtype (a given one was resolved, and noted, already)
-    dtype = dtype_name(resolve_dtype(dtype, warn=lambda s: None) if dtype else resolve_dtype())
+    dtype = dtype_name(resolve_dtype(dtype))  # the served options are those lcx generate uses in that dtype
     auto.resolve(insts, src, lambda: load_model(src, dtype=dtype), dtype)
     _attention_spec([{"name": m.name, "options": m.to_options()} for m in insts])
     # with a method whose served state lcx's middleware computes (focusllm), the adapters are that state's
