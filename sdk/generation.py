@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any, Callable
+import logging
+from typing import Any, Callable, Iterator
 
 import torch
 from tqdm.auto import tqdm
@@ -194,14 +196,37 @@ def generate(
     cache = prefill(run, plan, reuse=reuse, shared=shared, progress=progress)
     kwargs = dict(do_sample=False, pad_token_id=_pad_id(run.model))
     kwargs.update(generate_kwargs)
-    out = run.model.generate(
-        input_ids=plan.input_ids,
-        attention_mask=plan.attention_mask,
-        past_key_values=cache,
-        max_new_tokens=max_new_tokens,
-        **kwargs,
-    )
+    with _past_window_reminder_muted(bool(run.methods)):
+        out = run.model.generate(
+            input_ids=plan.input_ids,
+            attention_mask=plan.attention_mask,
+            past_key_values=cache,
+            max_new_tokens=max_new_tokens,
+            **kwargs,
+        )
     return out[:, plan.input_ids.shape[1]:]
+
+
+class _PastWindowReminder(logging.Filter):
+    """transformers' reminder that a generation 'has exceeded the model's predefined maximum length'."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "predefined maximum length" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _past_window_reminder_muted(muted: bool) -> Iterator[None]:
+    """Mute that reminder while a method generates: reading past the window is what a method is for (the bare
+    model past its window still hears it, unless a method's run in the process already spent transformers' once)."""
+    if not muted:
+        yield
+        return
+    logger, flt = logging.getLogger("transformers.generation.stopping_criteria"), _PastWindowReminder()
+    logger.addFilter(flt)
+    try:
+        yield
+    finally:
+        logger.removeFilter(flt)
 
 
 def _pad_id(model: Any) -> int | None:

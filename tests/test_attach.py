@@ -202,3 +202,25 @@ def test_empty_input_is_a_clear_error(llama):
 def test_one_dimensional_input_names_the_fix(llama):
     with lcx.attach(llama, []) as run, pytest.raises(lcx.LcxError, match=r"shape \(5,\); for one prompt pass ids\[None\]"):
         lcx.generate(run, torch.arange(5))
+
+
+def test_a_method_past_the_window_is_not_told_it_exceeded_the_maximum_length(llama):
+    import logging
+
+    logging.Logger.warning_once.cache_clear()  # transformers says each warning once a process
+    heard: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: heard.append(record.getMessage())
+    logger = logging.getLogger("transformers.generation.stopping_criteria")
+    logger.addHandler(handler)
+    ids = torch.randint(0, 200, (1, 140))  # past the tiny model's 128 positions
+    try:
+        with lcx.attach(llama, ["streaming"], window=32):
+            lcx.generate(lcx.attached_run(llama), ids, max_new_tokens=2)
+        assert not [m for m in heard if "maximum length" in m]
+        logging.Logger.warning_once.cache_clear()  # the muted call above was its once
+        with lcx.attach(llama, []) as run:  # the bare model past its window still hears it
+            lcx.generate(run, ids, max_new_tokens=2)
+        assert [m for m in heard if "predefined maximum length (128)" in m]
+    finally:
+        logger.removeHandler(handler)
