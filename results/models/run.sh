@@ -82,6 +82,11 @@ inside_bare() {  # $1 model[, $2 new tokens]: the bare model inside its window, 
     $LCX eval passkey -m "$1" --lengths 32K --samples 1 --haystack $BOOKS --max-new-tokens "${2:-8}" \
         --out "results/models/$1/inside-32k-prose-none${2:+-$2tok}" "${COMMON[@]}"
 }
+inside_none() {  # $1 model, $2 length[, $3 new tokens, default 16]: inside()'s bare-model row alone, on its draw, with
+    # room for an answer that restates the question first (Gemma 3's " the pass key. 439" at 8 tokens)
+    $LCX eval passkey -m "$1" --lengths "$2" --samples 3 --haystack $BOOKS --max-new-tokens "${3:-16}" \
+        --out "results/models/$1/inside-$2/none-${3:-16}tok" "${COMMON[@]}"
+}
 held_stack() {  # $1 stack: sets METHOD and OPTS, a stack past the window held to 4K (ppl_held_spans, passkey_held)
     METHOD=$1; OPTS=()
     case $1 in
