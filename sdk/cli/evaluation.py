@@ -16,7 +16,7 @@ from lcx.cli.base import (
     _device, _dtype, _with_limits, device_option, main, method_options, model_option, text_field_option,
 )
 from lcx.errors import LcxError
-from lcx.evals import passkey, ruler  # their configs' defaults are the CLI's (the CLI loads the evals anyway)
+from lcx.evals import passkey, ppl, ruler  # their configs' defaults are the CLI's (the CLI loads the evals anyway)
 
 DEPTHS_TEXT = ",".join(map(str, passkey.DEPTHS))
 
@@ -227,8 +227,10 @@ def _ppl_documents(data: tuple[str, ...], tokenizer, max_docs: int | None,
 @click.option("--max-docs", type=click.IntRange(1), default=None, help="Use at most this many documents.")
 @click.option("--contexts", callback=_int_list, default="2K,4K,8K,16K", show_default=True,
               help="Context lengths N before the scored tokens; K suffix allowed.")
-@click.option("--target", type=click.IntRange(1), default=256, show_default=True, help="Scored tokens after the context.")
-@click.option("--samples", type=click.IntRange(1), default=1, show_default=True, help="Scored spans per document.")
+@click.option("--target", type=click.IntRange(1), default=ppl.PplConfig.target, show_default=True,
+              help="Scored tokens after the context.")
+@click.option("--samples", type=click.IntRange(1), default=ppl.PplConfig.samples, show_default=True,
+              help="Scored spans per document.")
 @click.option("--room", callback=_token_count, default=None, metavar="N",
               help="Tokens before the first scored span (default: the largest of --contexts); K suffix allowed. "
                    "Runs asking for different --contexts score the same text only with the same --room.")
@@ -242,7 +244,6 @@ def eval_ppl(model, methods, options, adapter, trust_remote_code, data, text_fie
     Writes OUT/ppl.json and OUT/ppl.png.  The same scored spans serve every N.
     """
     from lcx.data import special_prefix
-    from lcx.evals import ppl
     from lcx.generation import score_tail
 
     s = _open(model, methods, options, adapter, trust_remote_code)
@@ -285,7 +286,8 @@ def eval_ppl(model, methods, options, adapter, trust_remote_code, data, text_fie
               help="passkey, ruler: needle depths.")
 @click.option("--samples", type=click.IntRange(1), default=None,
               help=f"Keys per cell (passkey, default {passkey.PasskeyConfig.samples}), samples per task and length "
-                   f"(ruler, default {ruler.RulerConfig.samples}) or spans per document (ppl, default 1).")
+                   f"(ruler, default {ruler.RulerConfig.samples}) or spans per document "
+                   f"(ppl, default {ppl.PplConfig.samples}).")
 @click.option("--seed", type=int, default=passkey.PasskeyConfig.seed, show_default=True,
               help="passkey, ruler: draws the keys (same seed, same prompts).")
 @click.option("--haystack", "haystack", multiple=True, type=click.Path(exists=True, path_type=Path), metavar="PATH",
@@ -296,7 +298,8 @@ def eval_ppl(model, methods, options, adapter, trust_remote_code, data, text_fie
 @text_field_option
 @click.option("--max-docs", type=click.IntRange(1), default=None, help="ppl: at most this many documents.")
 @click.option("--contexts", callback=_int_list, default="2K,4K,8K,16K", show_default=True, help="ppl: context lengths.")
-@click.option("--target", type=click.IntRange(1), default=256, show_default=True, help="ppl: scored tokens.")
+@click.option("--target", type=click.IntRange(1), default=ppl.PplConfig.target, show_default=True,
+              help="ppl: scored tokens.")
 @click.option("--room", callback=_token_count, default=None, metavar="N",
               help="ppl: tokens before the first scored span (default: the largest of --contexts).")
 @click.option("--out", type=OUT_DIR, default=Path("out/compare"), show_default=True,
@@ -315,7 +318,6 @@ def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, 
     """
     from lcx.data import special_prefix
     from lcx.evals import compare as cmp
-    from lcx.evals import ppl
     from lcx.generation import score_tail
     from lcx.models import load_model
     from lcx.session import parse_options
@@ -350,7 +352,7 @@ def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, 
         if not data:
             raise LcxError("ppl needs documents: give --data PATH (e.g. ../shared/data/books)")
         docs = _ppl_documents(data, tok, max_docs, text_field)
-        cfg = ppl.PplConfig(contexts=contexts, target=target, samples=samples or 1, room=room)
+        cfg = ppl.PplConfig(contexts=contexts, target=target, samples=samples or ppl.PplConfig.samples, room=room)
         ev = lambda run, adapter: ppl.evaluate(lambda ids, n: score_tail(run, ids, n), docs, cfg,  # noqa: E731
                                                progress=not as_json, prefix=special_prefix(tok))
     command = "lcx " + " ".join(sys.argv[1:])
