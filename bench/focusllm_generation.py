@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 
 from books import book_tokens  # bench/books.py (scripts here run as `python bench/NAME.py`)
 from loading import bench_model, device_name, sync
+from provenance import machine
 
 OUT = Path(__file__).parent / "results"
 
@@ -100,7 +100,7 @@ def main() -> None:
         }
     result = {"model": args.model, "random_weights": args.random_weights, "device": device_name(model),
               "length": args.length, "new": args.new, "options": opts, "rows": rows,
-              "summary": summary, "machine": platform.platform(), "threads": torch.get_num_threads()}
+              "summary": summary, "machine": machine(), "threads": torch.get_num_threads()}
     args.out.write_text(json.dumps(result, indent=2))
     print(json.dumps(summary, indent=2), f"-> {args.out}")
 

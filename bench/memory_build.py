@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -92,7 +90,6 @@ def main() -> None:
                     "indexing_tokens_per_second": round(tokens / max(total - fixed, 1e-9), 1)}
     result = {"what": "lcx memory build wall time: in this process vs Ray workers (median over rounds)",
               **environment(), "tokens": tokens,
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
               "settings": {k: str(v) for k, v in vars(args).items() if k != "out"}, "results": table, "runs": runs,
               "two_workers_over_in_process": round(table["ray-2-workers"]["indexing_tokens_per_second"]
                                                    / table["in-process"]["indexing_tokens_per_second"], 3)}

@@ -25,7 +25,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import random
 import subprocess
 import sys
@@ -36,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from provenance import git_commit  # bench/provenance.py (scripts here run as `python bench/NAME.py`)
+from provenance import git_commit, machine  # bench/provenance.py (scripts here run as `python bench/NAME.py`)
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "peer_llamacpp.json"
@@ -369,7 +368,7 @@ def main() -> None:
                         "decode_tokens_per_s": "tokens after the last first token / time from it to the last token",
                         "found": f"key in the first {ANSWER_TOKENS} generated tokens"},
         "results": rows,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg_start": load_start,
+        "machine": {**machine(), "loadavg_start": load_start,
                     "loadavg_end": Path("/proc/loadavg").read_text().split()[:3]},  # other work on the cores
         "env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "VLLM_", "GGML_", "LLAMA_"))},
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -24,4 +25,21 @@ def environment() -> dict:
     """What every benchmark's JSON records about the run: its command, the code, torch and the machine."""
     return {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": git_commit(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "machine": platform.processor() or platform.machine()}
+            "machine": machine()}
+
+
+def machine() -> dict:
+    """The machine a figure was measured on: the CPU's model and cores, the half-precision flags lcx's dtype
+    choice reads (``lcx.models.cpu_flags``), memory, and the load when the run started (other work on the cores)."""
+    from lcx.models import cpu_flags
+
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"cpu": model or platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "half_flags": sorted(cpu_flags() & {"amx_bf16", "amx_fp16", "avx512_bf16", "avx512_fp16"}),
+            "ram_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "platform": platform.platform(), "loadavg_start": list(os.getloadavg())}

@@ -24,7 +24,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import threading
@@ -38,7 +37,7 @@ import torch
 
 from lcx.plugins.fot.memory import SHARD_KINDS, StoreConfig, make_store, recall_at_k
 from lcx.plugins.fot.method import FoT
-from provenance import git_commit  # bench/provenance.py (scripts here run as `python bench/NAME.py`)
+from provenance import git_commit, machine as host  # bench/provenance.py (scripts here run as `python bench/NAME.py`)
 
 OUT = Path(__file__).parent / "results" / "ray_memory.json"
 GIB = 2**30
@@ -189,10 +188,8 @@ def machine() -> dict[str, Any]:
     import faiss
     import ray
 
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "ram_gib": psutil.virtual_memory().total / GIB, "torch_threads": torch.get_num_threads(),
-            "faiss_threads": faiss.omp_get_max_threads(), "torch": torch.__version__, "faiss": faiss.__version__,
-            "ray": ray.__version__, "loadavg_start": os.getloadavg()}
+    return {**host(), "torch_threads": torch.get_num_threads(), "faiss_threads": faiss.omp_get_max_threads(),
+            "torch": torch.__version__, "faiss": faiss.__version__, "ray": ray.__version__}
 
 
 def table(rows: list[dict[str, Any]], qs: list[int], k: int) -> str:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import tempfile
@@ -193,7 +192,7 @@ def main() -> None:
         "prompts": len(candidates), "kept": len(pool), "kept_by_length": kept_by_length, "seconds": round(calib_s, 1),
         "other": sum(r["verdict"] == "other" for r in calib)}, "summary": summary,
         "failures": [r for r in results if r["verdict"] != "own" or r["status"] != 200][:20],
-        **environment(), "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}
+        **environment()}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(json.dumps(summary, indent=2), f"-> {out}")

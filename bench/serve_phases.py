@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import re
 import shlex
 import statistics
@@ -24,6 +23,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from provenance import machine  # bench/provenance.py
 from serve_throughput import prompts, run_vllm  # bench/serve_throughput.py (scripts here run as `python bench/NAME.py`)
 
 OUT = Path(__file__).parent / "results"
@@ -117,7 +117,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"model": args.model, "requests": args.requests, "prompt_tokens": args.length,
                                     "new_tokens": args.new, "rounds": args.rounds, "median": summary, "results": results,
-                                    "machine": {"platform": platform.platform(), "processor": platform.processor()}},
+                                    "machine": machine()},
                                    indent=2) + "\n")
     print(f"wrote {args.out}")
 

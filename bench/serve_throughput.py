@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import tempfile
@@ -135,7 +134,6 @@ def main() -> None:
         **environment(), "model": args.model, "adapter": args.adapter, "methods": args.method, "options": args.option,
         "requests": args.requests, "unshared": args.unshared,
         "prompt_tokens": args.length, "results": results, "goal": "vllm/hf >= 3",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "hf_threads": torch.get_num_threads()},
         "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")},
     }
     out.parent.mkdir(parents=True, exist_ok=True)

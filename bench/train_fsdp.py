@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -24,6 +23,8 @@ import time
 from pathlib import Path
 
 import psutil
+
+from provenance import machine  # bench/provenance.py (scripts here run as `python bench/NAME.py`)
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = Path(__file__).parent / "results"
@@ -101,8 +102,7 @@ def main() -> None:
     med = {e: statistics.median([s for run in rs for s in run["step_seconds"]]) for e, rs in runs.items()}
     result = {
         "what": "lcx train, 2 processes, same global batch: DDP vs FSDP2 step time (median over rounds and steps)",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
+        "machine": {**machine(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
         "settings": {k: str(v) for k, v in vars(args).items() if k != "out"},
         "median_step_seconds": med, "fsdp2_over_ddp": med["fsdp2"] / med["ddp"], "runs": runs,
     }
