@@ -207,26 +207,29 @@ def generate(
     return out[:, plan.input_ids.shape[1]:]
 
 
-class _PastWindowReminder(logging.Filter):
-    """transformers' reminder that a generation 'has exceeded the model's predefined maximum length'."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "predefined maximum length" not in record.getMessage()
-
-
 @contextlib.contextmanager
 def _past_window_reminder_muted(muted: bool) -> Iterator[None]:
-    """Mute that reminder while a method generates: reading past the window is what a method is for (the bare
-    model past its window still hears it, unless a method's run in the process already spent transformers' once)."""
+    """Mute transformers' reminder that a generation 'has exceeded the model's predefined maximum length' while a
+    method generates: reading past the window is what a method is for.  The reminder is skipped before transformers'
+    once-a-process cache sees it, so the bare model past its window still hears it."""
     if not muted:
         yield
         return
-    logger, flt = logging.getLogger("transformers.generation.stopping_criteria"), _PastWindowReminder()
-    logger.addFilter(flt)
+    logger = logging.getLogger("transformers.generation.stopping_criteria")
+    before = logger.__dict__.get("warning_once")  # an enclosing mute's
+
+    def warning_once(msg: object, *args: Any, **kwargs: Any) -> None:
+        if "predefined maximum length" not in str(msg):
+            logging.Logger.warning_once(logger, msg, *args, **kwargs)  # type: ignore[attr-defined]
+
+    logger.warning_once = warning_once  # type: ignore[attr-defined]
     try:
         yield
     finally:
-        logger.removeFilter(flt)
+        if before is None:
+            logger.__dict__.pop("warning_once", None)
+        else:
+            logger.warning_once = before  # type: ignore[attr-defined]
 
 
 def _pad_id(model: Any) -> int | None:
