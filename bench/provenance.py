@@ -12,6 +12,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 CODE = ("sdk", "plugins", "adapters", "integrations")  # what the figures depend on (not results/ or docs)
+LOAD_AT_START = list(os.getloadavg())  # read on import: most benches record their machine after measuring
 
 
 def git_commit() -> str:
@@ -30,7 +31,7 @@ def environment() -> dict:
 
 def machine() -> dict:
     """The machine a figure was measured on: the CPU's model and cores, the half-precision flags lcx's dtype
-    choice reads (``lcx.models.cpu_flags``), memory, and the load when the run started (other work on the cores)."""
+    choice reads (``lcx.models.cpu_flags``), memory, and the load when the bench started (other work on the cores)."""
     from lcx.models import cpu_flags
 
     model = ""
@@ -42,4 +43,4 @@ def machine() -> dict:
     return {"cpu": model or platform.processor() or platform.machine(), "cpus": os.cpu_count(),
             "half_flags": sorted(cpu_flags() & {"amx_bf16", "amx_fp16", "avx512_bf16", "avx512_fp16"}),
             "ram_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-            "platform": platform.platform(), "loadavg_start": list(os.getloadavg())}
+            "platform": platform.platform(), "loadavg_start": LOAD_AT_START}
