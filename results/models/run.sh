@@ -83,7 +83,7 @@ inside_bare() {  # $1 model[, $2 new tokens]: the bare model inside its window, 
         --out "results/models/$1/inside-32k-prose-none${2:+-$2tok}" "${COMMON[@]}"
 }
 inside_none() {  # $1 model, $2 length[, $3 new tokens, default 16]: inside()'s bare-model row alone, on its draw, with
-    # room for an answer that restates the question first (Gemma 3's " the pass key. 439" at 8 tokens)
+    # room for an answer that restates the question first (Gemma 3's)
     $LCX eval passkey -m "$1" --lengths "$2" --samples 3 --haystack $BOOKS --max-new-tokens "${3:-16}" \
         --out "results/models/$1/inside-$2/none-${3:-16}tok" "${COMMON[@]}"
 }
@@ -150,6 +150,11 @@ beyond() {  # $1 model, $2 haystack (prose|filler): 64K, every training-free sta
     $LCX eval compare passkey -m "$1" --stack vanilla --stack rope --stack streaming --stack fot --stack focusllm \
         -o rope.factor=2 --lengths 64K --samples 3 "${hay[@]}" \
         --out "results/models/$1/beyond-64k-$2" "${COMMON[@]}"
+}
+fot64_gate() {  # $1 model, $2 gate: fot at its defaults but the gate (ppl64_fot's cells), 64K prose, one key per
+    # depth (inside_bare's draw): does a gate that costs less perplexity keep retrieval?
+    $LCX eval passkey -m "$1" --method fot -o fot.gate="$2" --lengths 64K --samples 1 --haystack $BOOKS \
+        --out "results/models/$1/fot-64k-prose-defaults-gate$2" "${COMMON[@]}"
 }
 fot64_defaults() {  # $1 model[, $2 keys per depth, default 3, its own folder when given]: fot with no option at
     # all, 64K prose, 5 depths: issue 52's "no options" figure and issue 50's fot row of the beyond grid, the first
