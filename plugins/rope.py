@@ -25,6 +25,7 @@ class Rope(Method):
     requires = frozenset({"rotary"})
     lora_roles = ("q", "k")
     serving = "config"
+    reads_past_window = True
 
     type: Literal["linear", "ntk", "dynamic", "yarn"] = option("yarn", "scaling rule: linear (PI), ntk (static NTK-aware base), dynamic (dynamic NTK), yarn")
     factor: float | str = option("auto", "context extension factor: new window = factor x trained window (a rope the model already stretches, of the same type: stretched that much further); auto: each request's own length / the trained window, at least 1 (lcx serve: --max-model-len / the window; lcx train: --seq-len / the window)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import logging
 from typing import Any, Callable, Iterator
@@ -196,7 +197,7 @@ def generate(
     cache = prefill(run, plan, reuse=reuse, shared=shared, progress=progress)
     kwargs = dict(do_sample=False, pad_token_id=_pad_id(run.model))
     kwargs.update(generate_kwargs)
-    with _past_window_reminder_muted(bool(run.methods)):
+    with _past_window_reminder_muted(any(m.reads_past_window for m in run.methods)):
         out = run.model.generate(
             input_ids=plan.input_ids,
             attention_mask=plan.attention_mask,
@@ -207,29 +208,31 @@ def generate(
     return out[:, plan.input_ids.shape[1]:]
 
 
+_REMINDER = "predefined maximum length"
+_reminder_muted: contextvars.ContextVar[bool] = contextvars.ContextVar("lcx_past_window_reminder_muted", default=False)
+
+
 @contextlib.contextmanager
 def _past_window_reminder_muted(muted: bool) -> Iterator[None]:
     """Mute transformers' reminder that a generation 'has exceeded the model's predefined maximum length' while a
-    method generates: reading past the window is what a method is for.  The reminder is skipped before transformers'
-    once-a-process cache sees it, so the bare model past its window still hears it."""
+    method that reads past the window generates, in this thread or task only.  The reminder is skipped before
+    transformers' once-a-process cache sees it, so the bare model past its window still hears it."""
     if not muted:
         yield
         return
     logger = logging.getLogger("transformers.generation.stopping_criteria")
-    before = logger.__dict__.get("warning_once")  # an enclosing mute's
+    if "warning_once" not in logger.__dict__:  # one filter for good: installing and removing races across threads
 
-    def warning_once(msg: object, *args: Any, **kwargs: Any) -> None:
-        if "predefined maximum length" not in str(msg):
-            logging.Logger.warning_once(logger, msg, *args, **kwargs)  # type: ignore[attr-defined]
+        def warning_once(msg: object, *args: Any, **kwargs: Any) -> None:
+            if not (_reminder_muted.get() and _REMINDER in str(msg)):
+                logging.Logger.warning_once(logger, msg, *args, **kwargs)  # type: ignore[attr-defined]
 
-    logger.warning_once = warning_once  # type: ignore[attr-defined]
+        logger.warning_once = warning_once  # type: ignore[attr-defined]
+    token = _reminder_muted.set(True)
     try:
         yield
     finally:
-        if before is None:
-            logger.__dict__.pop("warning_once", None)
-        else:
-            logger.warning_once = before  # type: ignore[attr-defined]
+        _reminder_muted.reset(token)
 
 
 def _pad_id(model: Any) -> int | None:

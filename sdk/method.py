@@ -68,6 +68,10 @@ class Method:
     #: middleware computes from each whole prompt with the model (:meth:`serve_request`).
     serve_state: ClassVar[bool] = False
 
+    #: Whether the model with this method reads prompts longer than its window (positions stretched, memory, a
+    #: bounded cache): transformers' reminder that a generation passes the window is then muted.
+    reads_past_window: ClassVar[bool] = False
+
     #: Whether this method reads a document memory built by ``lcx memory build`` (``lcx generate --memory``,
     #: ``lcx serve --memory``): the stack's method with this set gets :meth:`load_memory` / :meth:`check_memory`.
     reads_memory: ClassVar[bool] = False

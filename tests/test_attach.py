@@ -223,3 +223,68 @@ def test_a_method_past_the_window_is_not_told_it_exceeded_the_maximum_length(lla
         assert [m for m in heard if "predefined maximum length (128)" in m]
     finally:
         logger.removeHandler(handler)
+
+
+def _reminders(logger_name: str = "transformers.generation.stopping_criteria"):
+    heard: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: heard.append(record.getMessage())
+    logging.getLogger(logger_name).addHandler(handler)
+    return heard, handler
+
+
+def test_a_method_that_does_not_read_past_the_window_leaves_the_reminder(llama):
+    logging.Logger.warning_once.cache_clear()
+    heard, handler = _reminders()
+    try:
+        with lcx.attach(llama, ["smt"]) as run:  # training only: the model reads as it always does
+            lcx.generate(run, torch.randint(0, 200, (1, 140)), max_new_tokens=2)
+        assert [m for m in heard if "predefined maximum length (128)" in m]
+    finally:
+        logging.getLogger("transformers.generation.stopping_criteria").removeHandler(handler)
+
+
+def test_the_reminder_is_heard_again_after_a_method_s_generation_fails(llama, monkeypatch):
+    logging.Logger.warning_once.cache_clear()
+    heard, handler = _reminders()
+    ids = torch.randint(0, 200, (1, 140))
+    try:
+        with lcx.attach(llama, ["streaming"], window=32):
+            def fail(**kwargs):
+                raise RuntimeError("generation failed")
+            monkeypatch.setattr(llama, "generate", fail)
+            with pytest.raises(RuntimeError, match="generation failed"):
+                lcx.generate(lcx.attached_run(llama), ids, max_new_tokens=2)
+            monkeypatch.undo()
+        with lcx.attach(llama, []) as run:
+            lcx.generate(run, ids, max_new_tokens=2)
+        assert [m for m in heard if "predefined maximum length (128)" in m]
+    finally:
+        logging.getLogger("transformers.generation.stopping_criteria").removeHandler(handler)
+
+
+def test_a_method_s_mute_does_not_reach_another_thread():
+    import threading
+
+    from lcx.generation import _past_window_reminder_muted
+
+    logging.Logger.warning_once.cache_clear()
+    name = "transformers.generation.stopping_criteria"
+    heard, handler = _reminders(name)
+    inside, done = threading.Event(), threading.Event()
+
+    def method_generating():
+        with _past_window_reminder_muted(True):
+            inside.set()
+            done.wait(10)
+
+    worker = threading.Thread(target=method_generating)
+    worker.start()
+    try:
+        assert inside.wait(10)
+        logging.getLogger(name).warning_once("will exceed the model's predefined maximum length (8)")
+        assert heard == ["will exceed the model's predefined maximum length (8)"]
+    finally:
+        done.set()
+        worker.join()
+        logging.getLogger(name).removeHandler(handler)

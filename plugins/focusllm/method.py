@@ -65,6 +65,7 @@ class FocusLLM(CandidateTraining, Method):
     # attention stores the candidates' keys/values in the placeholders' stead, as CandidateLayer does
     serving = "attention"
     serve_state = True
+    reads_past_window = True
     lora_gated = True  # the candidate adapter is open at candidate positions only
     grads_through_cache = True  # its loss reaches the blocks through the candidates' cached keys and values
     inference_only = ("chunk",)  # training draws its chunk sizes from train_chunks

@@ -63,6 +63,7 @@ class FoT(Method):
     serving = "attention"
     #: Multi-document mode reads a memory built by `lcx memory build` (commands.py): ``load_memory``.
     reads_memory = True
+    reads_past_window = True
     #: What a document's later windows read of its earlier ones while `lcx memory build` encodes it (the store's
     #: search options are left out: a memory is read with another backend on purpose).
     shapes_memory = ("local", "chunk", "sinks", "positions", "fixed_distance", "dense", "k", "gate", "gate_sinks",

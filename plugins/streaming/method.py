@@ -84,6 +84,7 @@ class Streaming(Method):
     requires = frozenset({"attention_interface", "rotary"})
     #: vLLM serves it inside its attention (lcx.integrations.vllm.attention), same answers as this path.
     serving = "attention"
+    reads_past_window = True
 
     sinks: int = option(4, "number of initial tokens always kept (attention sinks)")
     window: int = option(0, "recent tokens kept per layer; 0 = model window - sinks - chunk")
