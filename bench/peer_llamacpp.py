@@ -274,7 +274,6 @@ def main() -> None:
     ap.add_argument("--skip-llamacpp", action="store_true")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
-    load_start = Path("/proc/loadavg").read_text().split()[:3]
 
     from lcx.adapters.families import config_window
     from lcx.integrations.vllm import ServerProcess
@@ -368,8 +367,7 @@ def main() -> None:
                         "decode_tokens_per_s": "tokens after the last first token / time from it to the last token",
                         "found": f"key in the first {ANSWER_TOKENS} generated tokens"},
         "results": rows,
-        "machine": {**machine(), "loadavg_start": load_start,
-                    "loadavg_end": Path("/proc/loadavg").read_text().split()[:3]},  # other work on the cores
+        "machine": {**machine(), "loadavg_end": list(os.getloadavg())},  # other work on the cores
         "env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "VLLM_", "GGML_", "LLAMA_"))},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
