@@ -152,7 +152,7 @@ beyond() {  # $1 model, $2 haystack (prose|filler): 64K, every training-free sta
         --out "results/models/$1/beyond-64k-$2" "${COMMON[@]}"
 }
 fot64_gate() {  # $1 model, $2 gate: fot at its defaults but the gate (ppl64_fot's cells), 64K prose, one key per
-    # depth (inside_bare's draw): does a gate that costs less perplexity keep retrieval?
+    # depth (gemma_fot64_gate's prompts, inside_bare's keys): does a gate that costs less perplexity keep retrieval?
     $LCX eval passkey -m "$1" --method fot -o fot.gate="$2" --lengths 64K --samples 1 --haystack $BOOKS \
         --out "results/models/$1/fot-64k-prose-defaults-gate$2" "${COMMON[@]}"
 }
