@@ -15,7 +15,6 @@ import signal
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 from lcx.adapters.peft_bridge import add_adapter, load_adapter, read_sidecar, save_adapter
