@@ -42,6 +42,8 @@ asked:
                   reusable_prefix                         whether prompts sharing a start share its memory
                   reach                                   whether it reads a span of a prompt, and how
                                                           (``lcx demo``'s why column)
+                  reads_past_window                       whether it reads prompts longer than the window
+                                                          (transformers' reminder is then muted)
                   request_options                         what its request ran with (``lcx generate --json``)
     listing       resolved                                its model-dependent options on a model
                                                           (``lcx methods -m``)
