@@ -206,71 +206,54 @@ def test_one_dimensional_input_names_the_fix(llama):
         lcx.generate(run, torch.arange(5))
 
 
-def test_a_method_past_the_window_is_not_told_it_exceeded_the_maximum_length(llama):
-    logging.Logger.warning_once.cache_clear()  # transformers says each warning once a process
+@pytest.fixture
+def reminders():
+    """What transformers' past-window logger says during a test (its once-a-process cache cleared first)."""
+    logging.Logger.warning_once.cache_clear()
     heard: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: heard.append(record.getMessage())
     logger = logging.getLogger("transformers.generation.stopping_criteria")
     logger.addHandler(handler)
+    yield heard
+    logger.removeHandler(handler)
+
+
+def test_a_method_past_the_window_is_not_told_it_exceeded_the_maximum_length(llama, reminders):
     ids = torch.randint(0, 200, (1, 140))  # past the tiny model's 128 positions
-    try:
-        with lcx.attach(llama, ["streaming"], window=32):
-            lcx.generate(lcx.attached_run(llama), ids, max_new_tokens=2)
-        assert not [m for m in heard if "maximum length" in m]
-        with lcx.attach(llama, []) as run:  # the bare model past its window still hears it
-            lcx.generate(run, ids, max_new_tokens=2)
-        assert [m for m in heard if "predefined maximum length (128)" in m]
-    finally:
-        logger.removeHandler(handler)
+    with lcx.attach(llama, ["streaming"], window=32):
+        lcx.generate(lcx.attached_run(llama), ids, max_new_tokens=2)
+    assert not [m for m in reminders if "maximum length" in m]
+    with lcx.attach(llama, []) as run:  # the bare model past its window still hears it
+        lcx.generate(run, ids, max_new_tokens=2)
+    assert [m for m in reminders if "predefined maximum length (128)" in m]
 
 
-def _reminders(logger_name: str = "transformers.generation.stopping_criteria"):
-    heard: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: heard.append(record.getMessage())
-    logging.getLogger(logger_name).addHandler(handler)
-    return heard, handler
+def test_a_method_that_does_not_read_past_the_window_leaves_the_reminder(llama, reminders):
+    with lcx.attach(llama, ["smt"]) as run:  # training only: the model reads as it always does
+        lcx.generate(run, torch.randint(0, 200, (1, 140)), max_new_tokens=2)
+    assert [m for m in reminders if "predefined maximum length (128)" in m]
 
 
-def test_a_method_that_does_not_read_past_the_window_leaves_the_reminder(llama):
-    logging.Logger.warning_once.cache_clear()
-    heard, handler = _reminders()
-    try:
-        with lcx.attach(llama, ["smt"]) as run:  # training only: the model reads as it always does
-            lcx.generate(run, torch.randint(0, 200, (1, 140)), max_new_tokens=2)
-        assert [m for m in heard if "predefined maximum length (128)" in m]
-    finally:
-        logging.getLogger("transformers.generation.stopping_criteria").removeHandler(handler)
-
-
-def test_the_reminder_is_heard_again_after_a_method_s_generation_fails(llama, monkeypatch):
-    logging.Logger.warning_once.cache_clear()
-    heard, handler = _reminders()
+def test_the_reminder_is_heard_again_after_a_method_s_generation_fails(llama, reminders, monkeypatch):
     ids = torch.randint(0, 200, (1, 140))
-    try:
-        with lcx.attach(llama, ["streaming"], window=32):
-            def fail(**kwargs):
-                raise RuntimeError("generation failed")
-            monkeypatch.setattr(llama, "generate", fail)
-            with pytest.raises(RuntimeError, match="generation failed"):
-                lcx.generate(lcx.attached_run(llama), ids, max_new_tokens=2)
-            monkeypatch.undo()
-        with lcx.attach(llama, []) as run:
-            lcx.generate(run, ids, max_new_tokens=2)
-        assert [m for m in heard if "predefined maximum length (128)" in m]
-    finally:
-        logging.getLogger("transformers.generation.stopping_criteria").removeHandler(handler)
+    with lcx.attach(llama, ["streaming"], window=32):
+        def fail(**kwargs):
+            raise RuntimeError("generation failed")
+        monkeypatch.setattr(llama, "generate", fail)
+        with pytest.raises(RuntimeError, match="generation failed"):
+            lcx.generate(lcx.attached_run(llama), ids, max_new_tokens=2)
+        monkeypatch.undo()
+    with lcx.attach(llama, []) as run:
+        lcx.generate(run, ids, max_new_tokens=2)
+    assert [m for m in reminders if "predefined maximum length (128)" in m]
 
 
-def test_a_method_s_mute_does_not_reach_another_thread():
+def test_a_method_s_mute_does_not_reach_another_thread(reminders):
     import threading
 
     from lcx.generation import _past_window_reminder_muted
 
-    logging.Logger.warning_once.cache_clear()
-    name = "transformers.generation.stopping_criteria"
-    heard, handler = _reminders(name)
     inside, done = threading.Event(), threading.Event()
 
     def method_generating():
@@ -282,9 +265,9 @@ def test_a_method_s_mute_does_not_reach_another_thread():
     worker.start()
     try:
         assert inside.wait(10)
-        logging.getLogger(name).warning_once("will exceed the model's predefined maximum length (8)")
-        assert heard == ["will exceed the model's predefined maximum length (8)"]
+        logging.getLogger("transformers.generation.stopping_criteria").warning_once(
+            "will exceed the model's predefined maximum length (8)")
+        assert reminders == ["will exceed the model's predefined maximum length (8)"]
     finally:
         done.set()
         worker.join()
-        logging.getLogger(name).removeHandler(handler)
