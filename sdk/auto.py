@@ -10,13 +10,14 @@ another model or version is measured again, with a note saying why.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import hashlib
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 AUTO_FILE = "lcx-auto.json"
 FORMAT = 1
@@ -27,6 +28,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 _said: set[tuple[str, str, str]] = set()  # (file, key, inputs) reported in this process: a value is announced once
 _dtype: contextvars.ContextVar[str | None] = contextvars.ContextVar("lcx_auto_dtype", default=None)
+_deferred: contextvars.ContextVar[bool] = contextvars.ContextVar("lcx_auto_deferred", default=False)
 
 
 def note(message: str) -> None:
@@ -40,7 +42,7 @@ def resolve(methods: list[Any], folder: Path | None, load: Callable[[], tuple[An
     nothing attached yet; ``load()`` gives ``(model, tokenizer)``, loaded at most once, computing in ``dtype``
     (a name, "bfloat16"), which every measurement's inputs then hold: one made in another dtype is not reused.
     Only a local folder holding a tokenizer can be measured and cached: elsewhere ``auto`` keeps its rule."""
-    if folder is None or not has_tokenizer(folder):
+    if folder is None or not has_tokenizer(folder) or _deferred.get():
         return
     loaded: list[tuple[Any, Any]] = []
 
@@ -55,6 +57,17 @@ def resolve(methods: list[Any], folder: Path | None, load: Callable[[], tuple[An
             m.resolve_auto(folder, once)
     finally:
         _dtype.reset(token)
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Within it, attaching measures no ``auto`` option (each keeps its rule): a dry attach that checks a method
+    stack must not spend a first use's measurement (minutes on a real model) before the stack runs."""
+    token = _deferred.set(True)
+    try:
+        yield
+    finally:
+        _deferred.reset(token)
 
 
 def model_folder(model: Any) -> Path | None:

@@ -145,6 +145,20 @@ def test_a_read_only_model_folder_caches_under_lcx_home(folder, probes, tmp_path
     assert len(list((tmp_path / "home" / "auto").glob("*.json"))) == 1
 
 
+def test_a_comparison_measures_each_stacks_auto_options_when_that_stack_runs(folder, probes):
+    from lcx.evals.compare import compare
+
+    model, _ = load_model(str(folder))
+    measured_by_then = []
+
+    def evaluate(run, adapter):
+        measured_by_then.append(list(probes))
+        return {}
+
+    compare(model, ["none", "fot"], {"fot": {"gate": "off"}}, evaluate, log=lambda line: None)
+    assert measured_by_then == [[], [512]]  # the stacks' check before "none" measured nothing
+
+
 def test_a_model_with_sliding_window_layers_keeps_its_full_attention_layers_unmeasured(tmp_path, probes):
     folder = make_tiny_model_dir(tmp_path / "gemma", family="gemma3_text", max_position_embeddings=512)
     assert fot_layers(folder) == ("auto", [1])

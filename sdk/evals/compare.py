@@ -63,12 +63,16 @@ def stack_model(model: Any, adapter: str | None, methods: list[str],
 
 def check_stacks(model: Any, stacks: list[str], options: dict[str, Any]) -> None:
     """Every stack attaches (its methods, options and adapter load) and every option is used by some stack,
-    before the first stack runs: a typo in the last stack must not surface after hours of the first."""
+    before the first stack runs: a typo in the last stack must not surface after hours of the first.  Their
+    ``auto`` options are measured when each stack runs, not here."""
+    from lcx import auto
+
     used: set[str] = set()
     for stack in stacks:
         methods, adapter = parse_stack(stack)
         try:
-            with stack_model(model, adapter, methods, options) as (m, names, opts), attach(m, names, **opts) as run:
+            with stack_model(model, adapter, methods, options) as (m, names, opts), auto.deferred(), \
+                    attach(m, names, **opts) as run:
                 used.update(x.name for x in run.methods)
         except LcxError as e:
             raise LcxError(f"stack {stack!r}: {e}") from None
