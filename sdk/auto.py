@@ -70,6 +70,11 @@ def deferred() -> Iterator[None]:
         _deferred.reset(token)
 
 
+def is_deferred() -> bool:
+    """Inside :func:`deferred`: an ``auto`` option is still unmeasured, and what depends on it is checked later."""
+    return _deferred.get()
+
+
 def model_folder(model: Any) -> Path | None:
     """The local folder a loaded transformers model came from, or None (built in memory, or from a hub name)."""
     cfg = getattr(model, "config", None)

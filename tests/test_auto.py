@@ -145,18 +145,24 @@ def test_a_read_only_model_folder_caches_under_lcx_home(folder, probes, tmp_path
     assert len(list((tmp_path / "home" / "auto").glob("*.json"))) == 1
 
 
-def test_a_comparison_measures_each_stacks_auto_options_when_that_stack_runs(folder, probes):
-    from lcx.evals.compare import compare
+def test_a_comparison_measures_each_stacks_auto_options_when_that_stack_runs(tmp_path, probes):
+    from lcx.evals.compare import check_stacks, compare
 
-    model, _ = load_model(str(folder))
+    # 8 layers: auto's unmeasured rule is layers 2,4,6; the measurement (stubbed) finds 1, where head 1:0 is
+    model, _ = load_model(str(make_tiny_model_dir(tmp_path / "llama", max_position_embeddings=512,
+                                                  num_hidden_layers=8)))
     measured_by_then = []
 
     def evaluate(run, adapter):
         measured_by_then.append(list(probes))
-        return {}
+        return {"heads": run.method("fot").heads_of([1], 4) if run.methods else None}
 
-    compare(model, ["none", "fot"], {"fot": {"gate": "off"}}, evaluate, log=lambda line: None)
+    fot = {"gate": "off", "memory_heads": "1:0"}
+    results = compare(model, ["none", "fot"], {"fot": fot}, evaluate, log=lambda line: None)
     assert measured_by_then == [[], [512]]  # the stacks' check before "none" measured nothing
+    assert results["fot"]["heads"] == {1: [0]}
+    with pytest.raises(lcx.LcxError, match="memory_heads: head 1:9 out of range"):
+        check_stacks(model, ["fot"], {"fot": {**fot, "memory_heads": "1:9"}})  # what needs no measuring is checked
 
 
 def test_a_model_with_sliding_window_layers_keeps_its_full_attention_layers_unmeasured(tmp_path, probes):

@@ -331,7 +331,7 @@ class FoT(Method):
                                f"layer (0..{n_heads - 1})")
             if i in out:
                 out[i].append(h)
-            else:
+            elif not (str(self.memory_layers).strip() == "auto" and auto.is_deferred()):  # measured when it runs
                 raise LcxError(f"memory_heads: {i}:{h} names layer {i}, which reads no memory (memory layers: "
                                f"{','.join(map(str, layers))}); add it to memory_layers or drop the pair")
         return out
