@@ -144,10 +144,10 @@ passkey_held_fresh() {  # $1 model, $2 stack: passkey_held on a fresh draw (keys
     held_passkey "$1" "$2" passkey-held-4k-fresh --seed 1 --haystack $BOOKS/stevenson_treasure_island.txt \
         --haystack $BOOKS/twain_tom_sawyer.txt
 }
-beyond() {  # $1 model, $2 haystack (prose|filler): 64K, every training-free stack at its defaults and YaRN x2; fot's
-    # row is fot64_defaults (the same draw in its own folder: its first use calibrates for 17 min)
-    local hay=(); [ "$2" = prose ] && hay=(--haystack $BOOKS)
-    $LCX eval compare passkey -m "$1" --stack vanilla --stack rope --stack streaming --stack focusllm \
+beyond() {  # $1 model, $2 haystack (prose|filler): 64K, every training-free stack at its defaults and YaRN x2; in
+    # prose fot's row is fot64_defaults (the same draw, in its own folder), in the filler fot runs here
+    local hay=() fot=(--stack fot); [ "$2" = prose ] && hay=(--haystack $BOOKS) && fot=()
+    $LCX eval compare passkey -m "$1" --stack vanilla --stack rope --stack streaming --stack focusllm "${fot[@]}" \
         -o rope.factor=2 --lengths 64K --samples 3 "${hay[@]}" \
         --out "results/models/$1/beyond-64k-$2" "${COMMON[@]}"
 }
