@@ -146,7 +146,9 @@ passkey_held_fresh() {  # $1 model, $2 stack: passkey_held on a fresh draw (keys
 }
 beyond() {  # $1 model, $2 haystack (prose|filler): 64K, every training-free stack at its defaults and YaRN x2; in
     # prose fot's row is fot64_defaults (the same draw, in its own folder), in the filler fot runs here
-    local hay=() fot=(--stack fot); [ "$2" = prose ] && hay=(--haystack $BOOKS) && fot=()
+    local hay=() fot=()
+    case "${2:-}" in prose) hay=(--haystack $BOOKS);; filler) fot=(--stack fot);;
+        *) echo "beyond MODEL prose|filler, not '${2:-}'" >&2; return 2;; esac
     $LCX eval compare passkey -m "$1" --stack vanilla --stack rope --stack streaming --stack focusllm "${fot[@]}" \
         -o rope.factor=2 --lengths 64K --samples 3 "${hay[@]}" \
         --out "results/models/$1/beyond-64k-$2" "${COMMON[@]}"
