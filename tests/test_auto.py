@@ -155,12 +155,12 @@ def test_a_comparison_measures_each_stacks_auto_options_when_that_stack_runs(tmp
 
     def evaluate(run, adapter):
         measured_by_then.append(list(probes))
-        return {"heads": run.method("fot").heads_of([1], 4) if run.methods else None}
+        return {"layers": run.method("fot").layer_indices(run) if run.methods else None}
 
     fot = {"gate": "off", "memory_heads": "1:0"}
     results = compare(model, ["none", "fot"], {"fot": fot}, evaluate, log=lambda line: None)
     assert measured_by_then == [[], [512]]  # the stacks' check before "none" measured nothing
-    assert results["fot"]["heads"] == {1: [0]}
+    assert results["fot"]["layers"] == [1]  # the measured layers, which hold head 1:0
     with pytest.raises(lcx.LcxError, match="memory_heads: head 1:9 out of range"):
         check_stacks(model, ["fot"], {"fot": {**fot, "memory_heads": "1:9"}})  # what needs no measuring is checked
 
