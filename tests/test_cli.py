@@ -48,6 +48,33 @@ def test_eval_passkey_and_compare_generate_the_new_tokens_asked_for(tiny_dir, tm
     assert json.loads((tmp_path / "pk" / "passkey.json").read_text())["config"]["max_new_tokens"] == 13
 
 
+def test_eval_compare_includes_a_finished_journal_as_a_row_without_rerunning_it(tiny_dir, tmp_path, monkeypatch):
+    import lcx.generation
+
+    grid = ["-m", str(tiny_dir), "--lengths", "400", "--depths", "0.3,0.7", "--samples", "1"]
+    r = run("eval", "passkey", *grid, "--method", "streaming", "-o", "chunk=64", "--out", str(tmp_path / "pk"))
+    assert r.exit_code == 0, r.output
+    own = json.loads((tmp_path / "pk" / "passkey.json").read_text())
+    calls, generate = [], lcx.generation.generate
+    monkeypatch.setattr(lcx.generation, "generate", lambda *a, **kw: calls.append(1) or generate(*a, **kw))
+    r = run("eval", "compare", "passkey", *grid, "--stack", "none", "--include", str(tmp_path / "pk" / "passkey.samples.jsonl"),
+            "--out", str(tmp_path / "cmp"))
+    assert r.exit_code == 0, r.output
+    assert len(calls) == 2  # the none stack's two samples; the included row is read, not generated
+    stacks = json.loads((tmp_path / "cmp" / "compare-passkey.json").read_text())["stacks"]
+    assert list(stacks) == ["none", "streaming"]
+    assert stacks["streaming"]["summary"] == own["summary"] and stacks["streaming"]["samples"] == own["samples"]
+    assert stacks["streaming"]["methods"][0]["options"]["chunk"] == 64
+    assert "| streaming |" in (tmp_path / "cmp" / "compare-passkey.md").read_text()
+    # a stack of the same name run here keeps its name; the included one is told apart by its folder
+    r = run("eval", "compare", "passkey", *grid, "--stack", "streaming", "-o", "streaming.chunk=64",
+            "--include", str(tmp_path / "pk" / "passkey.samples.jsonl"), "--out", str(tmp_path / "cmp2"), "--json")
+    assert r.exit_code == 0, r.output
+    stacks = json.loads((tmp_path / "cmp2" / "compare-passkey.json").read_text())["stacks"]
+    assert list(stacks) == ["streaming", "streaming (pk)"]
+    assert stacks["streaming"]["summary"] == stacks["streaming (pk)"]["summary"]  # the same run, computed twice
+
+
 def test_ruler_help_speaks_of_ruler_and_compare_help_of_both_suites():
     ruler, compare = (" ".join(run("eval", suite, "--help").output.split()) for suite in ("ruler", "compare"))
     assert "passkey" not in ruler and "(default: each task's own" in ruler

@@ -278,6 +278,27 @@ def test_compare_checks_every_stack_before_running_any(tiny_dir, tmp_path, extra
     assert not out.exists()  # the vanilla stack never ran
 
 
+def test_compare_include_refuses_another_grid_an_unfinished_journal_and_a_non_journal(tiny_dir, tmp_path):
+    grid = ["-m", str(tiny_dir), "--lengths", "400", "--depths", "0.5", "--samples", "1"]
+    r = lcx("eval", "passkey", *grid, "--method", "vanilla", "--out", str(tmp_path / "pk"), "--json")
+    assert r.exit_code == 0, r.output
+    journal = tmp_path / "pk" / "passkey.samples.jsonl"
+    compare = ["eval", "compare", "passkey", "--stack", "none", "--include", str(journal)]
+    out = tmp_path / "cmp"
+    assert_error(lcx(*compare, *grid[:-1], "2", "--out", str(out)), f"--include {journal}", "samples 1, not 2",
+                 "rerun that stack with --stack")
+    assert_error(lcx(*compare, *grid, "--dtype", "bfloat16", "--out", str(out)), "dtype float32, not bfloat16")
+    assert not out.exists()  # refused before the none stack ran
+    lines = journal.read_text().splitlines()
+    journal.write_text(lines[0] + "\n")  # its header only: a run stopped before its first sample
+    assert_error(lcx(*compare, *grid, "--out", str(out)), "holds 0 samples, not all of this grid's", "--resume")
+    journal.write_text("not a journal\n")
+    assert_error(lcx(*compare, *grid, "--out", str(out)), "not a passkey or RULER journal")
+    assert_error(lcx("eval", "compare", "passkey", *grid, "--out", str(out)), "nothing to compare", "--stack METHODS")
+    assert_error(lcx("eval", "compare", "ppl", "-m", str(tiny_dir), "--include", str(journal), "--out", str(out)),
+                 "ppl keeps no journal")
+
+
 def test_train_full_with_a_module_name_that_matches_nothing(tiny_dir, tmp_path):
     doc = tmp_path / "d.txt"
     doc.write_text("some words to train on. " * 50)

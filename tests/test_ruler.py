@@ -216,6 +216,14 @@ def test_cli_ruler_and_compare_ruler_on_a_tiny_model(tiny_dir, books, tmp_path):
     table = json.loads(r.output)
     assert table["header"] == ["stack", "600", "all", "vt"] and [row[0] for row in table["rows"]] == ["none", "vanilla"]
     assert (tmp_path / "c" / "compare-ruler.vanilla.samples.jsonl").exists()
+    # another compare takes vanilla's row from that journal: the same table, vanilla not rerun
+    r = CliRunner().invoke(main, ["eval", "compare", "ruler", "-m", str(tiny_dir), "--stack", "none",
+                                  "--include", str(tmp_path / "c" / "compare-ruler.vanilla.samples.jsonl"),
+                                  "--tasks", "vt", "--lengths", "600", "--samples", "1", "--max-new-tokens", "2",
+                                  "--haystack", str(books), "--out", str(tmp_path / "c2"), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["rows"] == table["rows"]
+    assert not (tmp_path / "c2" / "compare-ruler.vanilla.samples.jsonl").exists()
 
     for bad, says in ((["--tasks", "nope"], "unknown RULER task 'nope'"),
                       (["--lengths", "900000"], "fewer than a prompt of this length needs")):

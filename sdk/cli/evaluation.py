@@ -201,6 +201,51 @@ def _journal(path: Path, model: str, run, adapter, cfg, resume: bool):
     return journal
 
 
+def _stem(names: list[str], adapter) -> str:
+    """A stack's name in journal file names and --include rows: its methods (none), @ its adapter folder's name."""
+    stem = "+".join(names) or "none"
+    return re.sub(r"[^A-Za-z0-9_.+@-]", "_", stem + (f"@{Path(adapter).name}" if adapter else ""))
+
+
+def _included(paths, model: str, want_dtype: str, cfg, grid, tok, taken: set[str]) -> dict[str, dict]:
+    """--include: each finished journal's row, read from it (never generated); checked against this command's
+    model, grid and dtype before any stack runs, so a mismatch costs nothing."""
+    import json
+    from dataclasses import asdict
+
+    from lcx.io import Journal
+
+    want_cfg = json.loads(json.dumps(asdict(cfg), default=str))
+    rows: dict[str, dict] = {}
+    for path in paths:
+        try:
+            head = json.loads(path.read_text().split("\n", 1)[0])["fingerprint"]
+            methods = [m["name"] for m in head["methods"]]
+        except (ValueError, KeyError, TypeError):
+            raise LcxError(f"--include {path}: not a passkey or RULER journal (its first line is no journal header); "
+                           f"give a *.samples.jsonl written by lcx eval passkey, ruler or compare") from None
+        dtype = head.get("dtype", "float32")  # journals from before lcx recorded the dtype were all float32
+        got_cfg = {**want_cfg, **head.get("config", {})}
+        wrong = [f"model {head.get('model')!r}, not {model!r}"] if head.get("model") != model else []
+        wrong += [f"{k} {got_cfg[k]!r}, not {v!r}" for k, v in want_cfg.items() if got_cfg[k] != v]
+        wrong += [f"dtype {dtype}, not {want_dtype}"] if dtype != want_dtype else []
+        if wrong:
+            raise LcxError(f"--include {path}: it is another grid ({'; '.join(wrong)}); give this command the "
+                           f"journal's own model, grid options and --dtype, or rerun that stack with --stack")
+        name = _stem(methods, head.get("adapter"))
+        if name in taken or name in rows:
+            name = f"{name} ({path.parent.name})"
+        journal = Journal(path, head, resume=True)
+
+        def missing(*_, path=path, held=journal.reused):
+            raise LcxError(f"--include {path}: it holds {held} samples, not all of this grid's; finish it first "
+                           f"(its own command with --resume), then include it")
+
+        rows[name] = {"methods": head["methods"], "dtype": dtype, "adapter": head.get("adapter"),
+                      "included": str(path), **grid.evaluate(missing, tok, cfg, progress=False, journal=journal)}
+    return rows
+
+
 def _ppl_documents(data: tuple[str, ...], tokenizer, max_docs: int | None,
                    text_field: str = "text") -> list[tuple[str, list[int]]]:
     from lcx.data import iter_documents
@@ -274,10 +319,15 @@ def eval_ppl(model, methods, options, adapter, trust_remote_code, data, text_fie
 @eval_grp.command("compare", context_settings=CONTEXT)
 @click.argument("suite", type=click.Choice(["passkey", "ruler", "ppl"]))
 @model_option
-@click.option("--stack", "stacks", multiple=True, required=True, metavar="METHODS",
+@click.option("--stack", "stacks", multiple=True, metavar="METHODS",
               help="A method stack: none, a method, or methods joined by + (rope+streaming); add @DIR to load "
                    "an adapter for this stack only (focusllm@out/adapter; @out/adapter: its trained methods). "
                    "Repeat per stack.")
+@click.option("--include", "includes", multiple=True, metavar="JOURNAL",
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="passkey, ruler: add a finished run's journal (an `eval passkey|ruler` OUT/SUITE.samples.jsonl "
+                   "or another compare's OUT/compare-SUITE.STACK.samples.jsonl) as a row, read, not rerun; its "
+                   "model, grid and dtype must be this command's. Repeatable; with it --stack is optional.")
 @click.option("--option", "-o", "options", multiple=True, metavar="METHOD.KEY=VALUE",
               help="Per-method option, applied in every stack that has the method.")
 @click.option("--lengths", callback=_int_list, default="4096", show_default=True,
@@ -307,21 +357,29 @@ def eval_ppl(model, methods, options, adapter, trust_remote_code, data, text_fie
 @click.option("--resume", is_flag=True, help="passkey, ruler: " + RESUME_HELP)
 @device_option
 @click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
-def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, haystack, tasks, max_new_tokens, data,
-                 text_field, max_docs, contexts, target, room, out, resume, as_json):
+def eval_compare(suite, model, stacks, includes, options, lengths, depths, samples, seed, haystack, tasks,
+                 max_new_tokens, data, text_field, max_docs, contexts, target, room, out, resume, as_json):
     """Run one suite over several method stacks; writes OUT/compare-SUITE.{json,md,png}.
 
     \b
-    Example:
+    Examples:
       lcx eval compare passkey -m smollm2-135m --stack vanilla --stack streaming --stack rope+streaming \\
           --lengths 8K,16K --samples 3 -o rope.factor=2
+      # the same grid, with fot's row from an earlier `lcx eval passkey ... --method fot --out out/fot`
+      lcx eval compare passkey -m smollm2-135m --stack vanilla --include out/fot/passkey.samples.jsonl \\
+          --lengths 8K,16K --samples 3
     """
     from lcx.data import special_prefix
     from lcx.evals import compare as cmp
     from lcx.generation import score_tail
-    from lcx.models import load_model
+    from lcx.models import dtype_name, load_model, model_dtype
     from lcx.session import parse_options
 
+    if not stacks and not includes:
+        raise LcxError("nothing to compare: give a --stack METHODS per stack (e.g. --stack none --stack fot)"
+                       + (" or --include JOURNAL" if suite != "ppl" else ""))
+    if includes and suite == "ppl":
+        raise LcxError(f"--include {includes[0]}: ppl keeps no journal to include; rerun that stack with --stack")
     opts = parse_options(options)
     hf_model, tok = load_model(model, device=_device(), dtype=_dtype())
     if suite in ("passkey", "ruler"):
@@ -338,9 +396,10 @@ def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, 
         grid = passkey if suite == "passkey" else ruler
         stems: dict[str, str] = {}  # journal name -> the adapter folder it is for
 
+        included = _included(includes, model, dtype_name(model_dtype(hf_model)), cfg, grid, tok, taken=set(stacks))
+
         def ev(run, adapter):
-            stem = "+".join(m.name for m in run.methods) or "none"
-            stem = re.sub(r"[^A-Za-z0-9_.+@-]", "_", stem + (f"@{Path(adapter).name}" if adapter else ""))
+            stem = _stem([m.name for m in run.methods], adapter)
             where = str(Path(adapter).resolve()) if adapter else ""
             if stems.setdefault(stem, where) != where:  # two adapter folders of one name (.../a/adapter, .../b/adapter)
                 stem += "-" + hashlib.sha256(where.encode()).hexdigest()[:8]
@@ -349,6 +408,7 @@ def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, 
             return grid.evaluate(_grid_generator(run, progress=not as_json), tok, cfg, progress=not as_json,
                                  journal=journal)
     else:
+        included = {}
         if not data:
             raise LcxError("ppl needs documents: give --data PATH (e.g. ../shared/data/books)")
         docs = _ppl_documents(data, tok, max_docs, text_field)
@@ -361,6 +421,7 @@ def eval_compare(suite, model, stacks, options, lengths, depths, samples, seed, 
                                           out / f"compare-{suite}.json")
     results = cmp.compare(hf_model, list(stacks), opts, ev, log=(lambda m: None) if as_json else click.echo,
                           on_stack_done=partial)
+    results.update(included)
     header, rows = {"passkey": cmp.passkey_table, "ruler": cmp.ruler_table, "ppl": cmp.ppl_table}[suite](results)
     js = partial(results)  # the final write: nothing unfinished
     md = cmp.write_markdown(header, rows, out / f"compare-{suite}.md", command)
