@@ -145,9 +145,9 @@ passkey_held_fresh() {  # $1 model, $2 stack: passkey_held on a fresh draw (keys
         --haystack $BOOKS/twain_tom_sawyer.txt
 }
 beyond() {  # $1 model, $2 haystack (prose|filler): 64K, every training-free stack at its defaults and YaRN x2; in
-    # prose fot's row is fot64_defaults (the same draw, in its own folder), in the filler fot runs here
-    local hay=() fot=()
-    case "${2:-}" in prose) hay=(--haystack $BOOKS);; filler) fot=(--stack fot);;
+    # prose fot's row is fot64_defaults' journal where it has run (the same draw), read, not rerun; else fot runs here
+    local hay=() fot=(--stack fot) own="results/models/$1/fot-64k-prose-defaults/passkey.samples.jsonl"
+    case "${2:-}" in prose) hay=(--haystack $BOOKS); [ -f "$own" ] && fot=(--include "$own");; filler) ;;
         *) echo "beyond MODEL prose|filler, not '${2:-}'" >&2; return 2;; esac
     $LCX eval compare passkey -m "$1" --stack vanilla --stack rope --stack streaming --stack focusllm "${fot[@]}" \
         -o rope.factor=2 --lengths 64K --samples 3 "${hay[@]}" \
