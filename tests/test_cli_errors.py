@@ -288,6 +288,8 @@ def test_compare_include_refuses_another_grid_an_unfinished_journal_and_a_non_jo
     assert_error(lcx(*compare, *grid[:-1], "2", "--out", str(out)), f"--include {journal}", "samples 1, not 2",
                  "rerun that stack with --stack")
     assert_error(lcx(*compare, *grid, "--dtype", "bfloat16", "--out", str(out)), "dtype float32, not bfloat16")
+    assert_error(lcx("eval", "compare", "ruler", "--stack", "none", "--include", str(journal), *grid, "--haystack",
+                     str(journal), "--out", str(out)), "tasks not recorded")
     assert not out.exists()  # refused before the none stack ran
     lines = journal.read_text().splitlines()
     journal.write_text(lines[0] + "\n")  # its header only: a run stopped before its first sample

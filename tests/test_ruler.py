@@ -224,6 +224,9 @@ def test_cli_ruler_and_compare_ruler_on_a_tiny_model(tiny_dir, books, tmp_path):
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["rows"] == table["rows"]
     assert not (tmp_path / "c2" / "compare-ruler.vanilla.samples.jsonl").exists()
+    r = CliRunner().invoke(main, ["eval", "compare", "passkey", "-m", str(tiny_dir), "--lengths", "600",
+                                  "--include", str(tmp_path / "c" / "compare-ruler.vanilla.samples.jsonl")])
+    assert r.exit_code == 2 and "which this suite has not" in r.output, r.output  # a RULER row in a passkey table
 
     for bad, says in ((["--tasks", "nope"], "unknown RULER task 'nope'"),
                       (["--lengths", "900000"], "fewer than a prompt of this length needs")):

@@ -225,9 +225,11 @@ def _included(paths, model: str, want_dtype: str, cfg, grid, tok, taken: set[str
             raise LcxError(f"--include {path}: not a passkey or RULER journal (its first line is no journal header); "
                            f"give a *.samples.jsonl written by lcx eval passkey, ruler or compare") from None
         dtype = head.get("dtype", "float32")  # journals from before lcx recorded the dtype were all float32
-        got_cfg = {**want_cfg, **head.get("config", {})}
+        got_cfg = {"haystack": None, **head.get("config", {})}  # as _journal: no haystack recorded = the filler
         wrong = [f"model {head.get('model')!r}, not {model!r}"] if head.get("model") != model else []
-        wrong += [f"{k} {got_cfg[k]!r}, not {v!r}" for k, v in want_cfg.items() if got_cfg[k] != v]
+        wrong += [f"{k} {got_cfg[k]!r}, not {v!r}" if k in got_cfg else f"{k} not recorded"
+                  for k, v in want_cfg.items() if got_cfg.get(k, wrong) != v]
+        wrong += [f"{k} {got_cfg[k]!r}, which this suite has not" for k in got_cfg if k not in want_cfg]
         wrong += [f"dtype {dtype}, not {want_dtype}"] if dtype != want_dtype else []
         if wrong:
             raise LcxError(f"--include {path}: it is another grid ({'; '.join(wrong)}); give this command the "
