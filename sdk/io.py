@@ -240,8 +240,9 @@ class Journal:
     """
 
     def __init__(self, path: Path, fingerprint: dict[str, Any], resume: bool = False,
-                 defaults: dict[str, Any] | None = None) -> None:
+                 defaults: dict[str, Any] | None = None, read_only: bool = False) -> None:
         self.path = Path(path)
+        self.read_only = read_only  # another run's journal, read: never repaired or appended to
         self.fingerprint = json.loads(json.dumps(fingerprint, default=str))
         self.defaults = json.loads(json.dumps(defaults or {}, default=str))
         self.records: dict[str, dict[str, Any]] = {}
@@ -280,13 +281,15 @@ class Journal:
                 good += 1
             except (ValueError, KeyError, TypeError):
                 break  # a line cut short by a crash: everything after it is redone
-        if good < len(lines):  # rewrite without the damaged tail, so appends stay parseable
+        if good < len(lines) and not self.read_only:  # rewrite without the damaged tail, so appends stay parseable
             write_text("\n".join(lines[:good]) + "\n", self.path)
 
     def get(self, sample_id: str) -> dict[str, Any] | None:
         return self.records.get(sample_id)
 
     def append(self, sample_id: str, record: dict[str, Any]) -> None:
+        if self.read_only:
+            raise RuntimeError(f"{self.path} is open read-only")
         rec = {"id": sample_id, **record}
         with self.path.open("a") as f:
             f.write(json.dumps(rec, default=str) + "\n")

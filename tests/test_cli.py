@@ -55,12 +55,15 @@ def test_eval_compare_includes_a_finished_journal_as_a_row_without_rerunning_it(
     r = run("eval", "passkey", *grid, "--method", "streaming", "-o", "chunk=64", "--out", str(tmp_path / "pk"))
     assert r.exit_code == 0, r.output
     own = json.loads((tmp_path / "pk" / "passkey.json").read_text())
+    journal = tmp_path / "pk" / "passkey.samples.jsonl"
+    before = journal.read_bytes()
     calls, generate = [], lcx.generation.generate
     monkeypatch.setattr(lcx.generation, "generate", lambda *a, **kw: calls.append(1) or generate(*a, **kw))
-    r = run("eval", "compare", "passkey", *grid, "--stack", "none", "--include", str(tmp_path / "pk" / "passkey.samples.jsonl"),
+    r = run("eval", "compare", "passkey", *grid, "--stack", "none", "--include", str(journal),
             "--out", str(tmp_path / "cmp"))
     assert r.exit_code == 0, r.output
     assert len(calls) == 2  # the none stack's two samples; the included row is read, not generated
+    assert journal.read_bytes() == before
     stacks = json.loads((tmp_path / "cmp" / "compare-passkey.json").read_text())["stacks"]
     assert list(stacks) == ["none", "streaming"]
     assert stacks["streaming"]["summary"] == own["summary"] and stacks["streaming"]["samples"] == own["samples"]

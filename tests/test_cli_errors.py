@@ -290,13 +290,29 @@ def test_compare_include_refuses_another_grid_an_unfinished_journal_and_a_non_jo
     assert_error(lcx(*compare, *grid, "--dtype", "bfloat16", "--out", str(out)), "dtype float32, not bfloat16")
     assert_error(lcx("eval", "compare", "ruler", "--stack", "none", "--include", str(journal), *grid, "--haystack",
                      str(journal), "--out", str(out)), "tasks not recorded")
+    other = make_tiny_model_dir(tmp_path / "other", max_position_embeddings=512)
+    assert_error(lcx(*compare, "-m", str(other), *grid[2:], "--out", str(out)), f"model {str(tiny_dir)!r}, not")
     assert not out.exists()  # refused before the none stack ran
+    r = lcx("eval", "compare", "passkey", *grid, "--stack", "vanilla", "--out", str(out))
+    assert r.exit_code == 0, r.output
+    own = out / "compare-passkey.vanilla.samples.jsonl"
+    assert_error(lcx("eval", "compare", "passkey", *grid, "--stack", "vanilla", "--include", str(own), "--out", str(out)),
+                 "a --stack of this command writes that journal")
+    # one sample of two, its last line cut by a crash: refused, and the file left as it was (never repaired)
+    assert lcx("eval", "passkey", *grid[:-1], "2", "--method", "vanilla", "--out", str(tmp_path / "pk2")).exit_code == 0
+    part = tmp_path / "pk2" / "passkey.samples.jsonl"
+    lines = part.read_text().splitlines()
+    part.write_text("\n".join(lines[:2]) + "\n" + lines[2][:20])
+    before = part.read_bytes()
+    assert_error(lcx(*compare[:-1], str(part), *grid[:-1], "2", "--out", str(out)), "holds 1 of this grid's samples, not all")
+    assert part.read_bytes() == before
     lines = journal.read_text().splitlines()
     journal.write_text(lines[0] + "\n")  # its header only: a run stopped before its first sample
-    assert_error(lcx(*compare, *grid, "--out", str(out)), "holds 0 samples, not all of this grid's", "--resume")
+    assert_error(lcx(*compare, *grid, "--out", str(out)), "holds 0 of this grid's samples, not all", "--resume")
     journal.write_text("not a journal\n")
     assert_error(lcx(*compare, *grid, "--out", str(out)), "not a passkey or RULER journal")
-    assert_error(lcx("eval", "compare", "passkey", *grid, "--out", str(out)), "nothing to compare", "--stack METHODS")
+    assert_error(lcx("eval", "compare", "passkey", *grid, "--out", str(tmp_path / "c3")), "nothing to compare",
+                 "--stack METHODS")
     assert_error(lcx("eval", "compare", "ppl", "-m", str(tiny_dir), "--include", str(journal), "--out", str(out)),
                  "ppl keeps no journal")
 

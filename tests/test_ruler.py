@@ -188,7 +188,7 @@ def tiny_dir(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("m") / "llama", max_position_embeddings=512)
 
 
-def test_cli_ruler_and_compare_ruler_on_a_tiny_model(tiny_dir, books, tmp_path):
+def test_cli_ruler_and_compare_ruler_on_a_tiny_model(tiny_dir, books, tmp_path, monkeypatch):
     from click.testing import CliRunner
 
     from lcx.cli import main
@@ -217,12 +217,17 @@ def test_cli_ruler_and_compare_ruler_on_a_tiny_model(tiny_dir, books, tmp_path):
     assert table["header"] == ["stack", "600", "all", "vt"] and [row[0] for row in table["rows"]] == ["none", "vanilla"]
     assert (tmp_path / "c" / "compare-ruler.vanilla.samples.jsonl").exists()
     # another compare takes vanilla's row from that journal: the same table, vanilla not rerun
+    import lcx.generation
+
+    calls, generate = [], lcx.generation.generate
+    monkeypatch.setattr(lcx.generation, "generate", lambda *a, **kw: calls.append(1) or generate(*a, **kw))
     r = CliRunner().invoke(main, ["eval", "compare", "ruler", "-m", str(tiny_dir), "--stack", "none",
                                   "--include", str(tmp_path / "c" / "compare-ruler.vanilla.samples.jsonl"),
                                   "--tasks", "vt", "--lengths", "600", "--samples", "1", "--max-new-tokens", "2",
                                   "--haystack", str(books), "--out", str(tmp_path / "c2"), "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["rows"] == table["rows"]
+    assert len(calls) == 1  # the none stack's one sample
     assert not (tmp_path / "c2" / "compare-ruler.vanilla.samples.jsonl").exists()
     r = CliRunner().invoke(main, ["eval", "compare", "passkey", "-m", str(tiny_dir), "--lengths", "600",
                                   "--include", str(tmp_path / "c" / "compare-ruler.vanilla.samples.jsonl")])

@@ -145,9 +145,10 @@ passkey_held_fresh() {  # $1 model, $2 stack: passkey_held on a fresh draw (keys
         --haystack $BOOKS/twain_tom_sawyer.txt
 }
 beyond() {  # $1 model, $2 haystack (prose|filler): 64K, every training-free stack at its defaults and YaRN x2; in
-    # prose fot's row is fot64_defaults' journal where it has run (the same draw), read, not rerun; else fot runs here
-    local hay=() fot=(--stack fot) own="results/models/$1/fot-64k-prose-defaults/passkey.samples.jsonl"
-    case "${2:-}" in prose) hay=(--haystack $BOOKS); [ -f "$own" ] && fot=(--include "$own");; filler) ;;
+    # prose fot's row is read from fot64_defaults' journal (the same draw; run that step first), in the filler fot runs here
+    local hay=() fot=(--stack fot)
+    case "${2:-}" in prose) hay=(--haystack $BOOKS)
+                            fot=(--include "results/models/$1/fot-64k-prose-defaults/passkey.samples.jsonl");; filler) ;;
         *) echo "beyond MODEL prose|filler, not '${2:-}'" >&2; return 2;; esac
     $LCX eval compare passkey -m "$1" --stack vanilla --stack rope --stack streaming --stack focusllm "${fot[@]}" \
         -o rope.factor=2 --lengths 64K --samples 3 "${hay[@]}" \
@@ -168,7 +169,6 @@ fot64_defaults() {  # $1 model[, $2 keys per depth, default 3, its own folder wh
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=("retrieval smollm2-135m" "retrieval gemma3-270m" "retrieval qwen2.5-0.5b" gemma_fot64 "inside gemma3-270m 16K" "inside qwen2.5-0.5b 16K" "ppl gemma3-270m"
     "ppl qwen2.5-0.5b" "ppl_held gemma3-270m" "ppl_held qwen2.5-0.5b"
-    "inside gemma3-270m 32K" "inside qwen2.5-0.5b 32K" "beyond gemma3-270m prose"
-    "beyond qwen2.5-0.5b prose" "beyond gemma3-270m filler" "beyond qwen2.5-0.5b filler"
-    "fot64_defaults gemma3-270m" "fot64_defaults qwen2.5-0.5b")
+    "inside gemma3-270m 32K" "inside qwen2.5-0.5b 32K" "fot64_defaults gemma3-270m" "fot64_defaults qwen2.5-0.5b"
+    "beyond gemma3-270m prose" "beyond qwen2.5-0.5b prose" "beyond gemma3-270m filler" "beyond qwen2.5-0.5b filler")
 for s in "${steps[@]}"; do echo "== $s"; $s; done

@@ -207,9 +207,10 @@ def _stem(names: list[str], adapter) -> str:
     return re.sub(r"[^A-Za-z0-9_.+@-]", "_", stem + (f"@{Path(adapter).name}" if adapter else ""))
 
 
-def _included(paths, model: str, want_dtype: str, cfg, grid, tok, taken: set[str]) -> dict[str, dict]:
-    """--include: each finished journal's row, read from it (never generated); checked against this command's
-    model, grid and dtype before any stack runs, so a mismatch costs nothing."""
+def _included(paths, model: str, want_dtype: str, cfg, grid, tok, taken: set[str], ours: set[Path]) -> dict[str, dict]:
+    """--include: each finished journal's row, read from it (never generated or written); checked against this
+    command's model, grid and dtype before any stack runs, so a mismatch costs nothing.  ``ours``: the journals
+    this command's stacks write, which an included one must not be."""
     import json
     from dataclasses import asdict
 
@@ -217,7 +218,11 @@ def _included(paths, model: str, want_dtype: str, cfg, grid, tok, taken: set[str
 
     want_cfg = json.loads(json.dumps(asdict(cfg), default=str))
     rows: dict[str, dict] = {}
+    ours = {p.resolve() for p in ours}
     for path in paths:
+        if path.resolve() in ours:
+            raise LcxError(f"--include {path}: a --stack of this command writes that journal; drop the --include "
+                           f"(with --resume the stack reads its finished samples from it) or choose another --out")
         try:
             head = json.loads(path.read_text().split("\n", 1)[0])["fingerprint"]
             methods = [m["name"] for m in head["methods"]]
@@ -228,19 +233,20 @@ def _included(paths, model: str, want_dtype: str, cfg, grid, tok, taken: set[str
         got_cfg = {"haystack": None, **head.get("config", {})}  # as _journal: no haystack recorded = the filler
         wrong = [f"model {head.get('model')!r}, not {model!r}"] if head.get("model") != model else []
         wrong += [f"{k} {got_cfg[k]!r}, not {v!r}" if k in got_cfg else f"{k} not recorded"
-                  for k, v in want_cfg.items() if got_cfg.get(k, wrong) != v]
+                  for k, v in want_cfg.items() if k not in got_cfg or got_cfg[k] != v]
         wrong += [f"{k} {got_cfg[k]!r}, which this suite has not" for k in got_cfg if k not in want_cfg]
         wrong += [f"dtype {dtype}, not {want_dtype}"] if dtype != want_dtype else []
         if wrong:
             raise LcxError(f"--include {path}: it is another grid ({'; '.join(wrong)}); give this command the "
                            f"journal's own model, grid options and --dtype, or rerun that stack with --stack")
-        name = _stem(methods, head.get("adapter"))
-        if name in taken or name in rows:
-            name = f"{name} ({path.parent.name})"
-        journal = Journal(path, head, resume=True)
+        name, n = _stem(methods, head.get("adapter")), 1
+        while name in taken or name in rows:  # told apart by its folder, then by a count
+            n += 1
+            name = f"{_stem(methods, head.get('adapter'))} ({path.parent.name}{f' {n - 1}' if n > 2 else ''})"
+        journal = Journal(path, head, resume=True, read_only=True)
 
         def missing(*_, path=path, held=journal.reused):
-            raise LcxError(f"--include {path}: it holds {held} samples, not all of this grid's; finish it first "
+            raise LcxError(f"--include {path}: it holds {held} of this grid's samples, not all; finish it first "
                            f"(its own command with --resume), then include it")
 
         rows[name] = {"methods": head["methods"], "dtype": dtype, "adapter": head.get("adapter"),
@@ -327,9 +333,11 @@ def eval_ppl(model, methods, options, adapter, trust_remote_code, data, text_fie
                    "Repeat per stack.")
 @click.option("--include", "includes", multiple=True, metavar="JOURNAL",
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="passkey, ruler: add a finished run's journal (an `eval passkey|ruler` OUT/SUITE.samples.jsonl "
-                   "or another compare's OUT/compare-SUITE.STACK.samples.jsonl) as a row, read, not rerun; its "
-                   "model, grid and dtype must be this command's. Repeatable; with it --stack is optional.")
+              help="passkey, ruler: add a finished run as a row, its samples read from its journal (eval "
+                   "passkey|ruler's OUT/SUITE.samples.jsonl, or another compare's OUT/compare-SUITE.STACK.samples.jsonl), "
+                   "not generated again. Its model, grid and dtype must be this command's; the row keeps its own "
+                   "options (-o does not apply to it) and is named by its methods, with its folder where a stack has "
+                   "that name. Repeatable; with it --stack is optional.")
 @click.option("--option", "-o", "options", multiple=True, metavar="METHOD.KEY=VALUE",
               help="Per-method option, applied in every stack that has the method.")
 @click.option("--lengths", callback=_int_list, default="4096", show_default=True,
@@ -398,7 +406,9 @@ def eval_compare(suite, model, stacks, includes, options, lengths, depths, sampl
         grid = passkey if suite == "passkey" else ruler
         stems: dict[str, str] = {}  # journal name -> the adapter folder it is for
 
-        included = _included(includes, model, dtype_name(model_dtype(hf_model)), cfg, grid, tok, taken=set(stacks))
+        ours = {out / f"compare-{suite}.{_stem(*cmp.parse_stack(s))}.samples.jsonl" for s in stacks}
+        included = _included(includes, model, dtype_name(model_dtype(hf_model)), cfg, grid, tok, taken=set(stacks),
+                             ours=ours)
 
         def ev(run, adapter):
             stem = _stem([m.name for m in run.methods], adapter)
@@ -419,11 +429,11 @@ def eval_compare(suite, model, stacks, includes, options, lengths, depths, sampl
                                                progress=not as_json, prefix=special_prefix(tok))
     command = "lcx " + " ".join(sys.argv[1:])
     partial = lambda done: cmp.write_json({"suite": suite, "model": model, "command": command,  # noqa: E731
-                                           "unfinished": [s for s in stacks if s not in done], "stacks": done},
-                                          out / f"compare-{suite}.json")
+                                           "unfinished": [s for s in stacks if s not in done],
+                                           "stacks": {**done, **included}}, out / f"compare-{suite}.json")
     results = cmp.compare(hf_model, list(stacks), opts, ev, log=(lambda m: None) if as_json else click.echo,
                           on_stack_done=partial)
-    results.update(included)
+    results = {**results, **included}
     header, rows = {"passkey": cmp.passkey_table, "ruler": cmp.ruler_table, "ppl": cmp.ppl_table}[suite](results)
     js = partial(results)  # the final write: nothing unfinished
     md = cmp.write_markdown(header, rows, out / f"compare-{suite}.md", command)
