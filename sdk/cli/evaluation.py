@@ -176,6 +176,10 @@ def _grid_generator(run, progress: bool = False):
     return gen
 
 
+# what a journal written before lcx recorded its dtype or haystack ran with: float32, the filler
+UNRECORDED = {"dtype": "float32", "config": {"haystack": None}}
+
+
 def _journal(path: Path, model: str, run, adapter, cfg, resume: bool):
     """The journal of a passkey or RULER grid: its fingerprint is the run, the adapter's weights and the grid."""
     from dataclasses import asdict
@@ -189,9 +193,8 @@ def _journal(path: Path, model: str, run, adapter, cfg, resume: bool):
                    "adapter_sha256": digest, "config": asdict(cfg)}
     # an option a journal lacks matches at the value runs had before it was recorded; a journal written
     # before lcx recorded the adapter's digest is taken as this adapter's (said below)
-    # journals from before lcx recorded the dtype were all float32
     defaults = {"methods": [{"options": m.unrecorded_options()} for m in run.methods], "adapter_sha256": digest,
-                "dtype": "float32", "config": {"haystack": None}}
+                **UNRECORDED}
     journal = Journal(path, fingerprint, resume=resume, defaults=defaults)
     if journal.reused:
         click.echo(f"resuming: {journal.reused} samples already in {path}", err=True)
@@ -229,8 +232,8 @@ def _included(paths, model: str, want_dtype: str, cfg, grid, tok, taken: set[str
         except (ValueError, KeyError, TypeError):
             raise LcxError(f"--include {path}: not a passkey or RULER journal (its first line is no journal header); "
                            f"give a *.samples.jsonl written by lcx eval passkey, ruler or compare") from None
-        dtype = head.get("dtype", "float32")  # journals from before lcx recorded the dtype were all float32
-        got_cfg = {"haystack": None, **head.get("config", {})}  # as _journal: no haystack recorded = the filler
+        dtype = head.get("dtype", UNRECORDED["dtype"])
+        got_cfg = {**UNRECORDED["config"], **head.get("config", {})}
         wrong = [f"model {head.get('model')!r}, not {model!r}"] if head.get("model") != model else []
         wrong += [f"{k} {got_cfg[k]!r}, not {v!r}" if k in got_cfg else f"{k} not recorded"
                   for k, v in want_cfg.items() if k not in got_cfg or got_cfg[k] != v]
@@ -239,10 +242,11 @@ def _included(paths, model: str, want_dtype: str, cfg, grid, tok, taken: set[str
         if wrong:
             raise LcxError(f"--include {path}: it is another grid ({'; '.join(wrong)}); give this command the "
                            f"journal's own model, grid options and --dtype, or rerun that stack with --stack")
-        name, n = _stem(methods, head.get("adapter")), 1
+        name = base = _stem(methods, head.get("adapter"))
+        n = 1
         while name in taken or name in rows:  # told apart by its folder, then by a count
             n += 1
-            name = f"{_stem(methods, head.get('adapter'))} ({path.parent.name}{f' {n - 1}' if n > 2 else ''})"
+            name = f"{base} ({path.parent.name}{f' {n - 1}' if n > 2 else ''})"
         journal = Journal(path, head, resume=True, read_only=True)
 
         def missing(*_, path=path, held=journal.reused):
