@@ -130,6 +130,26 @@ def test_a_gate_reads_only_the_memory_keys_near_the_best_local_score():
     torch.testing.assert_close(joint_softmax(local, lv, mem, mv, False, -1e4), joint_softmax(local, lv, mem, mv, False))
 
 
+@pytest.mark.parametrize("dense", [False, True])
+def test_joint_softmax_is_one_softmax_over_both_parts_and_spends_local_only_when_told(dense):
+    """The joint weights equal torch's softmax over the joined scores, with large scores (no overflow) and a masked
+    local key; ``local`` is left as given unless ``inplace``, which answers the same."""
+    from lcx.plugins.fot.attention import joint_softmax
+
+    g = torch.Generator().manual_seed(3)
+    local, lv = torch.randn(2, 4, 6, generator=g) * 30 + 500, torch.randn(2, 6, 5, generator=g)
+    mem = torch.randn(2, 4, 7, generator=g) * 30 + 500
+    mv = torch.randn(2, 7, 5, generator=g) if dense else torch.randn(2, 4, 7, 5, generator=g)
+    local[:, :, 2] = float("-inf")
+    p = torch.cat([local, mem], -1).softmax(-1)
+    want = p[..., :6] @ lv + (p[..., 6:] @ mv if dense else (p[..., 6:, None] * mv).sum(-2))
+    given = local.clone()
+    torch.testing.assert_close(joint_softmax(local, lv, mem, mv, dense), want)
+    assert torch.equal(local, given)
+    torch.testing.assert_close(joint_softmax(local, lv, mem, mv, dense, inplace=True), want)
+    assert not torch.equal(local, given)
+
+
 def test_a_gate_past_the_sinks_measures_against_the_marked_local_keys_only():
     """gate_keys: the best local score a gate measures against is the best among the marked keys (the window's
     own, the sinks left out); every local key still takes part in the softmax."""

@@ -60,7 +60,8 @@ def memory_attention(
             e = min(s + block, T)
             c = e - s
             q = query[b, :, s:e].float().reshape(Hkv, G * c, D)  # row g * c + i: query i of head h * G + g
-            local = torch.baddbmm(m[s:e].repeat(G, 1), q, kl.transpose(1, 2), alpha=scaling)  # (Hkv, G*c, S)
+            local = torch.bmm(q * scaling, kl.transpose(1, 2))  # (Hkv, G*c, S)
+            local.view(Hkv, G, c, S).add_(m[s:e])  # the mask broadcast over the G heads, not copied G times
             if empty:
                 o = torch.bmm(local.softmax(-1), vl)  # (Hkv, G*c, Dv)
             else:
@@ -73,24 +74,31 @@ def memory_attention(
                 mem = mem * scaling
                 if margins is not None:
                     margins.append((mem.amax(-1, keepdim=True) - best_local(local, ref))[..., 0].view(H, c).cpu())
-                o = joint_softmax(local, vl, mem, mv, dense, gate, ref)
+                o = joint_softmax(local, vl, mem, mv, dense, gate, ref, inplace=True)
             out[b, s:e] = o.view(H, c, -1).transpose(0, 1).to(out.dtype)
     return out
 
 
 def joint_softmax(local: torch.Tensor, local_values: torch.Tensor, mem: torch.Tensor, mem_values: torch.Tensor,
-                  dense: bool, gate: float | None = None, gate_keys: torch.Tensor | None = None) -> torch.Tensor:
+                  dense: bool, gate: float | None = None, gate_keys: torch.Tensor | None = None, *,
+                  inplace: bool = False) -> torch.Tensor:
     """One softmax over scaled local scores (..., Q, S) and memory scores (..., Q, W) together: the local
     values (..., S, Dv) weighted by the first part plus the memory values by the second, each query's own
     (..., Q, W, Dv), or shared by the queries when ``dense`` (..., W, Dv).  ``gate``: a memory key is read
     only where its score is at least the query's best local score + gate (weak matches are left out), the best
-    among the local keys ``gate_keys`` (bool, broadcast to (..., S)) marks where given."""
+    among the local keys ``gate_keys`` (bool, broadcast to (..., S)) marks where given.  ``inplace``: ``local``
+    is overwritten (with its unnormalised weights) instead of copied: for a caller done with its scores."""
+    local_top = local.amax(-1, keepdim=True)
     if gate is not None:
-        mem = mem.masked_fill(mem < best_local(local, gate_keys) + gate, float("-inf"))
-    joint = torch.cat([local, mem], dim=-1).softmax(-1)
-    pl, pm = joint[..., :local.shape[-1]], joint[..., local.shape[-1]:]
+        best = local_top if gate_keys is None else best_local(local, gate_keys)
+        mem = mem.masked_fill(mem < best + gate, float("-inf"))
+    # the two parts' exponentials against their common maximum, normalised once after the value products: no
+    # joined copy of the (Q, S) scores, and the local weights multiply the values from contiguous memory
+    top = torch.maximum(local_top, mem.amax(-1, keepdim=True))
+    pl = (local.sub_(top) if inplace else local - top).exp_()
+    pm = (mem - top).exp_()
     mem_out = torch.matmul(pm, mem_values) if dense else (pm[..., None, :] @ mem_values)[..., 0, :]
-    return torch.matmul(pl, local_values) + mem_out
+    return (torch.matmul(pl, local_values) + mem_out).div_(pl.sum(-1, keepdim=True) + pm.sum(-1, keepdim=True))
 
 
 def best_local(local: torch.Tensor, gate_keys: torch.Tensor | None = None) -> torch.Tensor:

@@ -352,5 +352,5 @@ class FoTServed(ServedAttention):
             ref = self._gate_keys(held, lambda: pos.new_zeros(R).index_copy_(
                 0, sel, torch.tensor([d["sink_k"].shape[1] for d in states], device=dev)))
             o = joint_softmax(local, vl, mem * scale, mv, False, self.m.gate_logit,
-                              None if ref is None else ref[:, None, None])
+                              None if ref is None else ref[:, None, None], inplace=True)
         out[rows] = o[sel].reshape(len(batch), H, -1).to(out.dtype)
