@@ -8,6 +8,7 @@ queries against every memory key), the rest with the prompt, so two lengths show
     .venv/bin/python bench/fot_profile.py                        # Qwen2.5 0.5B, 8K and 16K, bf16
     .venv/bin/python bench/fot_profile.py --model gemma3-270m -o memory_layers=auto
     .venv/bin/python bench/fot_profile.py --search both         # float32 search, then candidates in bf16, per length
+    .venv/bin/python bench/fot_profile.py --attention-at 052056a  # that commit's memory attention, then today's
 """
 
 from __future__ import annotations
@@ -16,13 +17,16 @@ import argparse
 import cProfile
 import json
 import pstats
+import subprocess
 import time
+import types
 from pathlib import Path
 
 import torch
 
 import lcx
 import lcx.plugins.fot.memory as memory
+import lcx.plugins.fot.method as fot_method
 from lcx.generation import make_plan, prefill
 from lcx.io import token_counts
 from lcx.session import parse_options
@@ -41,10 +45,14 @@ PARTS = [
     ("kNN search: topk", [("~", "<method 'topk' of 'torch._C.TensorBase' objects>")]),
     ("kNN search: query copies, gather of values", [("memory.py", "search"), ("attention.py", "_memory_scores"),
                                                     ("~", "<built-in method torch.stack>")]),
-    ("memory layers: local scores (baddbmm)", [("~", "<built-in method torch.baddbmm>")]),
-    ("memory layers: joint softmax (cat, softmax, value products)",
+    ("memory layers: local scores (bmm, mask add; before: baddbmm)",
+     [("~", "<built-in method torch.baddbmm>"), ("~", "<built-in method torch.bmm>"),
+      ("~", "<method 'add_' of 'torch._C.TensorBase' objects>")]),
+    ("memory layers: joint softmax (max, exp, sums, value products; before: cat, softmax)",
      [("~", "<built-in method torch.cat>"), ("~", "<method 'softmax' of 'torch._C.TensorBase' objects>"),
-      ("~", "<built-in method torch.matmul>"), ("attention.py", "joint_softmax")]),
+      ("~", "<built-in method torch.matmul>"), ("attention.py", "joint_softmax"),
+      ("~", "<built-in method torch.maximum>")]
+     + [("~", f"<method '{m}' of 'torch._C.TensorBase' objects>") for m in ("amax", "sub_", "exp_", "sum", "div_")]),
     ("memory layers: the rest (mask repeat, casts, loop)",
      [("attention.py", "memory_attention"), ("~", "<method 'repeat' of 'torch._C.TensorBase' objects>"),
       ("~", "<method 'float' of 'torch._C.TensorBase' objects>")]),
@@ -61,14 +69,32 @@ def float32_search(queries, keys, k, select_dtype=None):
     return HALF_SEARCH(queries, keys, k)
 
 
-def profile(model, ids: torch.Tensor, options: dict, search: str = "dtype") -> dict:
+ATTENTION = fot_method.memory_attention
+
+
+def attention_at(rev: str):
+    """``memory_attention`` as ``plugins/fot/attention.py`` held it at git revision ``rev``, loaded beside today's
+    (its file name keeps the suffix the parts match on)."""
+    root = Path(__file__).resolve().parent.parent
+    rev = subprocess.run(["git", "rev-parse", "--short", rev], cwd=root, check=True, capture_output=True,
+                         text=True).stdout.strip()
+    source = subprocess.run(["git", "show", f"{rev}:plugins/fot/attention.py"], cwd=root, check=True,
+                            capture_output=True, text=True).stdout
+    module = types.ModuleType(f"attention_at_{rev}")
+    exec(compile(source, f"{rev}/attention.py", "exec"), module.__dict__)
+    return module.memory_attention
+
+
+def profile(model, ids: torch.Tensor, options: dict, search: str = "dtype", attention=None) -> dict:
     def run() -> None:
         memory.top_inner_products = float32_search if search == "float32" else HALF_SEARCH
+        fot_method.memory_attention = attention or ATTENTION
         try:
             with lcx.attach(model, ["fot"], fot=options) as r:
                 prefill(r, make_plan(r, ids, None, 0), include_last=True)
         finally:
             memory.top_inner_products = HALF_SEARCH
+            fot_method.memory_attention = ATTENTION
 
     prof = cProfile.Profile()
     start = time.perf_counter()
@@ -86,6 +112,7 @@ def profile(model, ids: torch.Tensor, options: dict, search: str = "dtype") -> d
                           if any(file.endswith(f) and name == n for f, n in entries))
     parts["everything else"] = total - sum(parts.values())
     return {"tokens": ids.shape[1], "search": search, "seconds": round(total, 1),
+            "attention": getattr(attention, "__module__", None) or "this checkout",
             "parts": {p: {"seconds": round(t, 1), "share": round(t / total, 3)} for p, t in parts.items()}}
 
 
@@ -98,8 +125,14 @@ def main() -> None:
     ap.add_argument("--search", choices=["dtype", "float32", "both"], default="dtype",
                     help="dtype: the kNN search picks its candidates in the model's dtype (lcx's default); float32: "
                          "every score in float32; both: one then the other at each length, side by side")
+    ap.add_argument("--attention-at", metavar="REV", default=None,
+                    help="also profile fot's memory attention as git revision REV held it, before today's, at each "
+                         "length (side by side, in one process)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
+    if args.attention_at and args.search == "both":
+        ap.error("--attention-at and --search both each run two profiles a length: give one of them")
+    before = attention_at(args.attention_at) if args.attention_at else None
     options = parse_options(args.option or DEFAULT)
     model, tok = bench_model(args.model, None, False, args.dtype)
     lengths = token_counts(args.lengths)
@@ -107,9 +140,10 @@ def main() -> None:
     profile(model, ids[:, :2048], options)  # warm-up (first calls, allocator), not reported
     runs = []
     for n in lengths:
-        for search in ("float32", "dtype") if args.search == "both" else (args.search,):
-            runs.append(profile(model, ids[:, :n], options, search))
-            print(f"{n} tokens, search {search}: {runs[-1]['seconds']} s")
+        for search, attention in ([("float32", None), ("dtype", None)] if args.search == "both" else
+                                  [(args.search, before)] * bool(before) + [(args.search, None)]):
+            runs.append(profile(model, ids[:, :n], options, search, attention))
+            print(f"{n} tokens, search {search}, attention {runs[-1]['attention']}: {runs[-1]['seconds']} s")
             for p, v in runs[-1]["parts"].items():
                 print(f"  {v['share']:6.1%} {v['seconds']:8.1f} s  {p}")
     result = {"benchmark": "where fot's prefill time goes (cProfile own time)", "model": args.model,
