@@ -132,8 +132,9 @@ def test_a_gate_reads_only_the_memory_keys_near_the_best_local_score():
 
 @pytest.mark.parametrize("dense", [False, True])
 def test_joint_softmax_is_one_softmax_over_both_parts_and_spends_local_only_when_told(dense):
-    """The joint weights equal torch's softmax over the joined scores, with large scores (no overflow) and a masked
-    local key; ``local`` is left as given unless ``inplace``, which answers the same."""
+    """The joint weights equal torch's softmax over the joined scores: large scores (no overflow), a masked local
+    key, memory far above the local scores in one row and far below in another, a row with no memory key
+    readable, no memory columns at all, and a gate; ``local`` is left as given unless ``inplace``."""
     from lcx.plugins.fot.attention import joint_softmax
 
     g = torch.Generator().manual_seed(3)
@@ -141,13 +142,39 @@ def test_joint_softmax_is_one_softmax_over_both_parts_and_spends_local_only_when
     mem = torch.randn(2, 4, 7, generator=g) * 30 + 500
     mv = torch.randn(2, 7, 5, generator=g) if dense else torch.randn(2, 4, 7, 5, generator=g)
     local[:, :, 2] = float("-inf")
-    p = torch.cat([local, mem], -1).softmax(-1)
-    want = p[..., :6] @ lv + (p[..., 6:] @ mv if dense else (p[..., 6:, None] * mv).sum(-2))
+    mem[0, 1] += 200.0  # memory dominates: a max over the local scores alone overflows here
+    mem[0, 2] -= 200.0  # the local keys dominate: one over memory alone overflows here
+    mem[1, 3] = float("-inf")  # no memory key readable (a head left out)
+
+    def want(local, mem, mv):
+        p = torch.cat([local, mem], -1).softmax(-1)
+        S = local.shape[-1]
+        return p[..., :S] @ lv + (p[..., S:] @ mv if dense else (p[..., S:, None] * mv).sum(-2))
+
     given = local.clone()
-    torch.testing.assert_close(joint_softmax(local, lv, mem, mv, dense), want)
+    torch.testing.assert_close(joint_softmax(local, lv, mem, mv, dense), want(local, mem, mv))
     assert torch.equal(local, given)
-    torch.testing.assert_close(joint_softmax(local, lv, mem, mv, dense, inplace=True), want)
-    assert not torch.equal(local, given)
+    torch.testing.assert_close(joint_softmax(local.clone(), lv, mem, mv, dense, inplace=True), want(local, mem, mv))
+    torch.testing.assert_close(joint_softmax(local.clone(), lv, mem, mv, dense, 0.0, inplace=True),
+                               joint_softmax(local, lv, mem, mv, dense, 0.0))
+    none = mem[..., :0], mv[..., :0, :] if dense else mv[..., :0, :]
+    torch.testing.assert_close(joint_softmax(local, lv, *none, dense), local.softmax(-1) @ lv)
+
+
+def test_memory_attention_takes_gradients():
+    """The joint softmax spends the local scores in place only where no gradient needs them."""
+    from lcx.plugins.fot.attention import memory_attention
+    from lcx.plugins.fot.memory import make_store
+
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 2, 3, 4, generator=g, requires_grad=True)
+    k, v = torch.randn(1, 1, 5, 4, generator=g), torch.randn(1, 1, 5, 4, generator=g)
+    store = make_store()
+    store.add(torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g), torch.arange(6))
+    out = memory_attention(q, k, v, torch.zeros(1, 1, 3, 5), {(0, 0): store}, torch.zeros(1, 3), None, 0.5, 2,
+                           False, 2)
+    out.sum().backward()
+    assert q.grad is not None and q.grad.abs().sum() > 0
 
 
 def test_a_gate_past_the_sinks_measures_against_the_marked_local_keys_only():

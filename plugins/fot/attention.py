@@ -74,7 +74,7 @@ def memory_attention(
                 mem = mem * scaling
                 if margins is not None:
                     margins.append((mem.amax(-1, keepdim=True) - best_local(local, ref))[..., 0].view(H, c).cpu())
-                o = joint_softmax(local, vl, mem, mv, dense, gate, ref, inplace=True)
+                o = joint_softmax(local, vl, mem, mv, dense, gate, ref, inplace=not local.requires_grad)
             out[b, s:e] = o.view(H, c, -1).transpose(0, 1).to(out.dtype)
     return out
 
@@ -92,9 +92,8 @@ def joint_softmax(local: torch.Tensor, local_values: torch.Tensor, mem: torch.Te
     if gate is not None:
         best = local_top if gate_keys is None else best_local(local, gate_keys)
         mem = mem.masked_fill(mem < best + gate, float("-inf"))
-    # the two parts' exponentials against their common maximum, normalised once after the value products: no
-    # joined copy of the (Q, S) scores, and the local weights multiply the values from contiguous memory
-    top = torch.maximum(local_top, mem.amax(-1, keepdim=True))
+    # normalised once after the value products: no joined (Q, S + W) copy of the scores for one softmax
+    top = torch.maximum(local_top, mem.amax(-1, keepdim=True)) if mem.shape[-1] else local_top
     pl = (local.sub_(top) if inplace else local - top).exp_()
     pm = (mem - top).exp_()
     mem_out = torch.matmul(pm, mem_values) if dense else (pm[..., None, :] @ mem_values)[..., 0, :]

@@ -39,8 +39,8 @@ def run(depth: float, opts: dict, key: int | None = None) -> None:
     calls, cur = [], {}
     scores, joint = A._memory_scores, A.joint_softmax
 
-    def recording_scores(qm, stores, k, dense):
-        out = scores(qm, stores, k, dense)
+    def recording_scores(qm, stores, k, dense, *rest):
+        out = scores(qm, stores, k, dense, *rest)
         c = qm.shape[1] // G
         rows = [g * c + c - 1 for g in range(G)]  # each query head's last query of the block
         pos, nk = [], []
@@ -51,7 +51,7 @@ def run(depth: float, opts: dict, key: int | None = None) -> None:
         cur.update(pos=torch.stack(pos), q=qm[:, rows].detach().cpu(), nk=nk, rows=rows)
         return out
 
-    def recording_joint(local, lv, mem, mv, dense, gate=None, gate_keys=None):
+    def recording_joint(local, lv, mem, mv, dense, gate=None, gate_keys=None, **kw):
         rows = cur["rows"]
         l, m = local[:, rows], mem[:, rows]
         inn = (cur["pos"] >= span[0]) & (cur["pos"] < span[1])
@@ -61,7 +61,7 @@ def run(depth: float, opts: dict, key: int | None = None) -> None:
         calls.append({"lmax": l.amax(-1), "lmax_window": l[..., SINKS:].amax(-1), "argmax": l.argmax(-1),
                       "needle": m.masked_fill(~inn, float("-inf")).amax(-1), "mass": (j * inn).sum(-1),
                       "memmass": j.sum(-1), "q": cur["q"], "nk": cur["nk"], "T": local.shape[1] // G})
-        return joint(local, lv, mem, mv, dense, gate, gate_keys)
+        return joint(local, lv, mem, mv, dense, gate, gate_keys, **kw)  # after the copies above: it may spend local
 
     A._memory_scores, A.joint_softmax = recording_scores, recording_joint
     with attach(model, ["fot"], fot=opts) as r:
