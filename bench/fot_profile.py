@@ -9,6 +9,7 @@ queries against every memory key), the rest with the prompt, so two lengths show
     .venv/bin/python bench/fot_profile.py --model gemma3-270m -o memory_layers=auto
     .venv/bin/python bench/fot_profile.py --search both         # float32 search, then candidates in bf16, per length
     .venv/bin/python bench/fot_profile.py --attention-at 052056a  # that commit's memory attention, then today's
+    .venv/bin/python bench/fot_profile.py --attention-at 052056a --search-at 052056a  # its attention and search
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import cProfile
 import json
 import pstats
 import subprocess
+import sys
 import time
 import types
 from pathlib import Path
@@ -72,22 +74,27 @@ def float32_search(queries, keys, k, select_dtype=None):
 ATTENTION = fot_method.memory_attention
 
 
-def attention_at(rev: str):
-    """``memory_attention`` as ``plugins/fot/attention.py`` held it at git revision ``rev``, loaded beside today's
-    (its file name keeps the suffix the parts match on)."""
-    root = Path(__file__).resolve().parent.parent
-    rev = subprocess.run(["git", "rev-parse", "--short", rev], cwd=root, check=True, capture_output=True,
-                         text=True).stdout.strip()
-    source = subprocess.run(["git", "show", f"{rev}:plugins/fot/attention.py"], cwd=root, check=True,
-                            capture_output=True, text=True).stdout
-    module = types.ModuleType(f"attention_at_{rev}")
-    exec(compile(source, f"{rev}/attention.py", "exec"), module.__dict__)
-    return module.memory_attention
+def held_at(rev: str, path: str, name: str):
+    """``name`` as the file ``path`` held it at git revision ``rev``, loaded beside today's (its file name keeps
+    the suffix the parts match on)."""
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent.parent, capture_output=True,
+                              text=True)
+        if done.returncode:
+            raise SystemExit(f"fot_profile.py: git {' '.join(args)}: {done.stderr.strip()}")
+        return done.stdout
+
+    rev = git("rev-parse", "--short", rev).strip()
+    source = git("show", f"{rev}:{path}")
+    module = sys.modules.setdefault(f"{Path(path).stem}_at_{rev}", types.ModuleType(f"{Path(path).stem}_at_{rev}"))
+    exec(compile(source, f"{rev}/{Path(path).name}", "exec"), module.__dict__)
+    return getattr(module, name)
 
 
-def profile(model, ids: torch.Tensor, options: dict, search: str = "dtype", attention=None) -> dict:
+def profile(model, ids: torch.Tensor, options: dict, search: str = "dtype", attention=None, top=None) -> dict:
+    """``attention``, ``top``: another ``memory_attention`` or ``top_inner_products`` to run instead of today's."""
     def run() -> None:
-        memory.top_inner_products = float32_search if search == "float32" else HALF_SEARCH
+        memory.top_inner_products = float32_search if search == "float32" else top or HALF_SEARCH
         fot_method.memory_attention = attention or ATTENTION
         try:
             with lcx.attach(model, ["fot"], fot=options) as r:
@@ -113,6 +120,7 @@ def profile(model, ids: torch.Tensor, options: dict, search: str = "dtype", atte
     parts["everything else"] = total - sum(parts.values())
     return {"tokens": ids.shape[1], "search": search, "seconds": round(total, 1),
             "attention": getattr(attention, "__module__", None) or "this checkout",
+            "top_inner_products": getattr(top, "__module__", None) or "this checkout",
             "parts": {p: {"seconds": round(t, 1), "share": round(t / total, 3)} for p, t in parts.items()}}
 
 
@@ -128,11 +136,17 @@ def main() -> None:
     ap.add_argument("--attention-at", metavar="REV", default=None,
                     help="also profile fot's memory attention as git revision REV held it, before today's, at each "
                          "length (side by side, in one process)")
+    ap.add_argument("--search-at", metavar="REV", default=None,
+                    help="the same for the kNN search's top inner products (with --attention-at: both as REV held "
+                         "them in the first profile)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
-    if args.attention_at and args.search == "both":
-        ap.error("--attention-at and --search both each run two profiles a length: give one of them")
-    before = attention_at(args.attention_at) if args.attention_at else None
+    held = (args.attention_at, args.search_at)
+    if any(held) and args.search == "both":
+        ap.error("--attention-at/--search-at and --search both each run two profiles a length: give one of them")
+    before = (held_at(args.attention_at, "plugins/fot/attention.py", "memory_attention") if args.attention_at
+              else None,
+              held_at(args.search_at, "plugins/fot/memory.py", "top_inner_products") if args.search_at else None)
     options = parse_options(args.option or DEFAULT)
     model, tok = bench_model(args.model, None, False, args.dtype)
     lengths = token_counts(args.lengths)
@@ -140,10 +154,11 @@ def main() -> None:
     profile(model, ids[:, :2048], options)  # warm-up (first calls, allocator), not reported
     runs = []
     for n in lengths:
-        for search, attention in ([("float32", None), ("dtype", None)] if args.search == "both" else
-                                  [(args.search, before)] * bool(before) + [(args.search, None)]):
-            runs.append(profile(model, ids[:, :n], options, search, attention))
-            print(f"{n} tokens, search {search}, attention {runs[-1]['attention']}: {runs[-1]['seconds']} s")
+        for search, code in ([("float32", (None, None)), ("dtype", (None, None))] if args.search == "both" else
+                             [(args.search, before)] * any(held) + [(args.search, (None, None))]):
+            runs.append(profile(model, ids[:, :n], options, search, *code))
+            print(f"{n} tokens, search {search}, attention {runs[-1]['attention']}, top inner products "
+                  f"{runs[-1]['top_inner_products']}: {runs[-1]['seconds']} s")
             for p, v in runs[-1]["parts"].items():
                 print(f"  {v['share']:6.1%} {v['seconds']:8.1f} s  {p}")
     result = {"benchmark": "where fot's prefill time goes (cProfile own time)", "model": args.model,
