@@ -86,8 +86,11 @@ def held_at(rev: str, path: str, name: str):
 
     rev = git("rev-parse", "--short", rev).strip()
     source = git("show", f"{rev}:{path}")
+    # registered: a dataclass in the file (memory.py's StoreConfig) looks its module up in sys.modules
     module = sys.modules.setdefault(f"{Path(path).stem}_at_{rev}", types.ModuleType(f"{Path(path).stem}_at_{rev}"))
     exec(compile(source, f"{rev}/{Path(path).name}", "exec"), module.__dict__)
+    if not hasattr(module, name):
+        raise SystemExit(f"fot_profile.py: {path} at {rev} has no {name}")
     return getattr(module, name)
 
 
@@ -144,6 +147,8 @@ def main() -> None:
     held = (args.attention_at, args.search_at)
     if any(held) and args.search == "both":
         ap.error("--attention-at/--search-at and --search both each run two profiles a length: give one of them")
+    if args.search_at and args.search == "float32":
+        ap.error("--search-at swaps the search that picks candidates in the model's dtype: drop --search float32")
     before = (held_at(args.attention_at, "plugins/fot/attention.py", "memory_attention") if args.attention_at
               else None,
               held_at(args.search_at, "plugins/fot/memory.py", "top_inner_products") if args.search_at else None)

@@ -151,14 +151,16 @@ def test_joint_softmax_is_one_softmax_over_both_parts_and_spends_local_only_when
         S = local.shape[-1]
         return p[..., :S] @ lv + (p[..., S:] @ mv if dense else (p[..., S:, None] * mv).sum(-2))
 
-    given = local.clone()
+    given, spent = local.clone(), local.clone()
     torch.testing.assert_close(joint_softmax(local, lv, mem, mv, dense), want(local, mem, mv))
     assert torch.equal(local, given)
-    torch.testing.assert_close(joint_softmax(local.clone(), lv, mem, mv, dense, inplace=True), want(local, mem, mv))
+    torch.testing.assert_close(joint_softmax(spent, lv, mem, mv, dense, inplace=True), want(local, mem, mv))
+    assert not torch.equal(spent, given)  # the copy it saves
+    gated = mem.masked_fill(mem < local.amax(-1, keepdim=True), float("-inf"))
+    assert 0 < gated.isfinite().sum() < mem.isfinite().sum()
     torch.testing.assert_close(joint_softmax(local.clone(), lv, mem, mv, dense, 0.0, inplace=True),
-                               joint_softmax(local, lv, mem, mv, dense, 0.0))
-    none = mem[..., :0], mv[..., :0, :] if dense else mv[..., :0, :]
-    torch.testing.assert_close(joint_softmax(local, lv, *none, dense), local.softmax(-1) @ lv)
+                               want(local, gated, mv))
+    torch.testing.assert_close(joint_softmax(local, lv, mem[..., :0], mv[..., :0, :], dense), local.softmax(-1) @ lv)
 
 
 def test_memory_attention_takes_gradients():
@@ -171,8 +173,8 @@ def test_memory_attention_takes_gradients():
     k, v = torch.randn(1, 1, 5, 4, generator=g), torch.randn(1, 1, 5, 4, generator=g)
     store = make_store()
     store.add(torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g), torch.arange(6))
-    out = memory_attention(q, k, v, torch.zeros(1, 1, 3, 5), {(0, 0): store}, torch.zeros(1, 3), None, 0.5, 2,
-                           False, 2)
+    out = memory_attention(q, k, v, torch.zeros(1, 1, 3, 5), {(0, 0): store}, torch.zeros(1, 3), None,
+                           scaling=0.5, k=2, dense=False, block=2)
     out.sum().backward()
     assert q.grad is not None and q.grad.abs().sum() > 0
 

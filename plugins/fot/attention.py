@@ -74,6 +74,7 @@ def memory_attention(
                 mem = mem * scaling
                 if margins is not None:
                     margins.append((mem.amax(-1, keepdim=True) - best_local(local, ref))[..., 0].view(H, c).cpu())
+                # autograd keeps the local scores for amax's backward: spent in place only without it
                 o = joint_softmax(local, vl, mem, mv, dense, gate, ref, inplace=not local.requires_grad)
             out[b, s:e] = o.view(H, c, -1).transpose(0, 1).to(out.dtype)
     return out

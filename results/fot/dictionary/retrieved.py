@@ -52,13 +52,13 @@ def main() -> None:
     state: dict = {"layer": 0, "record": False, "found": {}}
     memory_scores = fot_attention._memory_scores
 
-    def recording(qm, stores, k, dense):  # memory_attention calls it once per memory layer, in layer order
+    def recording(qm, stores, k, dense, *rest):  # memory_attention calls it once per memory layer, in layer order
         # (state["layer"] counts memory layers: with --memory-layers 1, "layer 0" is model layer 1)
         if state["record"]:
             state["found"][state["layer"]] = [(store.search(qm[h], k)[1], store.positions)
                                              for h, store in enumerate(stores)]
         state["layer"] += 1
-        return memory_scores(qm, stores, k, dense)
+        return memory_scores(qm, stores, k, dense, *rest)
 
     fot_attention._memory_scores = recording
     s = open_session(a.model, ["fot"], parse_options(options), None, False, require_tokenizer=False)
