@@ -292,8 +292,7 @@ def top_inner_products(queries: torch.Tensor, keys: torch.Tensor, k: int, select
         top = (queries @ keys.T).topk(k, dim=-1)
         return top.values, top.indices
     spare = _spare(k)
-    # (Q, k + spare), in no order: the float32 top-k below orders them
-    cand = (queries.to(select_dtype) @ keys.to(select_dtype).T).topk(k + spare, dim=-1, sorted=False).indices
+    cand = (queries.to(select_dtype) @ keys.to(select_dtype).T).topk(k + spare, dim=-1).indices  # (Q, k + spare)
     exact = (keys[cand] @ queries[:, :, None])[..., 0]
     top = exact.topk(k, dim=-1)
     return top.values, cand.gather(1, top.indices)
