@@ -584,12 +584,21 @@ class FoT(Method):
         return min(tokens, self.sinks + self.local + (self.chunk or self.local))
 
     def forward_shapes(self, run, tokens: int) -> list[tuple[int, ...]]:
-        """A chunk's queries over the local window and the chunk; a memory layer's joint softmax adds float32
-        scores (and their softmax and weights) of a block of queries over local and retrieved keys, every head."""
+        """A chunk's queries over the local window and the chunk, plus what a memory layer's attention holds
+        for one block of queries (``memory_attention``), in float32: every head's local scores (exponentiated
+        in place), its memory scores (searched, stacked, scaled: three copies) over ``k`` keys or, ``dense``,
+        every entry, the values read with them (the store's rows in float32, then stacked), and an exact torch
+        store's search: one KV head's queries scored against every entry."""
         q = min(tokens, self.chunk or self.local)
         keys = min(tokens, self.sinks + self.local + q)
+        _, kv_heads, head_dim, _ = kv_dims(run.model)
         heads = getattr(getattr(run.model.config, "get_text_config", lambda: run.model.config)(), "num_attention_heads", 1)
-        return [(1, q, keys, 3 * 4 * heads * min(q, self.block) * (keys + self.k))]
+        c, entries = min(q, self.block), self.memory_entries(run, tokens)
+        scores = heads * c * (keys + 3 * (entries if self.dense else self.k))
+        values = 2 * head_dim * (kv_heads * entries if self.dense else heads * c * self.k)
+        exact = (self.shard_backend if self.backend == "ray" else self.backend) == "torch"
+        search = heads // kv_heads * c * entries if exact and not self.dense else 0
+        return [(1, q, keys, 4 * (scores + values + search))]
 
     def memory_bytes(self, run, entries: int) -> int:
         """One store per memory layer and KV head (``bytes_per_store``); none here for a Ray memory on a cluster
