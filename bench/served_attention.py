@@ -8,7 +8,11 @@ cost does not depend on the values), then ``--steps`` decode steps of one token 
 The random inputs' own cost is measured apart and subtracted.
 
     .venv/bin/python bench/served_attention.py [--method fot,fot-sinks,streaming] [--requests 8] [--prompt 2048]
-        [--threads 1] [--out bench/results/served_attention.json]
+        [--threads 1] [--dtype float32] [--half-search half_pays,never] [--out bench/results/served_attention.json]
+
+``--dtype bfloat16``: q/k/v in bf16, as a bf16 served model hands them; ``--half-search``: runs each method once
+per rule for fot's memory search in bf16 (``half_pays``: lcx's rule, where it pays the candidates are picked in
+bf16; ``never``: float32 throughout, as the served search was before it took the rule), side by side.
 
 fot runs in its passkey configuration (local 1024, chunk 256, 12 memory layers: results/README.md), fot-sinks
 the same with 4 sinks, fot-defaults at fot's defaults (the local window at the model's, 4 sinks, memory keys at
@@ -51,7 +55,8 @@ def served(method: str):
     return StreamingServed(m.sinks, m.recent_for(WINDOW), m.chunk), m.chunk
 
 
-def run(method: str, requests: int, prompt: int, steps: int) -> dict:
+def run(method: str, requests: int, prompt: int, steps: int, dtype: torch.dtype = torch.float32,
+        half: str = "half_pays") -> dict:
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaAttention
 
@@ -63,12 +68,18 @@ def run(method: str, requests: int, prompt: int, steps: int) -> dict:
                       max_position_embeddings=WINDOW, rope_theta=100000)
     mods = [LlamaAttention(cfg, i) for i in range(LAYERS)]
     srv, chunk = served(method)
+    import lcx.plugins.fot.served as fot_served
+    from lcx.plugins.fot import memory
+
+    rule = {"half_pays": memory.half_pays, "never": lambda queries, keys: False}[half]
+    fot_served.top_inner_products = lambda *a: memory.top_inner_products(*a, pays=rule)
+    rand = lambda *shape: torch.randn(*shape, dtype=dtype)  # noqa: E731
 
     def step(seqs: list) -> None:
         srv.begin_step()
         n = sum(s.length for s in seqs)
         for mod in mods:
-            q, k, v = torch.randn(1, HEADS, n, HEAD_DIM), torch.randn(1, KV_HEADS, n, HEAD_DIM), torch.randn(1, KV_HEADS, n, HEAD_DIM)
+            q, k, v = rand(1, HEADS, n, HEAD_DIM), rand(1, KV_HEADS, n, HEAD_DIM), rand(1, KV_HEADS, n, HEAD_DIM)
             srv.attend(mod, q, k, v, seqs)
 
     t = time.perf_counter()
@@ -82,9 +93,10 @@ def run(method: str, requests: int, prompt: int, steps: int) -> dict:
     t = time.perf_counter()
     for _ in range(steps):
         for _ in mods:
-            torch.randn(1, HEADS, requests, HEAD_DIM), torch.randn(1, KV_HEADS, requests, HEAD_DIM), torch.randn(1, KV_HEADS, requests, HEAD_DIM)
+            rand(1, HEADS, requests, HEAD_DIM), rand(1, KV_HEADS, requests, HEAD_DIM), rand(1, KV_HEADS, requests, HEAD_DIM)
     inputs = (time.perf_counter() - t) / steps
-    return {"method": method, "requests": requests, "prompt": prompt, "steps": steps,
+    return {"method": method, "dtype": str(dtype).removeprefix("torch."), "half_search": half,
+            "requests": requests, "prompt": prompt, "steps": steps,
             "prefill_s": round(prefill, 2), "decode_step_ms": round(1000 * (decode - inputs), 1),
             "decode_ms_per_request_layer": round(1000 * (decode - inputs) / (requests * LAYERS), 3)}
 
@@ -96,14 +108,19 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=2048, help="prompt tokens per request")
     ap.add_argument("--steps", type=int, default=20, help="decode steps timed")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="q/k/v's dtype")
+    ap.add_argument("--half-search", default="half_pays",
+                    help="comma-separated rules for fot's bf16 memory search, each run in turn: half_pays, never")
     ap.add_argument("--out", type=Path, default=OUT / "served_attention.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
-    for method in args.method.split(","):
-        rows.append(run(method.strip(), args.requests, args.prompt, args.steps))
+    for method, half in [(m.strip(), h.strip()) for m in args.method.split(",") for h in args.half_search.split(",")]:
+        if half not in ("half_pays", "never"):
+            raise SystemExit(f"--half-search {half!r}: give half_pays, never or both (comma-separated)")
+        rows.append(run(method, args.requests, args.prompt, args.steps, getattr(torch, args.dtype), half))
         r = rows[-1]
-        print(f"{r['method']}: {r['requests']} requests x {r['prompt']} prompt tokens: prefill {r['prefill_s']} s, "
+        print(f"{r['method']} ({r['dtype']}, search {r['half_search']}): {r['requests']} requests x {r['prompt']} prompt tokens: prefill {r['prefill_s']} s, "
               f"decode step {r['decode_step_ms']} ms ({r['decode_ms_per_request_layer']} ms per request and layer)",
               flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

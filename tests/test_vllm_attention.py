@@ -491,6 +491,33 @@ def test_a_heads_store_answers_what_one_torch_store_per_head_answers(cap):
                                                    dense, 2))
 
 
+def test_a_heads_stores_bf16_search_picks_candidates_in_bf16_and_answers_what_per_head_stores_answer(monkeypatch):
+    """A bf16 model's served search may pick its candidates in bf16 (``top_inner_products``, every KV head in
+    one batched product; tests/test_memory.py holds the half step itself), and answers what the torch stores,
+    one per head, answer under the same rule: float32 scores of the same entries."""
+    import lcx.plugins.fot.served as served
+    from lcx.plugins.fot.memory import make_store
+    from lcx.plugins.fot.attention import _memory_scores
+
+    torch.manual_seed(0)
+    Hkv, N, Q, D = 2, 8192, 8, 16
+    keys, values = torch.randn(Hkv, N, D), torch.randn(Hkv, N, 6).bfloat16()
+    heads, per_head = served.HeadsStore(), [make_store(kind="torch") for _ in range(Hkv)]
+    heads.add(keys, values)
+    for h, store in enumerate(per_head):
+        store.add(keys[h], values[h], torch.arange(N))
+    seen, search = [], served.top_inner_products
+    monkeypatch.setattr(served, "top_inner_products", lambda *a: seen.append(a[3]) or search(*a))
+    q = torch.randn(Hkv, Q, D)
+    got, want = heads.search_heads(q, 4, False, torch.bfloat16), _memory_scores(q, per_head, 4, False, torch.bfloat16)
+    assert seen == [torch.bfloat16] and got[0].dtype == torch.float32
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+    exact = heads.search_heads(q, 4, False)  # float32 throughout: the same entries (random keys leave wide gaps)
+    torch.testing.assert_close(got[0], exact[0])
+    torch.testing.assert_close(got[1], exact[1])
+
+
 def test_a_third_party_served_form_equals_its_lcx_path(monkeypatch):
     """tests/thirdparty/lcx-band-method (a package outside lcx: a sliding window of `width` tokens) served through
     this module's machinery, the way vLLM drives it, gives the logits of its own lcx path (tests/serve has the

@@ -119,7 +119,7 @@ def row_search(memory: dict, row: int, qm: torch.Tensor, k: int, dense: bool,
     ``_memory_scores``'s answer, from one store per KV head or from one holding them all (``search_heads``)."""
     heads = memory.get(row)
     if heads is not None:
-        return heads.search_heads(qm, k, dense)
+        return heads.search_heads(qm, k, dense, select_dtype)
     return _memory_scores(qm, [memory[(row, h)] for h in range(qm.shape[0])], k, dense, select_dtype)
 
 

@@ -283,19 +283,21 @@ def half_pays(queries: int, keys: int) -> bool:
 
 def top_inner_products(queries: torch.Tensor, keys: torch.Tensor, k: int, select_dtype: torch.dtype | None = None,
                        pays: Callable[[int, int], bool] = half_pays) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each query's (Q, D) top-``k`` float32 inner products with ``keys`` (N, D), best first, and their rows.
+    """Each query's (Q, D) top-``k`` float32 inner products with ``keys`` (N, D), best first, and their rows;
+    batched where both carry a leading dimension (queries (B, Q, D), keys (B, N, D): each batch's own keys).
     With a half ``select_dtype`` where it ``pays(Q, N)`` (on a CPU; a GPU's crossover is not measured), the
     k + ``spare`` best scores in it are the candidates and only those are scored in float32: the same top-k
     unless its rounding outweighs the gap between the k-th score and the (k + spare)-th, at the half product's
     speed."""
-    if not takes_half_step(queries.shape[0], keys.shape[0], k, select_dtype, keys.device, pays):
-        top = (queries @ keys.T).topk(k, dim=-1)
+    if not takes_half_step(queries.shape[-2], keys.shape[-2], k, select_dtype, keys.device, pays):
+        top = (queries @ keys.transpose(-1, -2)).topk(k, dim=-1)
         return top.values, top.indices
     spare = _spare(k)
-    cand = (queries.to(select_dtype) @ keys.to(select_dtype).T).topk(k + spare, dim=-1).indices  # (Q, k + spare)
-    exact = (keys[cand] @ queries[:, :, None])[..., 0]
+    cand = (queries.to(select_dtype) @ keys.to(select_dtype).transpose(-1, -2)).topk(k + spare, dim=-1).indices
+    rows = keys[cand] if keys.dim() == 2 else keys[torch.arange(keys.shape[0], device=keys.device)[:, None, None], cand]
+    exact = (rows @ queries[..., None])[..., 0]  # (..., Q, k + spare)
     top = exact.topk(k, dim=-1)
-    return top.values, cand.gather(1, top.indices)
+    return top.values, cand.gather(-1, top.indices)
 
 
 def takes_half_step(queries: int, keys: int, k: int, select_dtype: torch.dtype | None, device: torch.device,

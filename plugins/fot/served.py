@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from lcx.adapters.rotary import rotate
 from lcx.integrations.vllm.attention import WINDOW_SLACK, ServedAttention, Window, kv_bytes, sdpa
+from lcx.plugins.fot.memory import top_inner_products
 
 
 class HeadsStore:
@@ -44,21 +45,22 @@ class HeadsStore:
             self.keys.drop_front(over)
             self.values.drop_front(over)
 
-    def search_heads(self, q: torch.Tensor, k: int, dense: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Queries q (Hkv, Q, D), head h's against head h's keys: inner products (Hkv, Q, W) and values,
-        (Hkv, Q, W, Dv) for the top ``k`` (W = min(k, N)), or (Hkv, N, Dv) for every key when ``dense``."""
+    def search_heads(self, q: torch.Tensor, k: int, dense: bool,
+                     select_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries q (Hkv, Q, D), head h's against head h's keys: float32 inner products (Hkv, Q, W) and values,
+        (Hkv, Q, W, Dv) for the top ``k`` (W = min(k, N)), or (Hkv, N, Dv) for every key when ``dense``.
+        ``select_dtype``: the precision the top k's candidates may be picked in (``top_inner_products``)."""
         keys = self.keys.view()
-        scores = torch.bmm(q, keys.transpose(1, 2))
         if dense:
-            return scores, self.values.view().float()
-        top = scores.topk(min(k, keys.shape[1]), dim=-1)
-        Hkv, Q, W = top.indices.shape
+            return torch.bmm(q, keys.transpose(1, 2)), self.values.view().float()
+        scores, idx = top_inner_products(q, keys, min(k, keys.shape[1]), select_dtype)
+        Hkv, Q, W = idx.shape
         # the values' buffer read as rows (Hkv * capacity, Dv): one index_select copies whole rows, about twice
         # as fast as a gather whose index is expanded over Dv (bench/served_attention.py's decode step)
         buf = self.values.buf
         cap = buf.shape[1]
-        rows = top.indices + (torch.arange(0, Hkv * cap, cap, device=q.device) + self.values.start)[:, None, None]
-        return top.values, buf.view(Hkv * cap, -1).index_select(0, rows.view(-1)).view(Hkv, Q, W, -1).float()
+        rows = idx + (torch.arange(0, Hkv * cap, cap, device=q.device) + self.values.start)[:, None, None]
+        return scores, buf.view(Hkv * cap, -1).index_select(0, rows.view(-1)).view(Hkv, Q, W, -1).float()
 
 
 class _Rings:
