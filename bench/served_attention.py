@@ -10,9 +10,9 @@ The random inputs' own cost is measured apart and subtracted.
     .venv/bin/python bench/served_attention.py [--method fot,fot-sinks,streaming] [--requests 8] [--prompt 2048]
         [--threads 1] [--dtype float32] [--half-search half_pays,never] [--out bench/results/served_attention.json]
 
-``--dtype bfloat16``: q/k/v in bf16, as a bf16 served model hands them; ``--half-search``: runs each method once
-per rule for fot's memory search in bf16 (``half_pays``: lcx's rule, where it pays the candidates are picked in
-bf16; ``never``: float32 throughout, as the served search was before it took the rule), side by side.
+``--dtype bfloat16``: q/k/v in bf16, as a bf16 served model hands them; ``--half-search half_pays,never``: each fot
+row once per rule for its memory search's candidates (``half_pays``: lcx's rule, in bf16 where it pays; ``never``:
+float32 throughout), side by side.
 
 fot runs in its passkey configuration (local 1024, chunk 256, 12 memory layers: results/README.md), fot-sinks
 the same with 4 sinks, fot-defaults at fot's defaults (the local window at the model's, 4 sinks, memory keys at
@@ -24,8 +24,10 @@ streaming with 4 sinks and the recent window SmolLM2's 8K window leaves (7,676 t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
+from unittest import mock
 from pathlib import Path
 
 import torch
@@ -57,6 +59,15 @@ def served(method: str):
 
 def run(method: str, requests: int, prompt: int, steps: int, dtype: torch.dtype = torch.float32,
         half: str = "half_pays") -> dict:
+    import lcx.plugins.fot.served as fot_served
+    from lcx.plugins.fot import memory
+
+    rule = {"half_pays": memory.half_pays, "never": lambda queries, keys: False}[half]
+    with mock.patch.object(fot_served, "top_inner_products", functools.partial(memory.top_inner_products, pays=rule)):
+        return _run(method, requests, prompt, steps, dtype, half)
+
+
+def _run(method: str, requests: int, prompt: int, steps: int, dtype: torch.dtype, half: str) -> dict:
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaAttention
 
@@ -68,11 +79,6 @@ def run(method: str, requests: int, prompt: int, steps: int, dtype: torch.dtype 
                       max_position_embeddings=WINDOW, rope_theta=100000)
     mods = [LlamaAttention(cfg, i) for i in range(LAYERS)]
     srv, chunk = served(method)
-    import lcx.plugins.fot.served as fot_served
-    from lcx.plugins.fot import memory
-
-    rule = {"half_pays": memory.half_pays, "never": lambda queries, keys: False}[half]
-    fot_served.top_inner_products = lambda *a: memory.top_inner_products(*a, pays=rule)
     rand = lambda *shape: torch.randn(*shape, dtype=dtype)  # noqa: E731
 
     def step(seqs: list) -> None:
@@ -110,17 +116,22 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="q/k/v's dtype")
     ap.add_argument("--half-search", default="half_pays",
-                    help="comma-separated rules for fot's bf16 memory search, each run in turn: half_pays, never")
+                    help="comma-separated rules for fot's memory search, each fot row run once per rule: half_pays, never")
     ap.add_argument("--out", type=Path, default=OUT / "served_attention.json")
     args = ap.parse_args()
+    rules = [h.strip() for h in args.half_search.split(",")]
+    if not set(rules) <= {"half_pays", "never"}:
+        raise SystemExit(f"--half-search {args.half_search!r}: give half_pays, never or both (comma-separated)")
+    if len(rules) > 1 and args.dtype != "bfloat16":
+        raise SystemExit("--half-search compares rules for a half-precision search: add --dtype bfloat16")
     torch.set_num_threads(args.threads)
     rows = []
-    for method, half in [(m.strip(), h.strip()) for m in args.method.split(",") for h in args.half_search.split(",")]:
-        if half not in ("half_pays", "never"):
-            raise SystemExit(f"--half-search {half!r}: give half_pays, never or both (comma-separated)")
+    methods = [m.strip() for m in args.method.split(",")]
+    for method, half in [(m, h) for m in methods for h in (rules if m.startswith("fot") else rules[:1])]:
         rows.append(run(method, args.requests, args.prompt, args.steps, getattr(torch, args.dtype), half))
         r = rows[-1]
-        print(f"{r['method']} ({r['dtype']}, search {r['half_search']}): {r['requests']} requests x {r['prompt']} prompt tokens: prefill {r['prefill_s']} s, "
+        print(f"{r['method']} ({r['dtype']}, search {r['half_search']}): {r['requests']} requests x {r['prompt']} "
+              f"prompt tokens: prefill {r['prefill_s']} s, "
               f"decode step {r['decode_step_ms']} ms ({r['decode_ms_per_request_layer']} ms per request and layer)",
               flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -491,26 +491,31 @@ def test_a_heads_store_answers_what_one_torch_store_per_head_answers(cap):
                                                    dense, 2))
 
 
-def test_a_heads_stores_bf16_search_picks_candidates_in_bf16_and_answers_what_per_head_stores_answer(monkeypatch):
-    """A bf16 model's served search may pick its candidates in bf16 (``top_inner_products``, every KV head in
-    one batched product; tests/test_memory.py holds the half step itself), and answers what the torch stores,
-    one per head, answer under the same rule: float32 scores of the same entries."""
+@pytest.mark.parametrize("queries", [8, 40])  # 16 queries in all: one product; 80: one head at a time
+def test_a_heads_stores_bf16_search_picks_candidates_in_bf16_and_answers_what_per_head_stores_answer(monkeypatch,
+                                                                                                     queries):
+    """A bf16 model's served search picks its candidates in bf16 where it pays (``top_inner_products``; as
+    where bf16 is native), and answers what the torch stores, one per head, answer under the same rule: float32
+    scores of the same entries as a float32 search."""
+    import lcx.plugins.fot.memory as memory
     import lcx.plugins.fot.served as served
-    from lcx.plugins.fot.memory import make_store
     from lcx.plugins.fot.attention import _memory_scores
 
+    monkeypatch.setattr(memory, "_fast_half", lambda dtype, device: dtype == torch.bfloat16)
     torch.manual_seed(0)
-    Hkv, N, Q, D = 2, 8192, 8, 16
+    Hkv, N, D = 2, 8192, 16
     keys, values = torch.randn(Hkv, N, D), torch.randn(Hkv, N, 6).bfloat16()
-    heads, per_head = served.HeadsStore(), [make_store(kind="torch") for _ in range(Hkv)]
+    heads, per_head = served.HeadsStore(), [memory.make_store(kind="torch") for _ in range(Hkv)]
     heads.add(keys, values)
     for h, store in enumerate(per_head):
         store.add(keys[h], values[h], torch.arange(N))
-    seen, search = [], served.top_inner_products
-    monkeypatch.setattr(served, "top_inner_products", lambda *a: seen.append(a[3]) or search(*a))
-    q = torch.randn(Hkv, Q, D)
-    got, want = heads.search_heads(q, 4, False, torch.bfloat16), _memory_scores(q, per_head, 4, False, torch.bfloat16)
-    assert seen == [torch.bfloat16] and got[0].dtype == torch.float32
+    assert memory.takes_half_step(queries, N, 4, torch.bfloat16, keys.device)
+    products, matmul = [], torch.Tensor.__matmul__
+    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: products.append(a.dtype) or matmul(a, b))
+    q = torch.randn(Hkv, queries, D)
+    got = heads.search_heads(q, 4, False, torch.bfloat16)
+    assert torch.bfloat16 in products and got[0].dtype == torch.float32
+    want = _memory_scores(q, per_head, 4, False, torch.bfloat16)
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
     exact = heads.search_heads(q, 4, False)  # float32 throughout: the same entries (random keys leave wide gaps)

@@ -111,6 +111,20 @@ def bytes_per_store(config: StoreConfig, entries: int, key_dim: int, value_dim: 
     return rows + entries * index
 
 
+#: queries an exact search over several KV heads' keys scores in one product (a served decode step's); more are
+#: scored one head at a time, so that no search holds more than one head's block of scores
+SEARCH_BATCH = 64
+
+
+def search_bytes(config: StoreConfig, queries: int, entries: int) -> int:
+    """An upper bound on what one exact search of ``queries`` queries over a store of ``config`` holding
+    ``entries`` allocates: float32 scores against every entry it searches exactly (faiss-ivf: until its lists
+    are trained) and each thread's top-k buffer; none for an index that searches itself (FAISS)."""
+    config = config.in_process()
+    exact = {"torch": entries, "faiss-ivf": min(entries, max(config.nlist, config.ivf_train))}.get(config.kind, 0)
+    return (4 * queries + 16 * torch.get_num_threads()) * exact
+
+
 class _Rows:
     """Rows appended in amortised O(1) (capacity doubles) and dropped from the front in O(1).
 

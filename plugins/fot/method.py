@@ -36,7 +36,8 @@ from lcx.errors import LcxError
 from lcx.hookspecs import hookimpl
 from lcx.limits import kv_dims
 from lcx.masking import kept_positions, to_additive, visible_mask
-from lcx.plugins.fot.memory import KINDS, SHARD_KINDS, MemoryStore, StoreConfig, bytes_per_store, load_memory, make_store
+from lcx.plugins.fot.memory import (KINDS, SEARCH_BATCH, SHARD_KINDS, MemoryStore, StoreConfig, bytes_per_store, load_memory,
+                                    make_store, search_bytes)
 from lcx.method import Method, option
 from lcx.plan import Plan
 from lcx.plugins.fot import crossbatch
@@ -586,9 +587,9 @@ class FoT(Method):
     def forward_shapes(self, run, tokens: int) -> list[tuple[int, ...]]:
         """A chunk's queries over the local window and the chunk, plus what a memory layer's attention holds
         for one block of queries (``memory_attention``), in float32: every head's local scores (exponentiated
-        in place), its memory scores (searched, stacked, scaled: three copies) over ``k`` keys or, ``dense``,
-        every entry, the values read with them (the store's rows in float32, then stacked), and an exact torch
-        store's search: one KV head's queries scored against every entry."""
+        in place), its memory scores over ``k`` keys or, ``dense``, every entry (up to three alive at once: the
+        scaled, the gated and the exponentiated), the values read with them (the store's rows in float32, then
+        stacked), and an exact search's own scores (``search_bytes``: one KV head's block of queries)."""
         q = min(tokens, self.chunk or self.local)
         keys = min(tokens, self.sinks + self.local + q)
         _, kv_heads, head_dim, _ = kv_dims(run.model)
@@ -596,9 +597,8 @@ class FoT(Method):
         c, entries = min(q, self.block), self.memory_entries(run, tokens)
         scores = heads * c * (keys + 3 * (entries if self.dense else self.k))
         values = 2 * head_dim * (kv_heads * entries if self.dense else heads * c * self.k)
-        exact = (self.shard_backend if self.backend == "ray" else self.backend) == "torch"
-        search = heads // kv_heads * c * entries if exact and not self.dense else 0
-        return [(1, q, keys, 4 * (scores + values + search))]
+        search = 0 if self.dense else search_bytes(self.store_config(), max(heads // kv_heads * c, SEARCH_BATCH), entries)
+        return [(1, q, keys, 4 * (scores + values) + search)]
 
     def memory_bytes(self, run, entries: int) -> int:
         """One store per memory layer and KV head (``bytes_per_store``); none here for a Ray memory on a cluster

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from lcx.adapters.rotary import rotate
 from lcx.integrations.vllm.attention import WINDOW_SLACK, ServedAttention, Window, kv_bytes, sdpa
-from lcx.plugins.fot.memory import top_inner_products
+from lcx.plugins.fot.memory import SEARCH_BATCH, top_inner_products
 
 
 class HeadsStore:
@@ -49,11 +49,17 @@ class HeadsStore:
                      select_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries q (Hkv, Q, D), head h's against head h's keys: float32 inner products (Hkv, Q, W) and values,
         (Hkv, Q, W, Dv) for the top ``k`` (W = min(k, N)), or (Hkv, N, Dv) for every key when ``dense``.
+        Up to ``SEARCH_BATCH`` queries in all are searched in one product, more one head at a time.
         ``select_dtype``: the precision the top k's candidates may be picked in (``top_inner_products``)."""
         keys = self.keys.view()
         if dense:
             return torch.bmm(q, keys.transpose(1, 2)), self.values.view().float()
-        scores, idx = top_inner_products(q, keys, min(k, keys.shape[1]), select_dtype)
+        k = min(k, keys.shape[1])
+        if q.shape[0] * q.shape[1] <= SEARCH_BATCH:  # a decode step: one product for every head
+            scores, idx = top_inner_products(q, keys, k, select_dtype)
+        else:
+            found = [top_inner_products(q[h], keys[h], k, select_dtype) for h in range(q.shape[0])]
+            scores, idx = torch.stack([f[0] for f in found]), torch.stack([f[1] for f in found])
         Hkv, Q, W = idx.shape
         # the values' buffer read as rows (Hkv * capacity, Dv): one index_select copies whole rows, about twice
         # as fast as a gather whose index is expanded over Dv (bench/served_attention.py's decode step)
