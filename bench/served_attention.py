@@ -10,8 +10,8 @@ The random inputs' own cost is measured apart and subtracted.
     .venv/bin/python bench/served_attention.py [--method fot,fot-sinks,streaming] [--requests 8] [--prompt 2048]
         [--threads 1] [--dtype float32] [--half-search half_pays,never] [--out bench/results/served_attention.json]
 
-``--dtype bfloat16``: q/k/v in bf16, as a bf16 served model hands them; ``--half-search half_pays,never``: each fot
-row once per rule for its memory search's candidates (``half_pays``: lcx's rule, in bf16 where it pays; ``never``:
+``--dtype bfloat16``: q/k/v in bf16, as a bf16 served model hands them; ``--half-search half_pays,never``: each
+method once per rule for fot's memory search's candidates (``half_pays``: lcx's rule, in bf16 where it pays; ``never``:
 float32 throughout), side by side.
 
 fot runs in its passkey configuration (local 1024, chunk 256, 12 memory layers: results/README.md), fot-sinks
@@ -27,8 +27,8 @@ import argparse
 import functools
 import json
 import time
-from unittest import mock
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -116,7 +116,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="q/k/v's dtype")
     ap.add_argument("--half-search", default="half_pays",
-                    help="comma-separated rules for fot's memory search, each fot row run once per rule: half_pays, never")
+                    help="comma-separated rules for fot's memory search, each method run once per rule: half_pays, never")
     ap.add_argument("--out", type=Path, default=OUT / "served_attention.json")
     args = ap.parse_args()
     rules = [h.strip() for h in args.half_search.split(",")]
@@ -127,7 +127,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = []
     methods = [m.strip() for m in args.method.split(",")]
-    for method, half in [(m, h) for m in methods for h in (rules if m.startswith("fot") else rules[:1])]:
+    for method, half in [(m, h) for m in methods for h in rules]:
         rows.append(run(method, args.requests, args.prompt, args.steps, getattr(torch, args.dtype), half))
         r = rows[-1]
         print(f"{r['method']} ({r['dtype']}, search {r['half_search']}): {r['requests']} requests x {r['prompt']} "

@@ -274,3 +274,20 @@ def test_a_union_store_reads_as_the_shared_store_with_the_own_entries_appended()
         assert len(union) == len(both) and torch.equal(union.keys, both.keys)
         torch.testing.assert_close(union.values.float(), both.values.float())
     assert len(shared) == 50 and len(own) == 30  # writes went to the request's own store
+
+
+def test_search_bytes_counts_the_exact_searches_only():
+    """What a search allocates beside the store: scores over every entry for the torch backend, and for
+    faiss-ivf until its lists are trained (in each of a Ray memory's shards); a FAISS index's own search none."""
+    from lcx.plugins.fot.memory import StoreConfig, search_bytes
+
+    per_entry = 4 * 100 + 16 * torch.get_num_threads()  # float32 scores of 100 queries, each thread's topk buffer
+    assert search_bytes(StoreConfig(kind="torch"), 100, 10_000, 64) == per_entry * 10_000
+    assert search_bytes(StoreConfig(kind="faiss-flat"), 100, 10_000, 64) == 0
+    ivf = StoreConfig(kind="faiss-ivf", nlist=256, ivf_train=1_000)
+    assert search_bytes(ivf, 100, 500, 64) == per_entry * 500
+    assert search_bytes(ivf, 100, 10**6, 64) == per_entry * 1_000
+    ray = StoreConfig(kind="ray", shards=2, shard_kind="faiss-ivf", ivf_train=1_000)
+    assert search_bytes(ray, 100, 10**6, 64) == per_entry * 2_000
+    # few queries of wide keys: the half candidate step's bf16 keys outweigh float32 scores
+    assert search_bytes(StoreConfig(kind="torch"), 4, 10_000, 256) == (2 * 4 + 2 * 256 + 16 * torch.get_num_threads()) * 10_000

@@ -494,9 +494,10 @@ def test_a_heads_store_answers_what_one_torch_store_per_head_answers(cap):
 @pytest.mark.parametrize("queries", [8, 40])  # 16 queries in all: one product; 80: one head at a time
 def test_a_heads_stores_bf16_search_picks_candidates_in_bf16_and_answers_what_per_head_stores_answer(monkeypatch,
                                                                                                      queries):
-    """A bf16 model's served search picks its candidates in bf16 where it pays (``top_inner_products``; as
-    where bf16 is native), and answers what the torch stores, one per head, answer under the same rule: float32
-    scores of the same entries as a float32 search."""
+    """A bf16 model's served search picks its candidates in bf16 where it pays (``top_inner_products``, with
+    bf16 taken as native: ``_fast_half`` patched), for every head in one product or one head at a time, and
+    answers what the torch stores, one per head, answer under the same rule: float32 scores of the same entries
+    as a float32 search."""
     import lcx.plugins.fot.memory as memory
     import lcx.plugins.fot.served as served
     from lcx.plugins.fot.attention import _memory_scores
@@ -511,10 +512,11 @@ def test_a_heads_stores_bf16_search_picks_candidates_in_bf16_and_answers_what_pe
         store.add(keys[h], values[h], torch.arange(N))
     assert memory.takes_half_step(queries, N, 4, torch.bfloat16, keys.device)
     products, matmul = [], torch.Tensor.__matmul__
-    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: products.append(a.dtype) or matmul(a, b))
+    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: products.append((a.dtype, a.dim())) or matmul(a, b))
     q = torch.randn(Hkv, queries, D)
     got = heads.search_heads(q, 4, False, torch.bfloat16)
-    assert torch.bfloat16 in products and got[0].dtype == torch.float32
+    half = [dim for dtype, dim in products if dtype == torch.bfloat16]
+    assert half == ([3] if Hkv * queries <= served.SEARCH_BATCH else [2] * Hkv) and got[0].dtype == torch.float32
     want = _memory_scores(q, per_head, 4, False, torch.bfloat16)
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)

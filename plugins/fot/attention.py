@@ -44,7 +44,7 @@ def memory_attention(
     ``gate_keys``), the quantity ``gate`` thresholds (-inf for a head left out of ``heads``).  All KV heads of a row are computed together (the G
     query heads of KV head h are rows g * c + i of a (Hkv, G * c, D) block); the search runs per store, or once
     per row where ``memory[row]`` holds all the row's KV heads (a store with ``search_heads``, as lcx's served
-    fot keeps: ``lcx.integrations.vllm.attention.HeadsStore``)."""
+    fot keeps: ``lcx.plugins.fot.served.HeadsStore``)."""
     B, H, T, D = query.shape
     Hkv, S = key.shape[1], key.shape[2]
     G = H // Hkv  # query heads per KV head

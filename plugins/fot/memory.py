@@ -111,18 +111,22 @@ def bytes_per_store(config: StoreConfig, entries: int, key_dim: int, value_dim: 
     return rows + entries * index
 
 
-#: queries an exact search over several KV heads' keys scores in one product (a served decode step's); more are
-#: scored one head at a time, so that no search holds more than one head's block of scores
+#: queries in all an exact search over several KV heads' keys scores in one product (a served decode step);
+#: more are scored one head at a time: a prefill's block of queries would hold every head's scores at once
 SEARCH_BATCH = 64
 
 
-def search_bytes(config: StoreConfig, queries: int, entries: int) -> int:
+def search_bytes(config: StoreConfig, queries: int, entries: int, key_dim: int) -> int:
     """An upper bound on what one exact search of ``queries`` queries over a store of ``config`` holding
-    ``entries`` allocates: float32 scores against every entry it searches exactly (faiss-ivf: until its lists
-    are trained) and each thread's top-k buffer; none for an index that searches itself (FAISS)."""
+    ``entries`` allocates (``top_inner_products``): float32 scores against every entry it searches exactly, or
+    the half candidate step's keys and scores in half precision, and each thread's top-k buffer.  Exact: the
+    torch backend, faiss-ivf until its lists are trained (a Ray memory: in each shard); FAISS's own index
+    searches (blocks of a few MiB) are not counted."""
+    shards = config.shards if config.kind == "ray" else 1
     config = config.in_process()
-    exact = {"torch": entries, "faiss-ivf": min(entries, max(config.nlist, config.ivf_train))}.get(config.kind, 0)
-    return (4 * queries + 16 * torch.get_num_threads()) * exact
+    trains = max(config.nlist, config.ivf_train)
+    exact = {"torch": entries, "faiss-ivf": min(entries, shards * trains)}.get(config.kind, 0)
+    return (max(4 * queries, 2 * queries + 2 * key_dim) + 16 * torch.get_num_threads()) * exact
 
 
 class _Rows:

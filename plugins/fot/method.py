@@ -36,7 +36,7 @@ from lcx.errors import LcxError
 from lcx.hookspecs import hookimpl
 from lcx.limits import kv_dims
 from lcx.masking import kept_positions, to_additive, visible_mask
-from lcx.plugins.fot.memory import (KINDS, SEARCH_BATCH, SHARD_KINDS, MemoryStore, StoreConfig, bytes_per_store, load_memory,
+from lcx.plugins.fot.memory import (KINDS, SHARD_KINDS, MemoryStore, StoreConfig, bytes_per_store, load_memory,
                                     make_store, search_bytes)
 from lcx.method import Method, option
 from lcx.plan import Plan
@@ -589,7 +589,8 @@ class FoT(Method):
         for one block of queries (``memory_attention``), in float32: every head's local scores (exponentiated
         in place), its memory scores over ``k`` keys or, ``dense``, every entry (up to three alive at once: the
         scaled, the gated and the exponentiated), the values read with them (the store's rows in float32, then
-        stacked), and an exact search's own scores (``search_bytes``: one KV head's block of queries)."""
+        stacked), and an exact search's own (``search_bytes``: one KV head's block of queries; none here for a
+        Ray memory on a cluster elsewhere).  lcx serve's attention keeps its own budget (``served_state_budget``)."""
         q = min(tokens, self.chunk or self.local)
         keys = min(tokens, self.sinks + self.local + q)
         _, kv_heads, head_dim, _ = kv_dims(run.model)
@@ -597,13 +598,18 @@ class FoT(Method):
         c, entries = min(q, self.block), self.memory_entries(run, tokens)
         scores = heads * c * (keys + 3 * (entries if self.dense else self.k))
         values = 2 * head_dim * (kv_heads * entries if self.dense else heads * c * self.k)
-        search = 0 if self.dense else search_bytes(self.store_config(), max(heads // kv_heads * c, SEARCH_BATCH), entries)
+        search = 0 if self.dense or self._memory_elsewhere() else search_bytes(self.store_config(), heads // kv_heads * c,
+                                                                                  entries, head_dim)
         return [(1, q, keys, 4 * (scores + values) + search)]
+
+    def _memory_elsewhere(self) -> bool:
+        """A Ray memory on a cluster other than one this process starts: its actors hold and search the entries."""
+        return self.backend == "ray" and (self.ray_address or os.environ.get("RAY_ADDRESS", "")) not in STARTS_HERE
 
     def memory_bytes(self, run, entries: int) -> int:
         """One store per memory layer and KV head (``bytes_per_store``); none here for a Ray memory on a cluster
         elsewhere (its actors hold the entries)."""
-        if self.backend == "ray" and (self.ray_address or os.environ.get("RAY_ADDRESS", "")) not in STARTS_HERE:
+        if self._memory_elsewhere():
             return 0
         _, kv_heads, head_dim, size = kv_dims(run.model)
         return len(self.layer_indices(run)) * kv_heads * bytes_per_store(self.store_config(), entries, head_dim,

@@ -20,10 +20,10 @@ from lcx.plugins.fot.memory import SEARCH_BATCH, top_inner_products
 
 class HeadsStore:
     """One request's memory in one fot memory layer, every KV head in one pair of buffers: keys at position
-    0 (Hkv, N, D) and values (Hkv, N, Dv), searched exactly by one batched matmul.  It answers what the
-    ``torch`` backend's stores, one per KV head, answer (``memory_attention`` takes either), with one
-    append and one search per request and layer instead of one per head: a served decode step evicts and
-    reads one token per request and layer, where those calls cost more than their arithmetic.  No
+    0 (Hkv, N, D) and values (Hkv, N, Dv), searched exactly (a decode step's few queries by one batched matmul).
+    It answers what the ``torch`` backend's stores, one per KV head, answer (``memory_attention`` takes either),
+    with one append and one search per request and layer instead of one per head: a served decode step evicts
+    and reads one token per request and layer, where those calls cost more than their arithmetic.  No
     positions or document ids (a served request reads neither); ``max_entries`` drops the oldest entries,
     as the stores' cap does."""
 
@@ -55,7 +55,7 @@ class HeadsStore:
         if dense:
             return torch.bmm(q, keys.transpose(1, 2)), self.values.view().float()
         k = min(k, keys.shape[1])
-        if q.shape[0] * q.shape[1] <= SEARCH_BATCH:  # a decode step: one product for every head
+        if q.shape[0] * q.shape[1] <= SEARCH_BATCH:  # few queries (a decode step): one product for every head
             scores, idx = top_inner_products(q, keys, k, select_dtype)
         else:
             found = [top_inner_products(q[h], keys[h], k, select_dtype) for h in range(q.shape[0])]
