@@ -128,6 +128,12 @@ class ServedAttention:
         raise NotImplementedError(f"{cls.__name__} does not bound its per-request state")
 
     @classmethod
+    def step_bytes(cls, method: Any, config: dict[str, Any], max_model_len: int, memory: Any) -> int:
+        """An upper bound on what one request's update allocates for a moment in a step besides the state it
+        holds (a memory search's scores); ``lcx serve --state-gib`` keeps room for one.  0: nothing to speak of."""
+        return 0
+
+    @classmethod
     def memory_entries(cls, method: Any, max_model_len: int, memory: Any) -> int:
         """The most entries per layer and KV head a request's memory may hold (``memory``: the folder of a
         document memory the server loads, or None), checked against ``LCX_MAX_MEMORY_ENTRIES``; 0: none."""

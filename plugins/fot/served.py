@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from lcx.adapters.rotary import rotate
 from lcx.integrations.vllm.attention import WINDOW_SLACK, ServedAttention, Window, kv_bytes, sdpa
-from lcx.plugins.fot.memory import SEARCH_BATCH, top_inner_products
+from lcx.plugins.fot.memory import SEARCH_BATCH, search_bytes, top_inner_products
 
 
 class HeadsStore:
@@ -181,6 +181,18 @@ class FoTServed(ServedAttention):
         memory = entries + max(16, int(entries * WINDOW_SLACK)) if torch_own else 2 * entries
         memory_layers = len(method.layers_of(layers, config.get("layer_types")))
         return (layers * ring + memory_layers * memory) * kv_bytes(config)
+
+    @classmethod
+    def step_bytes(cls, method, config, max_model_len, memory):
+        """One block of a memory layer's queries searched against every entry (``search_bytes``: one KV head at
+        a time), or, ``dense``, scored against all of them, every head at once, with the values in float32."""
+        heads = int(config["num_attention_heads"])
+        kv = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+        entries = cls.memory_entries(method, max_model_len, memory)
+        if method.dense:
+            return 4 * (3 * heads * method.block * entries + 2 * kv * entries * head_dim)
+        return search_bytes(method.store_config(), heads // kv * method.block, entries, head_dim)
 
     @classmethod
     def memory_entries(cls, method, max_model_len, memory):
