@@ -128,9 +128,9 @@ class ServedAttention:
         raise NotImplementedError(f"{cls.__name__} does not bound its per-request state")
 
     @classmethod
-    def step_bytes(cls, method: Any, config: dict[str, Any], max_model_len: int, memory: Any) -> int:
+    def step_bytes(cls, method: Any, config: dict[str, Any], window: int, max_model_len: int, memory: Any) -> int:
         """An upper bound on what one request's update allocates for a moment in a step besides the state it
-        holds (a memory search's scores); ``lcx serve --state-gib`` keeps room for one.  0: nothing to speak of."""
+        holds (fot: its memory attention); ``lcx serve --state-gib`` keeps room for one.  0: not counted."""
         return 0
 
     @classmethod

@@ -36,7 +36,7 @@ from lcx.errors import LcxError
 from lcx.hookspecs import hookimpl
 from lcx.limits import kv_dims
 from lcx.masking import kept_positions, to_additive, visible_mask
-from lcx.plugins.fot.memory import (KINDS, SHARD_KINDS, MemoryStore, StoreConfig, bytes_per_store, load_memory,
+from lcx.plugins.fot.memory import (KINDS, SEARCH_BATCH, SHARD_KINDS, MemoryStore, StoreConfig, bytes_per_store, load_memory,
                                     make_store, search_bytes)
 from lcx.method import Method, option
 from lcx.plan import Plan
@@ -586,21 +586,28 @@ class FoT(Method):
 
     def forward_shapes(self, run, tokens: int) -> list[tuple[int, ...]]:
         """A chunk's queries over the local window and the chunk, plus what a memory layer's attention holds
-        for one block of queries (``memory_attention``), in float32: every head's local scores (exponentiated
-        in place), its memory scores over ``k`` keys or, ``dense``, every entry (up to three alive at once: the
-        scaled, the gated and the exponentiated), the values read with them (the store's rows in float32, then
-        stacked), and an exact search's own (``search_bytes``: one KV head's block of queries; none here for a
-        Ray memory on a cluster elsewhere).  lcx serve's attention keeps its own budget (``served_state_budget``)."""
+        for one block of them (``attention_bytes``)."""
         q = min(tokens, self.chunk or self.local)
         keys = min(tokens, self.sinks + self.local + q)
         _, kv_heads, head_dim, _ = kv_dims(run.model)
         heads = getattr(getattr(run.model.config, "get_text_config", lambda: run.model.config)(), "num_attention_heads", 1)
-        c, entries = min(q, self.block), self.memory_entries(run, tokens)
+        return [(1, q, keys, self.attention_bytes(heads, kv_heads, head_dim, q, keys, self.memory_entries(run, tokens)))]
+
+    def attention_bytes(self, heads: int, kv_heads: int, head_dim: int, queries: int, keys: int, entries: int) -> int:
+        """An upper bound on what a memory layer's attention (``memory_attention``) holds for one block of
+        ``queries`` queries over ``keys`` local keys and ``entries`` memory entries per KV head, in float32: every
+        head's local scores (exponentiated in place), its memory scores over ``k`` keys or, ``dense``, every entry
+        (up to three alive at once: the scaled, the gated and the exponentiated), the values read with them (the
+        store's rows in float32, then stacked), and an exact search's own (``search_bytes``: one KV head's block
+        of queries, or up to ``SEARCH_BATCH`` of every head's at once; none here for a Ray memory on a cluster
+        elsewhere).  lcx generate's per-request check and lcx serve's step budget both count it."""
+        c = min(queries, self.block)
         scores = heads * c * (keys + 3 * (entries if self.dense else self.k))
         values = 2 * head_dim * (kv_heads * entries if self.dense else heads * c * self.k)
-        search = 0 if self.dense or self._memory_elsewhere() else search_bytes(self.store_config(), heads // kv_heads * c,
-                                                                                  entries, head_dim)
-        return [(1, q, keys, 4 * (scores + values) + search)]
+        searched = max(heads // kv_heads * c, min(heads * c, SEARCH_BATCH))
+        search = 0 if self.dense or self._memory_elsewhere() else search_bytes(self.store_config(), searched, entries,
+                                                                                  head_dim)
+        return 4 * (scores + values) + search
 
     def _memory_elsewhere(self) -> bool:
         """A Ray memory on a cluster other than one this process starts: its actors hold and search the entries."""

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from lcx.adapters.rotary import rotate
 from lcx.integrations.vllm.attention import WINDOW_SLACK, ServedAttention, Window, kv_bytes, sdpa
-from lcx.plugins.fot.memory import SEARCH_BATCH, search_bytes, top_inner_products
+from lcx.plugins.fot.memory import SEARCH_BATCH, top_inner_products
 
 
 class HeadsStore:
@@ -183,16 +183,16 @@ class FoTServed(ServedAttention):
         return (layers * ring + memory_layers * memory) * kv_bytes(config)
 
     @classmethod
-    def step_bytes(cls, method, config, max_model_len, memory):
-        """One block of a memory layer's queries searched against every entry (``search_bytes``: one KV head at
-        a time), or, ``dense``, scored against all of them, every head at once, with the values in float32."""
+    def step_bytes(cls, method, config, window, max_model_len, memory):
+        """A memory layer's attention for one update (at most a chunk of queries over the sinks, the local
+        window and the update; ``attention_bytes``), its memory every entry a request may read."""
         heads = int(config["num_attention_heads"])
         kv = int(config.get("num_key_value_heads") or heads)
         head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-        entries = cls.memory_entries(method, max_model_len, memory)
-        if method.dense:
-            return 4 * (3 * heads * method.block * entries + 2 * kv * entries * head_dim)
-        return search_bytes(method.store_config(), heads // kv * method.block, entries, head_dim)
+        method.fit_window(window)
+        q = method.chunk or method.local
+        return method.attention_bytes(heads, kv, head_dim, q, method.sinks + method.local + q,
+                                      cls.memory_entries(method, max_model_len, memory))
 
     @classmethod
     def memory_entries(cls, method, max_model_len, memory):

@@ -104,7 +104,7 @@ def export_cmd(model, options, methods, adapters, max_model_len, target, out, ov
                    "request, never changed by one (each request's own tokens go to its own memory on top).")
 @click.option("--state-gib", type=click.FloatRange(min=0.01), default=2.0, show_default=True,
               help="Memory for the per-request state of a method served inside vLLM's attention (outside its KV cache): the server runs "
-                   "at most as many requests at once as fit, with room for one request's memory search in a step (vLLM --max-num-seqs).")
+                   "at most as many requests at once as fit, with room for what one request's step allocates for a moment (vLLM --max-num-seqs).")
 @click.option("--json", "as_json", is_flag=True, help="Print the ready line as one JSON object.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- VLLM_ARGS...]")
 def serve_cmd(model, options, methods, adapters, max_model_len, host, port, served_name, dtype, kv_cache_gib,
