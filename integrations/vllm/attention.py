@@ -346,11 +346,16 @@ class Window:
 WINDOW_SLACK = 0.25
 
 
-def kv_bytes(config: dict[str, Any]) -> int:
-    """One layer's float32 key and value of one token, for a model of ``config`` (config.json as a dict)."""
+def head_dims(config: dict[str, Any]) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of a model of ``config`` (config.json as a dict)."""
     heads = int(config["num_attention_heads"])
     kv = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    return heads, kv, int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+
+
+def kv_bytes(config: dict[str, Any]) -> int:
+    """One layer's float32 key and value of one token, for a model of ``config`` (config.json as a dict)."""
+    _, kv, head_dim = head_dims(config)
     return kv * head_dim * 2 * 4
 
 

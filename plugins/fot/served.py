@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from lcx.adapters.rotary import rotate
-from lcx.integrations.vllm.attention import WINDOW_SLACK, ServedAttention, Window, kv_bytes, sdpa
+from lcx.integrations.vllm.attention import WINDOW_SLACK, ServedAttention, Window, head_dims, kv_bytes, sdpa
 from lcx.plugins.fot.memory import SEARCH_BATCH, top_inner_products
 
 
@@ -186,12 +186,9 @@ class FoTServed(ServedAttention):
     def step_bytes(cls, method, config, window, max_model_len, memory):
         """A memory layer's attention for one update (at most a chunk of queries over the sinks, the local
         window and the update; ``attention_bytes``), its memory every entry a request may read."""
-        heads = int(config["num_attention_heads"])
-        kv = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
         method.fit_window(window)
         q = method.chunk or method.local
-        return method.attention_bytes(heads, kv, head_dim, q, method.sinks + method.local + q,
+        return method.attention_bytes(*head_dims(config), q, method.sinks + method.local + q,
                                       cls.memory_entries(method, max_model_len, memory))
 
     @classmethod
