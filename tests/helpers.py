@@ -1,9 +1,15 @@
-"""Test helpers: tiny model folders (model + an offline character-level tokenizer) and a plugin object."""
+"""Test helpers: tiny model folders (model + an offline character-level tokenizer), a counter of live tensor storage
+and a plugin object."""
 
 from __future__ import annotations
 
 import string
+import weakref
 from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import lcx
 
@@ -35,6 +41,27 @@ def make_tiny_model_dir(path: Path, family: str = "llama", seed: int = 0, **over
     char_tokenizer().save_pretrained(str(path))
     return path
 
+
+class LiveTensors(TorchDispatchMode):
+    """The most bytes of tensor storage alive at once among those torch ops create while the mode is on
+    (storage that existed before, ``held``, counts as none when an op views it)."""
+
+    def __init__(self, held=()):
+        super().__init__()
+        self.live, self.now, self.peak = {t.untyped_storage().data_ptr(): 0 for t in held}, 0, 0
+
+    def _freed(self, ptr):
+        self.now -= self.live.pop(ptr, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and (s := t.untyped_storage()).data_ptr() not in self.live:
+                self.live[s.data_ptr()] = s.nbytes()
+                self.now += s.nbytes()
+                self.peak = max(self.peak, self.now)
+                weakref.finalize(s, self._freed, s.data_ptr())
+        return out
 
 
 class MethodsPlugin:

@@ -6,14 +6,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import weakref
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import lcx
 from lcx import limits
@@ -21,7 +18,7 @@ from lcx.cli import main
 from lcx.generation import generate
 from lcx.limits import LimitError, Limits, check_request, kv_bytes_per_token
 from tests.conftest import tiny_model
-from tests.helpers import make_tiny_model_dir
+from tests.helpers import LiveTensors, make_tiny_model_dir
 
 
 @pytest.fixture(autouse=True)
@@ -265,28 +262,6 @@ def test_the_largest_forward_pass_is_in_the_estimate_and_prefill_is_windowed(mon
         assert check_request(run, 80, 4)["forward_bytes"] == limits.forward_bytes(model, [shape])
 
 
-class _LiveTensors(TorchDispatchMode):
-    """The most bytes of tensor storage alive at once among those torch ops create while the mode is on
-    (storage that existed before, ``held``, counts as none when an op views it)."""
-
-    def __init__(self, held=()):
-        super().__init__()
-        self.live, self.now, self.peak = {t.untyped_storage().data_ptr(): 0 for t in held}, 0, 0
-
-    def _freed(self, ptr):
-        self.now -= self.live.pop(ptr, 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and (s := t.untyped_storage()).data_ptr() not in self.live:
-                self.live[s.data_ptr()] = s.nbytes()
-                self.now += s.nbytes()
-                self.peak = max(self.peak, self.now)
-                weakref.finalize(s, self._freed, s.data_ptr())
-        return out
-
-
 @pytest.mark.parametrize("kv_heads, head_dim, k, dense", [
     (1, 16, 32, False),  # the exact search's scores outweigh the retrieved values
     (2, 32, 64, False),  # the values outweigh the search; GQA heads over KV heads
@@ -302,7 +277,7 @@ def test_fots_estimate_bounds_the_tensors_its_prefill_holds(kv_heads, head_dim, 
     try:
         with lcx.attach(model, ["fot"], local=64, chunk=64, block=64, k=k, dense=dense) as run:
             est = check_request(run, 4096, 1)
-            live = _LiveTensors([*model.parameters(), *model.buffers(), ids])
+            live = LiveTensors([*model.parameters(), *model.buffers(), ids])
             with torch.no_grad(), live:
                 generate(run, ids, max_new_tokens=1)
     finally:

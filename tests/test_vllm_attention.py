@@ -566,3 +566,76 @@ def test_served_attention_keeps_each_sliding_layers_band_as_lcx_does(method, fam
     got = _served(engine, prompts, {k: w[0] for k, w in want.items()}, rng)
     for k in prompts:
         torch.testing.assert_close(got[k], want[k][1], atol=1e-4, rtol=1e-4)
+
+
+def test_a_long_prompt_piece_is_read_in_blocks_of_queries_as_in_one(monkeypatch):
+    """``sdpa`` and focusllm's ``topk_sdpa`` read many queries in blocks under ``MASK_BLOCK_BYTES``, through
+    SDPA's GQA, few as rows of their KV head: each answers what one masked softmax over every key answers."""
+    from lcx.integrations.vllm import attention
+    from lcx.integrations.vllm.attention import causal_tail, sdpa
+    from lcx.plugins.focusllm.attention import topk_keep
+    from lcx.plugins.focusllm.served import topk_sdpa
+
+    torch.manual_seed(0)
+    H, Hkv, D, S = 6, 2, 8, 50
+    keys, values = torch.randn(Hkv, S, D), torch.randn(Hkv, S, D)
+
+    def reference(q, allowed, n=0, k=0):
+        scores = q @ keys.repeat_interleave(H // Hkv, 0).transpose(1, 2) * D ** -0.5
+        mask = torch.ones(H, q.shape[1], S, dtype=torch.bool) if allowed is None else allowed.expand(H, -1, -1).clone()
+        if k:
+            mask[..., :n] &= topk_keep(q.reshape(Hkv, H // Hkv, q.shape[1], D), keys[:, :n], k).reshape(H, -1, n)
+        return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ values.repeat_interleave(H // Hkv, 0)
+
+    for nq in (1, 5, 40):
+        q = torch.randn(H, nq, D)
+        allowed = causal_tail(nq, S, q.device)
+        for block in (64 << 20, 3 * S * 5):  # one block; blocks of 3 rows
+            monkeypatch.setattr(attention, "MASK_BLOCK_BYTES", block)
+            torch.testing.assert_close(sdpa(q, keys, values, allowed, D ** -0.5), reference(q, allowed))
+            torch.testing.assert_close(topk_sdpa(q, keys, values, allowed, 12, 3, D ** -0.5),
+                                       reference(q, allowed, 12, 3))
+
+
+@pytest.mark.parametrize("family, method, opts", [
+    ("llama", "streaming", dict(sinks=4, chunk=1024)),
+    ("gemma3_text", "streaming", dict(sinks=4, chunk=1024)),  # layer 0 slides: its band masks too
+    ("llama", "focusllm", dict(chunk=64, local=256, fragment=16, refresh=0, topk=8)),
+])
+def test_a_served_steps_estimate_bounds_what_its_prompt_allocates(tmp_path, family, method, opts):
+    """What a served layer holds at once while it reads a whole 2,048-token prompt in one step is within
+    the served class's estimate (its step, one layer's state of the request, the step's outputs), and the
+    estimate within 2x of it."""
+    from safetensors.torch import save_file
+
+    from lcx.integrations.vllm.attention import output_bytes
+    from tests.helpers import LiveTensors
+
+    heads, kv, dim, n = 8, 2, 32, 2048
+    model = tiny_model(family, num_attention_heads=heads, num_key_value_heads=kv, head_dim=dim,
+                       max_position_embeddings=n)
+    config = model.config.to_dict()
+    with lcx.attach(model, [method], **opts) as run:
+        m = run.method(method)
+    state = None
+    if method == "focusllm":  # the middleware's candidates: one per chunk of a prompt beyond the local tokens
+        state = "a" * 32
+        save_file({f"{layer}.{x}": torch.randn(kv, n - m.local, dim) for layer in range(config["num_hidden_layers"])
+                   for x in "kv"}, str(tmp_path / f"{state}.safetensors"))
+    served = StreamingServed(m.sinks, m.recent_for(n), m.chunk) if method == "streaming" \
+        else FocusServed(tmp_path, m.topk)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        q, k, v = torch.randn(1, heads, n, dim), torch.randn(1, kv, n, dim), torch.randn(1, kv, n, dim)
+        live = LiveTensors([q, k, v])
+        with torch.no_grad(), live:
+            served.begin_step()
+            served.attend(model.model.layers[0].self_attn, q, k, v, [Seq(1, 0, n, n, state)])
+    finally:
+        torch.set_num_threads(threads)
+    cls = type(served)
+    estimate = cls.step_bytes(m, config, n, n, None) + output_bytes(config, n) \
+        + cls.request_bytes(m, config, n, n) // config["num_hidden_layers"]
+    assert live.peak <= estimate < 2 * live.peak

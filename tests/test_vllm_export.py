@@ -389,7 +389,7 @@ def test_the_state_of_served_memory_methods_bounds_the_requests_run_at_once(mode
     """streaming/fot keep per-request state outside vLLM's KV cache: --state-gib / the per-request bound is
     vLLM's --max-num-seqs, so no number of requests grows the server past it; fot's memory-entry cap holds."""
     from lcx.integrations.vllm import vllm_command
-    from lcx.integrations.vllm.attention import WINDOW_SLACK, served_class, served_method
+    from lcx.integrations.vllm.attention import WINDOW_SLACK, output_bytes, served_class, served_method
 
     config = json.loads((model_dir / "config.json").read_text())
     window = config["max_position_embeddings"]
@@ -413,6 +413,7 @@ def test_the_state_of_served_memory_methods_bounds_the_requests_run_at_once(mode
     # 4,096 entries in float32
     step = served_class(fot).step_bytes(served_method(fot), config, window, 4096, None)
     assert step >= 4 * 8 * config["num_attention_heads"] // config["num_key_value_heads"] * 4096
+    step += output_bytes(config, 4096)  # and a step's outputs: vLLM's batch holds a whole prompt
     assert exp.max_concurrent == int((0.02 * 2**30 - step) // ((config["num_hidden_layers"] * local + memory) * per)) > 1
     cmd = vllm_command(exp, "127.0.0.1", 8000, "m", "float32", None)
     assert cmd[cmd.index("--max-num-seqs") + 1] == str(exp.max_concurrent)

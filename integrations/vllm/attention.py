@@ -292,15 +292,44 @@ def causal_tail(n: int, total: int, device: torch.device) -> torch.Tensor | None
     return allowed
 
 
+#: Fewer queries than this (a decode step) read as G x n rows of their KV head (faster there); more, through
+#: SDPA's own GQA, which takes their mask once instead of once per query head.
+GQA_QUERIES = 16
+#: The most bytes of attention mask one SDPA call holds: a long prompt piece is read in blocks of queries under
+#: it, so a step's mask does not grow with the square of the piece.
+MASK_BLOCK_BYTES = 64 << 20
+#: A mask's bytes per query and key: a bool, and SDPA's copy of it in the query's dtype (float32 at most).
+MASK_BYTES = 1 + 4
+
+
+def query_blocks(n: int, row_bytes: int) -> list[slice]:
+    """Blocks of ``n`` query rows, each of at most ``MASK_BLOCK_BYTES`` at ``row_bytes`` a row (one row at least)."""
+    rows = max(1, MASK_BLOCK_BYTES // max(1, row_bytes))
+    return [slice(i, min(n, i + rows)) for i in range(0, n, rows)]
+
+
 def sdpa(q, keys, values, allowed, scale):
-    """q (H, n, D) against keys/values (Hkv, S, D) under ``allowed`` (n, S) (None: every key).  GQA without
-    copying the keys per query head: the G query heads of a KV head become G * n query rows of it."""
-    (H, n, D), Hkv = q.shape, keys.shape[0]
-    G = H // Hkv
-    mask = None if allowed is None else allowed.repeat(G, 1)  # row g * n + i is query i of head g
-    out = F.scaled_dot_product_attention(q.reshape(Hkv, G * n, D)[None], keys[None], values[None],
-                                         attn_mask=mask, scale=scale)[0]
-    return out.reshape(H, n, out.shape[-1])
+    """q (H, n, D) against keys/values (Hkv, S, D) under ``allowed`` (n, S) (None: every key), never copying
+    the keys per query head."""
+    (H, n, D), (Hkv, S) = q.shape, keys.shape[:2]
+    if allowed is None or n < GQA_QUERIES:  # the G query heads of a KV head become G * n query rows of it
+        G = H // Hkv
+        mask = None if allowed is None else allowed.repeat(G, 1)  # row g * n + i is query i of head g
+        out = F.scaled_dot_product_attention(q.reshape(Hkv, G * n, D)[None], keys[None], values[None],
+                                             attn_mask=mask, scale=scale)[0]
+        return out.reshape(H, n, out.shape[-1])
+    return torch.cat([F.scaled_dot_product_attention(q[None, :, b], keys[None], values[None], attn_mask=allowed[b],
+                                                     scale=scale, enable_gqa=True)[0]
+                      for b in query_blocks(n, S * MASK_BYTES)], dim=1)
+
+
+def sdpa_bytes(heads: int, queries: int, keys: int, head_dim: int) -> int:
+    """An upper bound on what ``sdpa`` allocates for ``queries`` under a mask of ``keys`` columns (float32):
+    one block's mask as a bool and in the query's dtype, the blocks' outputs and their concatenation."""
+    rows = min(queries, max(1, MASK_BLOCK_BYTES // (keys * MASK_BYTES)))
+    if queries < GQA_QUERIES:
+        rows = queries * heads  # the mask once per query head
+    return rows * keys * MASK_BYTES + 2 * heads * queries * head_dim * 4
 
 
 class Window:
@@ -351,6 +380,18 @@ def head_dims(config: dict[str, Any]) -> tuple[int, int, int]:
     heads = int(config["num_attention_heads"])
     kv = int(config.get("num_key_value_heads") or heads)
     return heads, kv, int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+
+
+def batched_tokens(max_model_len: int) -> int:
+    """vLLM's --max-num-batched-tokens for a served attention: a whole prompt of up to ``max_model_len`` in a step."""
+    return max(max_model_len, 2048)
+
+
+def output_bytes(config: dict[str, Any], tokens: int) -> int:
+    """What ``attend`` allocates for a step of ``tokens`` besides the method's reads: each request's update
+    outputs, their concatenation and the step's output (float32 at most)."""
+    heads, _, head_dim = head_dims(config)
+    return 3 * tokens * heads * head_dim * 4
 
 
 def kv_bytes(config: dict[str, Any]) -> int:

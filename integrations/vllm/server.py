@@ -42,11 +42,11 @@ def vllm_command(exp: Export, host: str, port: int, served_name: str, dtype: str
         cmd += ["--enable-prefix-caching",  # chunk forwards share a document's blocks; the middleware salts
                 "--kv-transfer-config", json.dumps(KV_CONNECTOR)]  # each placeholder request (``cache_salt``)
     elif attention:  # lcx answers the attention: the HF modeling code; shared prefix blocks where it rebuilds
-        from lcx.integrations.vllm.attention import PROMPT_LENGTHS_FQCN, served_class
+        from lcx.integrations.vllm.attention import PROMPT_LENGTHS_FQCN, batched_tokens, served_class
 
         cmd += ["--model-impl", "transformers",
                 "--enable-prefix-caching" if served_class(attention).prefix_cache else "--no-enable-prefix-caching",
-                "--max-num-batched-tokens", str(max(exp.max_model_len, 2048)),
+                "--max-num-batched-tokens", str(batched_tokens(exp.max_model_len)),
                 "--logits-processors", PROMPT_LENGTHS_FQCN]  # tells the attention where prompts end
     if exp.max_concurrent and "--max-num-seqs" not in extra:
         cmd += ["--max-num-seqs", str(exp.max_concurrent)]

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lcx.integrations.vllm.attention import WINDOW_SLACK, ServedAttention, Window, causal_tail, kv_bytes, sdpa
+from lcx.integrations.vllm.attention import (MASK_BLOCK_BYTES, MASK_BYTES, WINDOW_SLACK, ServedAttention, Window,
+                                             causal_tail, head_dims, kv_bytes, query_blocks, sdpa)
 from lcx.integrations.vllm.middleware import state_file
 from lcx.plugins.focusllm.attention import topk_keep
 
@@ -38,9 +39,23 @@ class FocusServed(ServedAttention):
 
     @classmethod
     def request_bytes(cls, method, config, window, max_model_len):
-        """Every token vLLM reads: the rewritten prompt, within the model's window."""
-        return int(config["num_hidden_layers"]) * (int(min(window, max_model_len) * (1 + WINDOW_SLACK)) + 16) \
-            * kv_bytes(config)
+        """Every token vLLM reads (the rewritten prompt, within the model's window), and the candidates' float32
+        keys/values lcx's middleware computed, held until the request ends: one per placeholder, at most the
+        rewritten prompt less its local tokens."""
+        n = min(window, max_model_len)
+        held = int(n * (1 + WINDOW_SLACK)) + 16 + max(0, n - method.local)
+        return int(config["num_hidden_layers"]) * held * kv_bytes(config)
+
+    @classmethod
+    def step_bytes(cls, method, config, window, max_model_len, memory):
+        """A whole prompt read in one step (vLLM's batch holds up to --max-model-len tokens): its causal mask,
+        the candidates' keys/values put in the placeholders' stead, a block of ``topk_sdpa``'s queries, and the
+        outputs."""
+        heads, kv, dim = head_dims(config)
+        n = min(window, max_model_len)
+        row = topk_row_bytes(heads, n, max(0, n - method.local), method.topk)
+        block = min(n, max(1, MASK_BLOCK_BYTES // row))
+        return 2 * n * n + block * row + 6 * kv * n * dim * 4 + 2 * heads * n * dim * 4
 
     def start_request(self, req, s):
         from safetensors.torch import load_file
@@ -88,17 +103,29 @@ class FocusServed(ServedAttention):
 
 def topk_sdpa(q, keys, values, allowed, n, k, scale):
     """``sdpa`` with each query head's candidate columns (keys ``0..n-1``) cut to its ``k`` highest q.k
-    scores: the mask differs per head, so it is (Hkv, G * nq, S)."""
-    (H, nq, D), (Hkv, S) = q.shape, keys.shape[:2]
-    G = H // Hkv
-    qg = q.reshape(Hkv, G, nq, D)
-    keep = topk_keep(qg, keys[:, :n], k)  # (Hkv, G, nq, n)
-    base = torch.ones(nq, S, dtype=torch.bool, device=q.device) if allowed is None else allowed
-    mask = base.expand(Hkv, G, nq, S).clone()
+    scores: the mask differs per head, (H, rows, S) for each block of query rows."""
+    (H, nq, _), S = q.shape, keys.shape[1]
+    n = min(n, S)  # a prompt piece may end before the last placeholder
+    return torch.cat([_topk_block(q[:, b], keys, values, None if allowed is None else allowed[b], n, k, scale)
+                      for b in query_blocks(nq, topk_row_bytes(H, S, n, k))], dim=1)
+
+
+def _topk_block(q, keys, values, allowed, n, k, scale):
+    (H, rows, D), (Hkv, S) = q.shape, keys.shape[:2]
+    keep = topk_keep(q.reshape(Hkv, H // Hkv, rows, D), keys[:, :n], k).reshape(H, rows, n)
+    base = torch.ones(rows, S, dtype=torch.bool, device=q.device) if allowed is None else allowed
+    mask = base.expand(H, rows, S).clone()
     mask[..., :n] &= keep
-    out = F.scaled_dot_product_attention(qg.reshape(Hkv, G * nq, D)[None], keys[None], values[None],
-                                         attn_mask=mask.reshape(Hkv, G * nq, S)[None], scale=scale)[0]
-    return out.reshape(H, nq, out.shape[-1])
+    del keep
+    return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask[None], scale=scale,
+                                          enable_gqa=True)[0]
+
+
+def topk_row_bytes(heads: int, keys: int, candidates: int, k: int) -> int:
+    """The most ``topk_sdpa`` holds at once per query row: each head's float32 candidate scores, their top
+    ``k`` (values and indices) and the kept ones; then its mask, as a bool and in the query's dtype (float32 at
+    most)."""
+    return heads * max(candidates * (4 + 1) + k * (4 + 8), keys * MASK_BYTES)
 
 
 # ---------------------------------------------------------------------- vLLM glue

@@ -9,7 +9,8 @@ import torch
 
 from lcx.adapters import families
 from lcx.adapters.rotary import rotate
-from lcx.integrations.vllm.attention import WINDOW_SLACK, ServedAttention, Window, causal_tail, kv_bytes, sdpa
+from lcx.integrations.vllm.attention import (WINDOW_SLACK, ServedAttention, Window, causal_tail, head_dims, kv_bytes,
+                                             sdpa, sdpa_bytes)
 
 
 class StreamingServed(ServedAttention):
@@ -34,6 +35,16 @@ class StreamingServed(ServedAttention):
         recent = method.recent_for(window) + method.chunk
         return int(config["num_hidden_layers"]) * (2 * method.sinks + int(recent * (1 + WINDOW_SLACK)) + 16) \
             * kv_bytes(config)
+
+    @classmethod
+    def step_bytes(cls, method, config, window, max_model_len, memory):
+        """One update's read (a chunk of queries over the sinks, the recent window and the update): its causal
+        and band masks, the re-rotated sinks, ``sdpa``'s and the update's output."""
+        heads, kv, dim = head_dims(config)
+        n = method.chunk
+        keys = method.sinks + method.recent_for(window) + n
+        return 4 * n * keys + 16 * keys + 3 * kv * method.sinks * dim * 4 + sdpa_bytes(heads, n, keys, dim) \
+            + heads * n * dim * 4
 
     def begin(self, st, module, start, end, like):
         super().begin(st, module, start, end, like)
