@@ -288,7 +288,7 @@ def causal_tail(n: int, total: int, device: torch.device) -> torch.Tensor | None
     if n == 1:
         return None
     allowed = torch.ones(n, total, dtype=torch.bool, device=device)
-    allowed[:, total - n:] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    allowed[:, total - n:].tril_()  # in place: no (n, n) copies beside it
     return allowed
 
 
@@ -296,15 +296,20 @@ def causal_tail(n: int, total: int, device: torch.device) -> torch.Tensor | None
 #: SDPA's own GQA, which takes their mask once instead of once per query head.
 GQA_QUERIES = 16
 #: The most bytes of attention mask one SDPA call holds: a long prompt piece is read in blocks of queries under
-#: it, so a step's mask does not grow with the square of the piece.
+#: it, so SDPA's copy of the mask, and a per-head mask, do not grow with the square of the piece.
 MASK_BLOCK_BYTES = 64 << 20
 #: A mask's bytes per query and key: a bool, and SDPA's copy of it in the query's dtype (float32 at most).
 MASK_BYTES = 1 + 4
 
 
+def block_rows(n: int, row_bytes: int) -> int:
+    """How many of ``n`` query rows one block holds: ``MASK_BLOCK_BYTES`` at ``row_bytes`` a row, one at least."""
+    return min(n, max(1, MASK_BLOCK_BYTES // max(1, row_bytes)))
+
+
 def query_blocks(n: int, row_bytes: int) -> list[slice]:
-    """Blocks of ``n`` query rows, each of at most ``MASK_BLOCK_BYTES`` at ``row_bytes`` a row (one row at least)."""
-    rows = max(1, MASK_BLOCK_BYTES // max(1, row_bytes))
+    """``n`` query rows in blocks of ``block_rows``."""
+    rows = block_rows(n, row_bytes)
     return [slice(i, min(n, i + rows)) for i in range(0, n, rows)]
 
 
@@ -325,10 +330,9 @@ def sdpa(q, keys, values, allowed, scale):
 
 def sdpa_bytes(heads: int, queries: int, keys: int, head_dim: int) -> int:
     """An upper bound on what ``sdpa`` allocates for ``queries`` under a mask of ``keys`` columns (float32):
-    one block's mask as a bool and in the query's dtype, the blocks' outputs and their concatenation."""
-    rows = min(queries, max(1, MASK_BLOCK_BYTES // (keys * MASK_BYTES)))
-    if queries < GQA_QUERIES:
-        rows = queries * heads  # the mask once per query head
+    at most a block's mask as a bool and in the query's dtype (few queries: once per query head), the blocks'
+    outputs and their concatenation."""
+    rows = queries * heads if queries < GQA_QUERIES else block_rows(queries, keys * MASK_BYTES)
     return rows * keys * MASK_BYTES + 2 * heads * queries * head_dim * 4
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lcx.integrations.vllm.attention import (MASK_BLOCK_BYTES, MASK_BYTES, WINDOW_SLACK, ServedAttention, Window,
+from lcx.integrations.vllm.attention import (MASK_BYTES, WINDOW_SLACK, ServedAttention, Window, block_rows,
                                              causal_tail, head_dims, kv_bytes, query_blocks, sdpa)
 from lcx.integrations.vllm.middleware import state_file
 from lcx.plugins.focusllm.attention import topk_keep
@@ -49,13 +49,12 @@ class FocusServed(ServedAttention):
     @classmethod
     def step_bytes(cls, method, config, window, max_model_len, memory):
         """A whole prompt read in one step (vLLM's batch holds up to --max-model-len tokens): its causal mask,
-        the candidates' keys/values put in the placeholders' stead, a block of ``topk_sdpa``'s queries, and the
-        outputs."""
+        the candidates' keys/values put in the placeholders' stead (and in float32 for their scores), a block of
+        ``topk_sdpa``'s queries, and the outputs."""
         heads, kv, dim = head_dims(config)
         n = min(window, max_model_len)
-        row = topk_row_bytes(heads, n, max(0, n - method.local), method.topk)
-        block = min(n, max(1, MASK_BLOCK_BYTES // row))
-        return 2 * n * n + block * row + 6 * kv * n * dim * 4 + 2 * heads * n * dim * 4
+        row = topk_row_bytes(heads, n, max(0, n - method.local), method.topk, dim)
+        return n * n + block_rows(n, row) * row + 7 * kv * n * dim * 4 + 2 * heads * n * dim * 4
 
     def start_request(self, req, s):
         from safetensors.torch import load_file
@@ -104,10 +103,12 @@ class FocusServed(ServedAttention):
 def topk_sdpa(q, keys, values, allowed, n, k, scale):
     """``sdpa`` with each query head's candidate columns (keys ``0..n-1``) cut to its ``k`` highest q.k
     scores: the mask differs per head, (H, rows, S) for each block of query rows."""
-    (H, nq, _), S = q.shape, keys.shape[1]
+    (H, nq, D), S = q.shape, keys.shape[1]
     n = min(n, S)  # a prompt piece may end before the last placeholder
+    if n <= k:  # every candidate is among its heads' best k
+        return sdpa(q, keys, values, allowed, scale)
     return torch.cat([_topk_block(q[:, b], keys, values, None if allowed is None else allowed[b], n, k, scale)
-                      for b in query_blocks(nq, topk_row_bytes(H, S, n, k))], dim=1)
+                      for b in query_blocks(nq, topk_row_bytes(H, S, n, k, D))], dim=1)
 
 
 def _topk_block(q, keys, values, allowed, n, k, scale):
@@ -121,11 +122,11 @@ def _topk_block(q, keys, values, allowed, n, k, scale):
                                           enable_gqa=True)[0]
 
 
-def topk_row_bytes(heads: int, keys: int, candidates: int, k: int) -> int:
-    """The most ``topk_sdpa`` holds at once per query row: each head's float32 candidate scores, their top
-    ``k`` (values and indices) and the kept ones; then its mask, as a bool and in the query's dtype (float32 at
-    most)."""
-    return heads * max(candidates * (4 + 1) + k * (4 + 8), keys * MASK_BYTES)
+def topk_row_bytes(heads: int, keys: int, candidates: int, k: int, head_dim: int) -> int:
+    """The most ``topk_sdpa`` holds at once per query row: each head's query in float32, its float32 candidate
+    scores, their top ``k`` (values and indices) and the kept ones; then its mask, as a bool and in the query's
+    dtype (float32 at most)."""
+    return heads * max(head_dim * 4 + candidates * (4 + 1) + k * (4 + 8), keys * MASK_BYTES)
 
 
 # ---------------------------------------------------------------------- vLLM glue
