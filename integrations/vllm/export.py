@@ -130,11 +130,11 @@ def _servable_names(reg) -> str:
 def served_state_budget(insts: list, config: dict[str, Any], window: int, max_model_len: int, state_gib: float,
                         memory: str | Path | None) -> int:
     """How many requests the server may run at once so that an attention method's per-request state (held
-    outside vLLM's KV cache), with room for one request's step (``step_bytes``) and a step's outputs, stays within
-    ``state_gib``;
+    outside vLLM's KV cache), with room for one request's step (``step_bytes``), a step's outputs and a replayed
+    prefix (``prefix_cache``), stays within ``state_gib``;
     0 without one.  Also refuses a request size whose own memory entries would exceed lcx's memory-entry cap
     (``LCX_MAX_MEMORY_ENTRIES``)."""
-    from lcx.integrations.vllm.attention import batched_tokens, output_bytes, served_class
+    from lcx.integrations.vllm.attention import batched_tokens, kv_bytes, output_bytes, served_class
     from lcx.limits import Limits
 
     method = next((m for m in insts if m.serving == "attention"), None)
@@ -153,7 +153,8 @@ def served_state_budget(insts: list, config: dict[str, Any], window: int, max_mo
                        f"over the limit of {cap:,}; lower --max-model-len or raise LCX_MAX_MEMORY_ENTRIES")
     per_request = served.request_bytes(method, config, window, max_model_len)
     step = served.step_bytes(method, config, window, max_model_len, memory) \
-        + output_bytes(config, batched_tokens(max_model_len))
+        + output_bytes(config, batched_tokens(max_model_len)) \
+        + (max_model_len * kv_bytes(config) if served.prefix_cache else 0)  # a layer's cached prefix, replayed
     n = int((state_gib * 2**30 - step) // per_request)
     if n < 1:
         passing = f" and up to {step / 2**30:.2f} GiB more for a moment in a step" if step else ""
