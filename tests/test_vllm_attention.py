@@ -618,6 +618,21 @@ def test_sdpa_holds_one_block_of_its_mask_at_a_time(monkeypatch):
     assert sdpa_bytes(2, 1000, 1000, 4) < 1000 * 1000 * 4 / 10
 
 
+def test_a_topk_block_holds_what_topk_row_bytes_counts():
+    """One block of focusllm's served topk read with 16 query heads over two KV heads holds at most
+    ``topk_row_bytes`` a row and its output (no copy of the candidates per query head), within 2x."""
+    from lcx.plugins.focusllm.served import _topk_block, topk_row_bytes
+    from tests.helpers import LiveTensors
+
+    H, Hkv, D, rows, S, n, k = 16, 2, 64, 64, 512, 400, 8
+    q, keys, values = torch.randn(H, rows, D), torch.randn(Hkv, S, D), torch.randn(Hkv, S, D)
+    live = LiveTensors([q, keys, values])
+    with live:
+        _topk_block(q, keys, values, None, n, k, D ** -0.5)
+    bound = rows * topk_row_bytes(H, S, n, k, D) + H * rows * D * 4
+    assert live.peak <= bound < 2 * live.peak
+
+
 @pytest.mark.parametrize("family, method, opts, n, dims, block, over", [
     ("llama", "streaming", dict(sinks=4, chunk=1024), 2048, (8, 2, 32), 64 << 20, 2),
     ("gemma3_text", "streaming", dict(sinks=4, chunk=1024), 2048, (8, 2, 32), 64 << 20, 2),  # a sliding layer

@@ -414,7 +414,7 @@ def test_the_state_of_served_memory_methods_bounds_the_requests_run_at_once(mode
     step = served_class(fot).step_bytes(served_method(fot), config, window, 4096, None)
     assert step >= 4 * 8 * config["num_attention_heads"] // config["num_key_value_heads"] * 4096
     step += output_bytes(config, 4096)  # and a step's outputs: vLLM's batch holds a whole prompt
-    step += 4096 * per  # and a layer's prefix from vLLM's prefix cache, gathered to be replayed
+    step += 3 * 4096 * per  # and a layer's prefix from vLLM's prefix cache, gathered to be replayed
     assert exp.max_concurrent == int((0.02 * 2**30 - step) // ((config["num_hidden_layers"] * local + memory) * per)) > 1
     cmd = vllm_command(exp, "127.0.0.1", 8000, "m", "float32", None)
     assert cmd[cmd.index("--max-num-seqs") + 1] == str(exp.max_concurrent)

@@ -302,14 +302,14 @@ MASK_BLOCK_BYTES = 64 << 20
 MASK_BYTES = 1 + 4
 
 
-def block_rows(n: int, row_bytes: int) -> int:
-    """How many of ``n`` query rows one block holds: ``MASK_BLOCK_BYTES`` at ``row_bytes`` a row, one at least."""
-    return min(n, max(1, MASK_BLOCK_BYTES // max(1, row_bytes)))
+def block_bytes(n: int, row_bytes: int) -> int:
+    """An upper bound on one block's bytes, for any piece of at most ``n`` rows of at most ``row_bytes`` each."""
+    return min(n * row_bytes, max(MASK_BLOCK_BYTES, row_bytes))
 
 
 def query_blocks(n: int, row_bytes: int) -> list[slice]:
-    """``n`` query rows in blocks of ``block_rows``."""
-    rows = block_rows(n, row_bytes)
+    """``n`` query rows in blocks of at most ``MASK_BLOCK_BYTES`` at ``row_bytes`` a row (one row at least)."""
+    rows = max(1, MASK_BLOCK_BYTES // max(1, row_bytes))
     return [slice(i, min(n, i + rows)) for i in range(0, n, rows)]
 
 
@@ -332,8 +332,8 @@ def sdpa_bytes(heads: int, queries: int, keys: int, head_dim: int) -> int:
     """An upper bound on what ``sdpa`` allocates for ``queries`` under a mask of ``keys`` columns (float32):
     at most a block's mask as a bool and in the query's dtype (few queries: once per query head), the blocks'
     outputs and their concatenation."""
-    rows = queries * heads if queries < GQA_QUERIES else block_rows(queries, keys * MASK_BYTES)
-    return rows * keys * MASK_BYTES + 2 * heads * queries * head_dim * 4
+    mask = queries * heads * keys * MASK_BYTES if queries < GQA_QUERIES else block_bytes(queries, keys * MASK_BYTES)
+    return mask + 2 * heads * queries * head_dim * 4
 
 
 class Window:

@@ -154,7 +154,8 @@ def served_state_budget(insts: list, config: dict[str, Any], window: int, max_mo
     per_request = served.request_bytes(method, config, window, max_model_len)
     step = served.step_bytes(method, config, window, max_model_len, memory) \
         + output_bytes(config, batched_tokens(max_model_len)) \
-        + (max_model_len * kv_bytes(config) if served.prefix_cache else 0)  # a layer's cached prefix, replayed
+        + (3 * max_model_len * kv_bytes(config) if served.prefix_cache else 0)  # a layer's cached prefix, replayed:
+    # gathered by an int64 index as large as the keys, then made contiguous per KV head (paged_cache.read_many)
     n = int((state_gib * 2**30 - step) // per_request)
     if n < 1:
         passing = f" and up to {step / 2**30:.2f} GiB more for a moment in a step" if step else ""

@@ -13,7 +13,7 @@ def topk_keep(query: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Te
     (``candidate_topk_mask``) and the served one (``served.topk_sdpa``) both cut with it."""
     # float32: bf16 scores would tie and reorder near-equal candidates (and a bf16 bmm of these strided views is slow)
     *lead, G, T, D = query.shape  # a KV head's G x T queries as rows: no copy of its candidates per query head
-    scores = (query.float().reshape(*lead, G * T, D) @ candidates.float().transpose(-1, -2)).view(*lead, G, T, -1)
+    scores = (query.float().reshape(*lead, G * T, D) @ candidates.float().transpose(-1, -2)).unflatten(-2, (G, T))
     keep = torch.zeros(scores.shape, dtype=torch.bool, device=query.device)
     return keep.scatter_(-1, scores.topk(k, dim=-1).indices, True)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lcx.integrations.vllm.attention import (MASK_BYTES, WINDOW_SLACK, ServedAttention, Window, block_rows,
+from lcx.integrations.vllm.attention import (MASK_BYTES, WINDOW_SLACK, ServedAttention, Window, block_bytes,
                                              causal_tail, head_dims, kv_bytes, query_blocks, sdpa)
 from lcx.integrations.vllm.middleware import state_file
 from lcx.plugins.focusllm.attention import topk_keep
@@ -54,7 +54,7 @@ class FocusServed(ServedAttention):
         heads, kv, dim = head_dims(config)
         n = min(window, max_model_len)
         row = topk_row_bytes(heads, n, max(0, n - method.local), method.topk, dim)
-        return n * n + block_rows(n, row) * row + 7 * kv * n * dim * 4 + 2 * heads * n * dim * 4
+        return n * n + block_bytes(n, row) + 7 * kv * n * dim * 4 + 2 * heads * n * dim * 4
 
     def start_request(self, req, s):
         from safetensors.torch import load_file
@@ -125,8 +125,8 @@ def _topk_block(q, keys, values, allowed, n, k, scale):
 def topk_row_bytes(heads: int, keys: int, candidates: int, k: int, head_dim: int) -> int:
     """The most ``topk_sdpa`` holds at once per query row: each head's query in float32, its float32 candidate
     scores, their top ``k`` (values and indices) and the kept ones; then its mask, as a bool and in the query's
-    dtype (float32 at most)."""
-    return heads * max(head_dim * 4 + candidates * (4 + 1) + k * (4 + 8), keys * MASK_BYTES)
+    dtype (float32 at most), beside the row it starts from, and SDPA's softmax statistics."""
+    return heads * max(head_dim * 4 + candidates * (4 + 1) + k * (4 + 8), keys * MASK_BYTES + 4) + keys
 
 
 # ---------------------------------------------------------------------- vLLM glue
