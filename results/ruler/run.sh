@@ -23,14 +23,17 @@ bare() {  # $1 model, $2 lengths: the model alone, inside its window
     $LCX eval ruler -m "$1" --lengths "$2" "${COMMON[@]}" --out "results/ruler/$1/none/$2"
 }
 beyond() {  # $1 model, $2 stack, $3 lengths[, $4 rope's YaRN factor]: one stack past the window
-    local opts=()
+    local opts=() stack=$2
     case $2 in
         fot) read -ra opts <<< "$(fot_options "$1")"
              # fot's defaults before issue 52 (these results were made with them)
              opts+=(-o fot.sinks=0 -o fot.positions=first -o fot.fixed_distance=0 -o fot.gate=off) ;;
         rope) opts=(-o rope.type=yarn -o rope.factor="$4") ;;
+        # the candidate adapter results/focusllm trained for SmolLM2, with the options its passkey grids used
+        focusllm-adapter) stack=focusllm@results/focusllm/adapter-recall-local
+             opts=(-o focusllm.topk=4 -o focusllm.overlap=64) ;;
     esac
-    $LCX eval compare ruler -m "$1" --stack "$2" "${opts[@]}" --lengths "$3" "${COMMON[@]}" \
+    $LCX eval compare ruler -m "$1" --stack "$stack" "${opts[@]}" --lengths "$3" "${COMMON[@]}" \
         --out "results/ruler/$1/$2${4:+-x$4}/$3"
 }
 crosscheck() {  # $1 model: lm-eval's niah_single_1 through the lcx model next to lcx's own single-needle task
@@ -63,7 +66,7 @@ steps=("$@")
     "bare qwen2.5-0.5b 8K" "bare qwen2.5-0.5b 32K" "beyond qwen2.5-0.5b fot 64K"
     "beyond qwen2.5-0.5b streaming 64K" "beyond qwen2.5-0.5b focusllm 64K"
     "bare smollm2-135m 4K,8K" "beyond smollm2-135m fot 16K,32K" "beyond smollm2-135m streaming 16K,32K"
-    "beyond smollm2-135m focusllm 16K,32K"
+    "beyond smollm2-135m focusllm 16K,32K" "beyond smollm2-135m focusllm-adapter 16K,32K"
     "bare gemma3-270m 16K" "beyond gemma3-270m vanilla 64K" "beyond gemma3-270m rope 64K 2"
     "beyond gemma3-270m rope 64K 4")
 for s in "${steps[@]}"; do echo "== $s"; $s; done
