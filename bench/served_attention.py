@@ -8,11 +8,14 @@ cost does not depend on the values), then ``--steps`` decode steps of one token 
 The random inputs' own cost is measured apart and subtracted.
 
     .venv/bin/python bench/served_attention.py [--method fot,fot-sinks,streaming] [--requests 8] [--prompt 2048]
-        [--threads 1] [--dtype float32] [--half-search half_pays,never] [--out bench/results/served_attention.json]
+        [--threads 1] [--dtype float32] [--half-search half_pays,never] [--reads blocked,rows]
+        [--out bench/results/served_attention.json]
 
 ``--dtype bfloat16``: q/k/v in bf16, as a bf16 served model hands them; ``--half-search half_pays,never``: each
 method once per rule for fot's memory search's candidates (``half_pays``: lcx's rule, in bf16 where it pays; ``never``:
-float32 throughout), side by side.
+float32 throughout), side by side; ``--reads blocked,rows``: each method once per way a prompt piece is read
+(``blocked``: lcx's, through SDPA's GQA in blocks of queries; ``rows``: every piece as G x n rows of its KV head
+under a mask repeated per query head, as decode steps are read), side by side.
 
 fot runs in its passkey configuration (local 1024, chunk 256, 12 memory layers: results/README.md), fot-sinks
 the same with 4 sinks, fot-defaults at fot's defaults (the local window at the model's, 4 sinks, memory keys at
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import sys
 import time
 from pathlib import Path
 from unittest import mock
@@ -58,13 +62,16 @@ def served(method: str):
 
 
 def run(method: str, requests: int, prompt: int, steps: int, dtype: torch.dtype = torch.float32,
-        half: str = "half_pays") -> dict:
+        half: str = "half_pays", reads: str = "blocked") -> dict:
+    import lcx.integrations.vllm.attention as served_attention
     import lcx.plugins.fot.served as fot_served
     from lcx.plugins.fot import memory
 
     rule = {"half_pays": memory.half_pays, "never": lambda queries, keys: False}[half]
-    with mock.patch.object(fot_served, "top_inner_products", functools.partial(memory.top_inner_products, pays=rule)):
-        return _run(method, requests, prompt, steps, dtype, half)
+    gqa = {"blocked": served_attention.GQA_QUERIES, "rows": sys.maxsize}[reads]
+    with mock.patch.object(fot_served, "top_inner_products", functools.partial(memory.top_inner_products, pays=rule)), \
+            mock.patch.object(served_attention, "GQA_QUERIES", gqa):
+        return {**_run(method, requests, prompt, steps, dtype, half), "reads": reads}
 
 
 def _run(method: str, requests: int, prompt: int, steps: int, dtype: torch.dtype, half: str) -> dict:
@@ -117,6 +124,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="q/k/v's dtype")
     ap.add_argument("--half-search", default="half_pays",
                     help="comma-separated rules for fot's memory search, each method run once per rule: half_pays, never")
+    ap.add_argument("--reads", default="blocked",
+                    help="comma-separated ways to read a prompt piece, each method run once per way: blocked, rows")
     ap.add_argument("--out", type=Path, default=OUT / "served_attention.json")
     args = ap.parse_args()
     rules = [h.strip() for h in args.half_search.split(",")]
@@ -124,14 +133,17 @@ def main() -> None:
         raise SystemExit(f"--half-search {args.half_search!r}: give half_pays, never or both (comma-separated)")
     if len(rules) > 1 and args.dtype != "bfloat16":
         raise SystemExit("--half-search compares rules for a half-precision search: add --dtype bfloat16")
+    reads = [r.strip() for r in args.reads.split(",")]
+    if not set(reads) <= {"blocked", "rows"}:
+        raise SystemExit(f"--reads {args.reads!r}: give blocked, rows or both (comma-separated)")
     torch.set_num_threads(args.threads)
     rows = []
     methods = [m.strip() for m in args.method.split(",")]
-    for method, half in [(m, h) for m in methods for h in rules]:
-        rows.append(run(method, args.requests, args.prompt, args.steps, getattr(torch, args.dtype), half))
+    for method, half, way in [(m, h, r) for m in methods for h in rules for r in reads]:
+        rows.append(run(method, args.requests, args.prompt, args.steps, getattr(torch, args.dtype), half, way))
         r = rows[-1]
-        print(f"{r['method']} ({r['dtype']}, search {r['half_search']}): {r['requests']} requests x {r['prompt']} "
-              f"prompt tokens: prefill {r['prefill_s']} s, "
+        print(f"{r['method']} ({r['dtype']}, search {r['half_search']}, reads {r['reads']}): "
+              f"{r['requests']} requests x {r['prompt']} prompt tokens: prefill {r['prefill_s']} s, "
               f"decode step {r['decode_step_ms']} ms ({r['decode_ms_per_request_layer']} ms per request and layer)",
               flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
