@@ -114,6 +114,14 @@ def _run(method: str, requests: int, prompt: int, steps: int, dtype: torch.dtype
             "decode_ms_per_request_layer": round(1000 * (decode - inputs) / (requests * LAYERS), 3)}
 
 
+def listed(flag: str, value: str, allowed: tuple[str, str]) -> list[str]:
+    """A comma-separated option's items, each one of ``allowed`` (repeats kept: they run again, alternating)."""
+    items = [v.strip() for v in value.split(",")]
+    if not set(items) <= set(allowed):
+        raise SystemExit(f"{flag} {value!r}: give {allowed[0]}, {allowed[1]} or both (comma-separated)")
+    return items
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--method", default="fot,streaming", help="comma-separated: fot, fot-sinks, fot-defaults, streaming")
@@ -128,14 +136,10 @@ def main() -> None:
                     help="comma-separated ways to read a prompt piece, each method run once per way: blocked, rows")
     ap.add_argument("--out", type=Path, default=OUT / "served_attention.json")
     args = ap.parse_args()
-    rules = [h.strip() for h in args.half_search.split(",")]
-    if not set(rules) <= {"half_pays", "never"}:
-        raise SystemExit(f"--half-search {args.half_search!r}: give half_pays, never or both (comma-separated)")
+    rules = listed("--half-search", args.half_search, ("half_pays", "never"))
     if len(rules) > 1 and args.dtype != "bfloat16":
         raise SystemExit("--half-search compares rules for a half-precision search: add --dtype bfloat16")
-    reads = [r.strip() for r in args.reads.split(",")]
-    if not set(reads) <= {"blocked", "rows"}:
-        raise SystemExit(f"--reads {args.reads!r}: give blocked, rows or both (comma-separated)")
+    reads = listed("--reads", args.reads, ("blocked", "rows"))
     torch.set_num_threads(args.threads)
     rows = []
     methods = [m.strip() for m in args.method.split(",")]
