@@ -8,14 +8,15 @@ cost does not depend on the values), then ``--steps`` decode steps of one token 
 The random inputs' own cost is measured apart and subtracted.
 
     .venv/bin/python bench/served_attention.py [--method fot,fot-sinks,streaming] [--requests 8] [--prompt 2048]
-        [--threads 1] [--dtype float32] [--half-search half_pays,never] [--reads blocked,rows]
+        [--threads 1] [--dtype float32] [--half-search half_pays,never] [--reads lcx,rows,gqa]
         [--out bench/results/served_attention.json]
 
 ``--dtype bfloat16``: q/k/v in bf16, as a bf16 served model hands them; ``--half-search half_pays,never``: each
 method once per rule for fot's memory search's candidates (``half_pays``: lcx's rule, in bf16 where it pays; ``never``:
-float32 throughout), side by side; ``--reads blocked,rows``: each method once per way a prompt piece is read
-(``blocked``: lcx's, through SDPA's GQA in blocks of queries; ``rows``: every piece as G x n rows of its KV head
-under a mask repeated per query head, as decode steps are read), side by side.
+float32 throughout), side by side; ``--reads lcx,rows,gqa``: each method once per way a prompt piece is read,
+side by side (``lcx``: ``sdpa``'s rule; ``rows``: every piece as G x n rows of its KV head under the mask repeated
+per query head; ``gqa``: every piece of more than one query through SDPA's own GQA under one mask, as lcx read
+them from bb0ea1a; each in blocks of queries).
 
 fot runs in its passkey configuration (local 1024, chunk 256, 12 memory layers: results/README.md), fot-sinks
 the same with 4 sinks, fot-defaults at fot's defaults (the local window at the model's, 4 sinks, memory keys at
@@ -29,7 +30,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
 import time
 from pathlib import Path
 from unittest import mock
@@ -61,16 +61,24 @@ def served(method: str):
     return StreamingServed(m.sinks, m.recent_for(WINDOW), m.chunk), m.chunk
 
 
+def gqa_sdpa(q, keys, values, allowed, scale):
+    """Every piece of more than one query through SDPA's own GQA (a decode step as rows, as lcx reads it)."""
+    from lcx.integrations.vllm.attention import gqa_sdpa, rows_sdpa
+
+    return (rows_sdpa if allowed is None else gqa_sdpa)(q, keys, values, allowed, scale)
+
+
 def run(method: str, requests: int, prompt: int, steps: int, dtype: torch.dtype = torch.float32,
-        half: str = "half_pays", reads: str = "blocked") -> dict:
+        half: str = "half_pays", reads: str = "lcx") -> dict:
     import lcx.integrations.vllm.attention as served_attention
     import lcx.plugins.fot.served as fot_served
+    import lcx.plugins.streaming.served as streaming_served
     from lcx.plugins.fot import memory
 
     rule = {"half_pays": memory.half_pays, "never": lambda queries, keys: False}[half]
-    gqa = {"blocked": served_attention.GQA_QUERIES, "rows": sys.maxsize}[reads]
+    read = {"lcx": served_attention.sdpa, "rows": served_attention.rows_sdpa, "gqa": gqa_sdpa}[reads]
     with mock.patch.object(fot_served, "top_inner_products", functools.partial(memory.top_inner_products, pays=rule)), \
-            mock.patch.object(served_attention, "GQA_QUERIES", gqa):
+            mock.patch.object(fot_served, "sdpa", read), mock.patch.object(streaming_served, "sdpa", read):
         return {**_run(method, requests, prompt, steps, dtype, half), "reads": reads}
 
 
@@ -114,11 +122,11 @@ def _run(method: str, requests: int, prompt: int, steps: int, dtype: torch.dtype
             "decode_ms_per_request_layer": round(1000 * (decode - inputs) / (requests * LAYERS), 3)}
 
 
-def listed(flag: str, value: str, allowed: tuple[str, str]) -> list[str]:
+def listed(flag: str, value: str, allowed: tuple[str, ...]) -> list[str]:
     """A comma-separated option's items, each one of ``allowed`` (repeats kept: they run again, alternating)."""
     items = [v.strip() for v in value.split(",")]
     if not set(items) <= set(allowed):
-        raise SystemExit(f"{flag} {value!r}: give {allowed[0]}, {allowed[1]} or both (comma-separated)")
+        raise SystemExit(f"{flag} {value!r}: give one or more of {', '.join(allowed)} (comma-separated)")
     return items
 
 
@@ -132,14 +140,14 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="q/k/v's dtype")
     ap.add_argument("--half-search", default="half_pays",
                     help="comma-separated rules for fot's memory search, each method run once per rule: half_pays, never")
-    ap.add_argument("--reads", default="blocked",
-                    help="comma-separated ways to read a prompt piece, each method run once per way: blocked, rows")
+    ap.add_argument("--reads", default="lcx",
+                    help="comma-separated ways to read a prompt piece, each method run once per way: lcx, rows, gqa")
     ap.add_argument("--out", type=Path, default=OUT / "served_attention.json")
     args = ap.parse_args()
     rules = listed("--half-search", args.half_search, ("half_pays", "never"))
     if len(rules) > 1 and args.dtype != "bfloat16":
         raise SystemExit("--half-search compares rules for a half-precision search: add --dtype bfloat16")
-    reads = listed("--reads", args.reads, ("blocked", "rows"))
+    reads = listed("--reads", args.reads, ("lcx", "rows", "gqa"))
     torch.set_num_threads(args.threads)
     rows = []
     methods = [m.strip() for m in args.method.split(",")]

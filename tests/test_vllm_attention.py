@@ -569,11 +569,11 @@ def test_served_attention_keeps_each_sliding_layers_band_as_lcx_does(method, fam
 
 
 def test_a_long_prompt_piece_is_read_in_blocks_of_queries_as_in_one(monkeypatch):
-    """``sdpa`` and focusllm's ``topk_sdpa`` read many queries in blocks under ``MASK_BLOCK_BYTES``, through
-    SDPA's GQA, few as rows of their KV head: each answers what one masked softmax over every key answers,
+    """``sdpa`` (both its ways: as rows of their KV head and through SDPA's GQA) and focusllm's ``topk_sdpa`` read
+    many queries in blocks under ``MASK_BLOCK_BYTES``: each answers what one masked softmax over every key answers,
     topk_sdpa also where a prompt piece holds fewer candidates than ``k`` (all of them read)."""
     from lcx.integrations.vllm import attention
-    from lcx.integrations.vllm.attention import causal_tail, sdpa
+    from lcx.integrations.vllm.attention import causal_tail, gqa_sdpa, rows_sdpa, sdpa
     from lcx.plugins.focusllm.attention import topk_keep
     from lcx.plugins.focusllm.served import topk_sdpa
 
@@ -592,30 +592,34 @@ def test_a_long_prompt_piece_is_read_in_blocks_of_queries_as_in_one(monkeypatch)
         q = torch.randn(H, nq, D)
         allowed = causal_tail(nq, S, q.device)
         assert nq == 1 or torch.equal(allowed, torch.ones(nq, S, dtype=torch.bool).tril(S - nq))
-        for block in (64 << 20, 3 * S * 5):  # one block; blocks of 3 rows (sdpa), of 1 (topk_sdpa)
+        for block in (64 << 20, 3 * 3 * S * 5):  # one block; blocks of 3 rows (rows), 9 (GQA), 1 (topk_sdpa)
             monkeypatch.setattr(attention, "MASK_BLOCK_BYTES", block)
-            torch.testing.assert_close(sdpa(q, keys, values, allowed, D ** -0.5), reference(q, allowed))
+            for read in (sdpa, rows_sdpa, gqa_sdpa):
+                torch.testing.assert_close(read(q, keys, values, allowed, D ** -0.5), reference(q, allowed))
             torch.testing.assert_close(topk_sdpa(q, keys, values, allowed, 12, 3, D ** -0.5),
                                        reference(q, allowed, 12, 3))
             torch.testing.assert_close(topk_sdpa(q, keys, values, allowed, 12, 20, D ** -0.5),
                                        reference(q, allowed))
 
 
-def test_sdpa_holds_one_block_of_its_mask_at_a_time(monkeypatch):
+@pytest.mark.parametrize("way", ["rows_sdpa", "gqa_sdpa"])
+def test_sdpa_holds_one_block_of_its_mask_at_a_time(monkeypatch, way):
     """A long prompt piece's mask in the query's dtype exists one block of queries at a time: what ``sdpa``
-    holds at once is within ``sdpa_bytes`` (and within 2x of it), far under the whole piece's mask."""
+    holds at once, either way it reads, is within ``sdpa_bytes`` (and within 2x of it), far under the whole
+    piece's mask."""
     from lcx.integrations.vllm import attention
-    from lcx.integrations.vllm.attention import causal_tail, sdpa, sdpa_bytes
+    from lcx.integrations.vllm.attention import causal_tail, sdpa_bytes
     from tests.helpers import LiveTensors
 
-    monkeypatch.setattr(attention, "MASK_BLOCK_BYTES", 3 * 1000 * 5)  # 3 rows a block
+    sdpa = getattr(attention, way)
+    monkeypatch.setattr(attention, "MASK_BLOCK_BYTES", 3 * 2 * 1000 * 5)  # 3 rows a block (2 query heads over 1 KV head)
     q, keys, values = torch.randn(2, 1000, 4), torch.randn(1, 1000, 4), torch.randn(1, 1000, 4)
     allowed = causal_tail(1000, 1000, q.device)
     live = LiveTensors([q, keys, values, allowed])
     with live:
         sdpa(q, keys, values, allowed, 0.5)
-    assert live.peak <= sdpa_bytes(2, 1000, 1000, 4) < 2 * live.peak
-    assert sdpa_bytes(2, 1000, 1000, 4) < 1000 * 1000 * 4 / 10
+    assert live.peak <= sdpa_bytes(2, 1, 1000, 1000, 4) < 2 * live.peak
+    assert sdpa_bytes(2, 1, 1000, 1000, 4) < 1000 * 1000 * 4 / 10
 
 
 def test_a_topk_block_holds_what_topk_row_bytes_counts():
@@ -634,8 +638,10 @@ def test_a_topk_block_holds_what_topk_row_bytes_counts():
 
 
 @pytest.mark.parametrize("family, method, opts, n, dims, block, over", [
-    ("llama", "streaming", dict(sinks=4, chunk=1024), 2048, (8, 2, 32), 64 << 20, 2),
-    ("gemma3_text", "streaming", dict(sinks=4, chunk=1024), 2048, (8, 2, 32), 64 << 20, 2),  # a sliding layer
+    ("llama", "streaming", dict(sinks=4, chunk=512), 2048, (8, 2, 32), 64 << 20, 2),  # chunks read as rows
+    ("gemma3_text", "streaming", dict(sinks=4, chunk=512), 2048, (8, 2, 32), 64 << 20, 2),  # a sliding layer
+    # chunks read by GQA: a shorter last piece, read as rows, may hold up to twice their mask
+    ("llama", "streaming", dict(sinks=4, chunk=1024), 2048, (8, 2, 32), 64 << 20, 3),
     ("gemma3_text", "streaming", dict(sinks=4, chunk=1024), 2048, (8, 2, 32), 1 << 20, 2),  # a chunk in 11 blocks
     ("llama", "focusllm", dict(chunk=64, local=256, fragment=16, refresh=0, topk=8), 2048, (8, 2, 32), 64 << 20, 2),
     # a prompt whose causal mask outweighs a block of queries

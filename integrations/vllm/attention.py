@@ -292,9 +292,6 @@ def causal_tail(n: int, total: int, device: torch.device) -> torch.Tensor | None
     return allowed
 
 
-#: Fewer queries than this (a decode step) read as G x n rows of their KV head (faster there); more, through
-#: SDPA's own GQA, which takes their mask once instead of once per query head.
-GQA_QUERIES = 16
 #: The most bytes of attention mask one SDPA call holds: a long prompt piece is read in blocks of queries under
 #: it, so SDPA's copy of the mask, and a per-head mask, do not grow with the square of the piece.
 MASK_BLOCK_BYTES = 64 << 20
@@ -308,32 +305,59 @@ def block_bytes(n: int, row_bytes: int) -> int:
 
 
 def query_blocks(n: int, row_bytes: int) -> list[slice]:
-    """``n`` query rows in blocks of at most ``MASK_BLOCK_BYTES`` at ``row_bytes`` a row (one row at least)."""
+    """``n`` query rows in blocks of at most ``MASK_BLOCK_BYTES`` at ``row_bytes`` a row (one row at least; one
+    empty block for no rows, which a prompt piece cached whole reads)."""
     rows = max(1, MASK_BLOCK_BYTES // max(1, row_bytes))
-    return [slice(i, min(n, i + rows)) for i in range(0, n, rows)]
+    return [slice(i, min(n, i + rows)) for i in range(0, max(n, 1), rows)]
+
+
+#: A piece whose G query heads per KV head make at most this many query rows of it (G x n) is read as those
+#: rows (SDPA's kernel then takes them in larger blocks); a longer one through SDPA's own GQA, faster there.
+GQA_ROWS = 2048
 
 
 def sdpa(q, keys, values, allowed, scale):
     """q (H, n, D) against keys/values (Hkv, S, D) under ``allowed`` (n, S) (None: every key), never copying
-    the keys per query head."""
+    the keys per query head, in blocks of queries whose mask stays under ``MASK_BLOCK_BYTES``."""
+    rows = q.shape[0] // keys.shape[0] * q.shape[1]
+    return (rows_sdpa if allowed is None or rows <= GQA_ROWS else gqa_sdpa)(q, keys, values, allowed, scale)
+
+
+def rows_sdpa(q, keys, values, allowed, scale):
+    """``sdpa`` with the G query heads of a KV head as G x n query rows of it, under the mask repeated per head."""
     (H, n, D), (Hkv, S) = q.shape, keys.shape[:2]
-    if allowed is None or n < GQA_QUERIES:  # the G query heads of a KV head become G * n query rows of it
-        G = H // Hkv
-        mask = None if allowed is None else allowed.repeat(G, 1)  # row g * n + i is query i of head g
-        out = F.scaled_dot_product_attention(q.reshape(Hkv, G * n, D)[None], keys[None], values[None],
+    G = H // Hkv
+    outs = []
+    for b in [slice(0, n)] if allowed is None else query_blocks(n, G * S * MASK_BYTES):
+        rows = b.stop - b.start
+        mask = None if allowed is None else allowed[b].repeat(G, 1)  # row g * rows + i is query i of head g
+        out = F.scaled_dot_product_attention(q[:, b].reshape(Hkv, G * rows, D)[None], keys[None], values[None],
                                              attn_mask=mask, scale=scale)[0]
-        return out.reshape(H, n, out.shape[-1])
-    return torch.cat([F.scaled_dot_product_attention(q[None, :, b], keys[None], values[None], attn_mask=allowed[b],
-                                                     scale=scale, enable_gqa=True)[0]
-                      for b in query_blocks(n, S * MASK_BYTES)], dim=1)
+        outs.append(out.reshape(H, rows, out.shape[-1]))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
-def sdpa_bytes(heads: int, queries: int, keys: int, head_dim: int) -> int:
-    """An upper bound on what ``sdpa`` allocates for ``queries`` under a mask of ``keys`` columns (float32):
-    at most a block's mask as a bool and in the query's dtype (few queries: once per query head), the blocks'
-    outputs and their concatenation."""
-    mask = queries * heads * keys * MASK_BYTES if queries < GQA_QUERIES else block_bytes(queries, keys * MASK_BYTES)
-    return mask + 2 * heads * queries * head_dim * 4
+def gqa_sdpa(q, keys, values, allowed, scale):
+    """``sdpa`` through SDPA's own GQA, under the (n, S) mask once for every query head."""
+    n, S = q.shape[1], keys.shape[1]
+    if allowed is None:
+        return F.scaled_dot_product_attention(q[None], keys[None], values[None], scale=scale, enable_gqa=True)[0]
+    outs = [F.scaled_dot_product_attention(q[None, :, b], keys[None], values[None], attn_mask=allowed[b],
+                                           scale=scale, enable_gqa=True)[0] for b in query_blocks(n, S * MASK_BYTES)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def sdpa_bytes(heads: int, kv_heads: int, queries: int, keys: int, head_dim: int) -> int:
+    """An upper bound on what ``sdpa`` allocates for any piece of at most ``queries`` queries under a mask of
+    ``keys`` columns (float32): a block's mask as a bool and in the query's dtype (repeated per query head where
+    the piece is read as rows: a shorter piece may hold more than a longer one read by GQA); a piece read as rows,
+    its queries copied as rows of their KV heads; the blocks' outputs and their concatenation."""
+    G, row = heads // kv_heads, keys * MASK_BYTES
+    as_rows = min(queries, max(1, GQA_ROWS // G))  # the longest piece read as rows
+    mask = min(G * as_rows * row, max(MASK_BLOCK_BYTES, G * row))
+    if as_rows < queries:
+        mask = max(mask, block_bytes(queries, row))
+    return mask + heads * (as_rows + 2 * queries) * head_dim * 4
 
 
 class Window:

@@ -43,7 +43,7 @@ class StreamingServed(ServedAttention):
         heads, kv, dim = head_dims(config)
         n = method.chunk
         keys = method.sinks + method.recent_for(window) + n
-        return 4 * n * keys + 16 * keys + 3 * kv * method.sinks * dim * 4 + sdpa_bytes(heads, n, keys, dim) \
+        return 4 * n * keys + 16 * keys + 3 * kv * method.sinks * dim * 4 + sdpa_bytes(heads, kv, n, keys, dim) \
             + heads * n * dim * 4
 
     def begin(self, st, module, start, end, like):
