@@ -38,8 +38,8 @@ def shape(text: str) -> tuple[int, int, int, int, int]:
     except ValueError:
         raise SystemExit(f"--shapes {text!r}: give HEADS/KV_HEADS x QUERIES x KEYS [x HEAD_DIM], "
                          "e.g. 14/2x2048x4096 or 4/1x1024x16384x256") from None
-    if dims[0] % dims[1] or dims[2] > dims[3] or min(dims) < 1:
-        raise SystemExit(f"--shapes {text!r}: heads must be a multiple of KV heads and queries at most keys")
+    if min(dims) < 1 or dims[0] % dims[1] or dims[2] > dims[3]:
+        raise SystemExit(f"--shapes {text!r}: every number at least 1, heads a multiple of KV heads, queries at most keys")
     return dims
 
 
@@ -47,7 +47,7 @@ def main() -> None:
     from lcx.integrations.vllm.attention import GQA_ROWS, causal_tail, gqa_sdpa, rows_sdpa
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default=SHAPES, help="comma-separated HEADS/KV_HEADS x QUERIES x KEYS")
+    ap.add_argument("--shapes", default=SHAPES, help="comma-separated HEADS/KV_HEADS x QUERIES x KEYS [x HEAD_DIM]")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--repeats", type=int, default=5, help="timed reads per way and shape (after one untimed)")
     ap.add_argument("--seed", type=int, default=0, help="torch seed of the random q/k/v")
@@ -57,7 +57,7 @@ def main() -> None:
     shapes = [shape(s.strip()) for s in args.shapes.split(",")]
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    dtype, rows = getattr(torch, args.dtype), []
+    dtype, results = getattr(torch, args.dtype), []
     for heads, kv, n, keys, dim in shapes:
         q = torch.randn(heads, n, dim, dtype=dtype)
         k, v = torch.randn(kv, keys, dim, dtype=dtype), torch.randn(kv, keys, dim, dtype=dtype)
@@ -70,14 +70,14 @@ def main() -> None:
                 if i:  # the first read of each way warms its kernels
                     times[way].append(round(time.perf_counter() - t, 4))
         median = {way: statistics.median(ts) for way, ts in times.items()}
-        rows.append({"heads": heads, "kv_heads": kv, "queries": n, "keys": keys, "head_dim": dim, "seconds": times,
+        results.append({"heads": heads, "kv_heads": kv, "queries": n, "keys": keys, "head_dim": dim, "seconds": times,
                      "rows_over_gqa": round(median["rows"] / median["gqa"], 3),
                      "lcx_reads": "rows" if heads // kv * n <= GQA_ROWS else "gqa"})
         print(f"{heads}/{kv} heads x {dim}, {n} queries x {keys} keys: rows {median['rows']:.3f} s, "
-              f"gqa {median['gqa']:.3f} s, rows/gqa {rows[-1]['rows_over_gqa']} (lcx: {rows[-1]['lcx_reads']})",
+              f"gqa {median['gqa']:.3f} s, rows/gqa {results[-1]['rows_over_gqa']} (lcx: {results[-1]['lcx_reads']})",
               flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"config": {**vars(args), "out": str(args.out)}, **environment(), "results": rows},
+    args.out.write_text(json.dumps({"config": {**vars(args), "out": str(args.out)}, **environment(), "results": results},
                                    indent=2) + "\n")
     print(f"wrote {args.out}")
 

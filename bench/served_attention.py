@@ -15,8 +15,8 @@ The random inputs' own cost is measured apart and subtracted.
 method once per rule for fot's memory search's candidates (``half_pays``: lcx's rule, in bf16 where it pays; ``never``:
 float32 throughout), side by side; ``--reads lcx,rows,gqa``: each method once per way a prompt piece is read,
 side by side (``lcx``: ``sdpa``'s rule; ``rows``: every piece as G x n rows of its KV head under the mask repeated
-per query head; ``gqa``: every piece of more than one query through SDPA's own GQA under one mask, as lcx read
-them from bb0ea1a; each in blocks of queries).
+per query head; ``gqa``: a piece of 16 queries or more through SDPA's own GQA under one mask, fewer as rows, as
+lcx read them from bb0ea1a until ``GQA_ROWS``; each in blocks of queries).
 
 fot runs in its passkey configuration (local 1024, chunk 256, 12 memory layers: results/README.md), fot-sinks
 the same with 4 sinks, fot-defaults at fot's defaults (the local window at the model's, 4 sinks, memory keys at
@@ -61,11 +61,11 @@ def served(method: str):
     return StreamingServed(m.sinks, m.recent_for(WINDOW), m.chunk), m.chunk
 
 
-def gqa_sdpa(q, keys, values, allowed, scale):
-    """Every piece of more than one query through SDPA's own GQA (a decode step as rows, as lcx reads it)."""
+def bb0ea1a_sdpa(q, keys, values, allowed, scale):
+    """``sdpa`` as lcx read a piece from bb0ea1a until ``GQA_ROWS``: 16 queries or more by GQA, fewer as rows."""
     from lcx.integrations.vllm.attention import gqa_sdpa, rows_sdpa
 
-    return (rows_sdpa if allowed is None else gqa_sdpa)(q, keys, values, allowed, scale)
+    return (rows_sdpa if allowed is None or q.shape[1] < 16 else gqa_sdpa)(q, keys, values, allowed, scale)
 
 
 def run(method: str, requests: int, prompt: int, steps: int, dtype: torch.dtype = torch.float32,
@@ -76,7 +76,7 @@ def run(method: str, requests: int, prompt: int, steps: int, dtype: torch.dtype 
     from lcx.plugins.fot import memory
 
     rule = {"half_pays": memory.half_pays, "never": lambda queries, keys: False}[half]
-    read = {"lcx": served_attention.sdpa, "rows": served_attention.rows_sdpa, "gqa": gqa_sdpa}[reads]
+    read = {"lcx": served_attention.sdpa, "rows": served_attention.rows_sdpa, "gqa": bb0ea1a_sdpa}[reads]
     with mock.patch.object(fot_served, "top_inner_products", functools.partial(memory.top_inner_products, pays=rule)), \
             mock.patch.object(fot_served, "sdpa", read), mock.patch.object(streaming_served, "sdpa", read):
         return {**_run(method, requests, prompt, steps, dtype, half), "reads": reads}

@@ -612,7 +612,7 @@ def test_sdpa_holds_one_block_of_its_mask_at_a_time(monkeypatch, way):
     from tests.helpers import LiveTensors
 
     sdpa = getattr(attention, way)
-    monkeypatch.setattr(attention, "MASK_BLOCK_BYTES", 3 * 2 * 1000 * 5)  # 3 rows a block (2 query heads over 1 KV head)
+    monkeypatch.setattr(attention, "MASK_BLOCK_BYTES", 3 * 2 * 1000 * 5)  # 3 queries a block as rows, 6 by GQA
     q, keys, values = torch.randn(2, 1000, 4), torch.randn(1, 1000, 4), torch.randn(1, 1000, 4)
     allowed = causal_tail(1000, 1000, q.device)
     live = LiveTensors([q, keys, values, allowed])

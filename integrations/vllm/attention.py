@@ -311,16 +311,16 @@ def query_blocks(n: int, row_bytes: int) -> list[slice]:
     return [slice(i, min(n, i + rows)) for i in range(0, max(n, 1), rows)]
 
 
-#: A piece whose G query heads per KV head make at most this many query rows of it (G x n) is read as those
-#: rows (SDPA's kernel then takes them in larger blocks); a longer one through SDPA's own GQA, faster there.
+#: A piece whose G query heads per KV head make at most this many query rows of it (G x n) is read as those rows
+#: (a served prefill of short chunks runs faster so); a longer one through SDPA's own GQA, which reads it faster.
 GQA_ROWS = 2048
 
 
 def sdpa(q, keys, values, allowed, scale):
     """q (H, n, D) against keys/values (Hkv, S, D) under ``allowed`` (n, S) (None: every key), never copying
     the keys per query head, in blocks of queries whose mask stays under ``MASK_BLOCK_BYTES``."""
-    rows = q.shape[0] // keys.shape[0] * q.shape[1]
-    return (rows_sdpa if allowed is None or rows <= GQA_ROWS else gqa_sdpa)(q, keys, values, allowed, scale)
+    query_rows = q.shape[0] // keys.shape[0] * q.shape[1]
+    return (rows_sdpa if allowed is None or query_rows <= GQA_ROWS else gqa_sdpa)(q, keys, values, allowed, scale)
 
 
 def rows_sdpa(q, keys, values, allowed, scale):
@@ -329,11 +329,11 @@ def rows_sdpa(q, keys, values, allowed, scale):
     G = H // Hkv
     outs = []
     for b in [slice(0, n)] if allowed is None else query_blocks(n, G * S * MASK_BYTES):
-        rows = b.stop - b.start
-        mask = None if allowed is None else allowed[b].repeat(G, 1)  # row g * rows + i is query i of head g
-        out = F.scaled_dot_product_attention(q[:, b].reshape(Hkv, G * rows, D)[None], keys[None], values[None],
+        nb = b.stop - b.start
+        mask = None if allowed is None else allowed[b].repeat(G, 1)  # row g * nb + i is query i of head g
+        out = F.scaled_dot_product_attention(q[:, b].reshape(Hkv, G * nb, D)[None], keys[None], values[None],
                                              attn_mask=mask, scale=scale)[0]
-        outs.append(out.reshape(H, rows, out.shape[-1]))
+        outs.append(out.reshape(H, nb, out.shape[-1]))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
@@ -352,11 +352,11 @@ def sdpa_bytes(heads: int, kv_heads: int, queries: int, keys: int, head_dim: int
     ``keys`` columns (float32): a block's mask as a bool and in the query's dtype (repeated per query head where
     the piece is read as rows: a shorter piece may hold more than a longer one read by GQA); a piece read as rows,
     its queries copied as rows of their KV heads; the blocks' outputs and their concatenation."""
-    G, row = heads // kv_heads, keys * MASK_BYTES
+    G, mask_row = heads // kv_heads, keys * MASK_BYTES
     as_rows = min(queries, max(1, GQA_ROWS // G))  # the longest piece read as rows
-    mask = min(G * as_rows * row, max(MASK_BLOCK_BYTES, G * row))
+    mask = block_bytes(as_rows, G * mask_row)
     if as_rows < queries:
-        mask = max(mask, block_bytes(queries, row))
+        mask = max(mask, block_bytes(queries, mask_row))
     return mask + heads * (as_rows + 2 * queries) * head_dim * 4
 
 
