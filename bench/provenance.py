@@ -29,6 +29,16 @@ def environment() -> dict:
             "machine": machine()}
 
 
+def write_results(args, results: list) -> None:
+    """``args.out``: a bench's options, ``environment()`` and its results, as JSON."""
+    import json
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"config": {**vars(args), "out": str(args.out)}, **environment(), "results": results},
+                                   indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
 def machine() -> dict:
     """The machine a figure was measured on: the CPU's model and cores, the half-precision flags lcx's dtype
     choice reads (``lcx.models.cpu_flags``), memory, and the load when the bench started (other work on the cores)."""

@@ -14,14 +14,13 @@ after one untimed.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from provenance import environment  # bench/provenance.py (scripts here run as `python bench/NAME.py`)
+from provenance import write_results  # bench/provenance.py (scripts here run as `python bench/NAME.py`)
 
 OUT = Path(__file__).parent / "results"
 #: SmolLM2's (9/3) and Qwen2.5 0.5B's (14/2) heads, pieces of 128 to 2,048 queries against 8,192 keys
@@ -76,10 +75,7 @@ def main() -> None:
         print(f"{heads}/{kv} heads x {dim}, {n} queries x {keys} keys: rows {median['rows']:.3f} s, "
               f"gqa {median['gqa']:.3f} s, rows/gqa {results[-1]['rows_over_gqa']} (lcx: {results[-1]['lcx_reads']})",
               flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"config": {**vars(args), "out": str(args.out)}, **environment(), "results": results},
-                                   indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args, results)
 
 
 if __name__ == "__main__":

@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import time
 from pathlib import Path
 from unittest import mock
 
 import torch
 
-from provenance import environment  # bench/provenance.py (scripts here run as `python bench/NAME.py`)
+from provenance import write_results  # bench/provenance.py (scripts here run as `python bench/NAME.py`)
 
 OUT = Path(__file__).parent / "results"
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, WINDOW = 30, 9, 3, 64, 8192  # SmolLM2-135M
@@ -158,10 +157,7 @@ def main() -> None:
               f"{r['requests']} requests x {r['prompt']} prompt tokens: prefill {r['prefill_s']} s, "
               f"decode step {r['decode_step_ms']} ms ({r['decode_ms_per_request_layer']} ms per request and layer)",
               flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"config": {**vars(args), "out": str(args.out)}, **environment(), "results": rows},
-                                   indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args, rows)
 
 
 if __name__ == "__main__":
