@@ -646,6 +646,8 @@ def test_a_topk_block_holds_what_topk_row_bytes_counts():
     ("llama", "focusllm", dict(chunk=64, local=256, fragment=16, refresh=0, topk=8), 2048, (8, 2, 32), 64 << 20, 2),
     # a prompt whose causal mask outweighs a block of queries
     ("llama", "focusllm", dict(chunk=64, local=256, fragment=16, refresh=0, topk=8), 12288, (2, 1, 8), 64 << 20, 2),
+    # no more candidates than topk: the prompt is read by ``sdpa``, as rows (G x n = 2,048)
+    ("llama", "focusllm", dict(chunk=64, local=256, fragment=16, refresh=0, topk=256), 512, (8, 2, 32), 64 << 20, 2),
     # fot's step is lcx's path's memory attention (``attention_bytes``), which also stacks the retrieved values
     ("llama", "fot", dict(local=256, chunk=256, memory_layers="all", k=32), 2048, (8, 2, 32), 64 << 20, 2.5),
     ("llama", "fot", dict(local=512, chunk=128, memory_layers="all", k=64, dense=True), 2048, (8, 2, 32), 64 << 20, 2),

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from lcx.integrations.vllm.attention import (MASK_BYTES, WINDOW_SLACK, ServedAttention, Window, block_bytes,
-                                             causal_tail, head_dims, kv_bytes, query_blocks, sdpa)
+                                             causal_tail, head_dims, kv_bytes, query_blocks, sdpa,
+                                             sdpa_bytes)
 from lcx.integrations.vllm.middleware import state_file
 from lcx.plugins.focusllm.attention import topk_keep
 
@@ -49,12 +50,16 @@ class FocusServed(ServedAttention):
     @classmethod
     def step_bytes(cls, method, config, window, max_model_len, memory):
         """A whole prompt read in one step (vLLM's batch holds up to --max-model-len tokens): its causal mask,
-        the candidates' keys/values put in the placeholders' stead (and in float32 for their scores), a block of
-        ``topk_sdpa``'s queries, and the outputs."""
+        the candidates' keys/values put in the placeholders' stead (and in float32 for their scores), what
+        ``sdpa`` holds (a piece with no more candidates than ``topk``) or a block of ``topk_sdpa``'s queries,
+        and the outputs."""
         heads, kv, dim = head_dims(config)
         n = min(window, max_model_len)
-        row = topk_row_bytes(heads, n, max(0, n - method.local), method.topk, dim)
-        return n * n + block_bytes(n, row) + 7 * kv * n * dim * 4 + 2 * heads * n * dim * 4
+        candidates = max(0, n - method.local)
+        read = sdpa_bytes(heads, kv, n, n, dim)
+        if candidates > method.topk:
+            read = max(read, block_bytes(n, topk_row_bytes(heads, n, candidates, method.topk, dim)))
+        return n * n + read + 7 * kv * n * dim * 4 + 2 * heads * n * dim * 4
 
     def start_request(self, req, s):
         from safetensors.torch import load_file
