@@ -32,6 +32,7 @@ beyond() {  # $1 model, $2 stack, $3 lengths[, $4 rope's YaRN factor]: one stack
         # the candidate adapter results/focusllm trained for SmolLM2, with the options its passkey grids used
         focusllm-adapter) stack=focusllm@results/focusllm/adapter-recall-local
              opts=(-o focusllm.topk=4 -o focusllm.overlap=64) ;;
+        smt-adapter) stack=@results/smt/adapter ;;  # results/smt's adapter for SmolLM2: YaRN x4 + SMT's LoRA
     esac
     $LCX eval compare ruler -m "$1" --stack "$stack" "${opts[@]}" --lengths "$3" "${COMMON[@]}" \
         --out "results/ruler/$1/$2${4:+-x$4}/$3"
@@ -68,5 +69,6 @@ steps=("$@")
     "bare smollm2-135m 4K,8K" "beyond smollm2-135m fot 16K,32K" "beyond smollm2-135m streaming 16K,32K"
     "beyond smollm2-135m focusllm 16K,32K" "beyond smollm2-135m focusllm-adapter 16K,32K"
     "bare gemma3-270m 16K" "beyond gemma3-270m vanilla 64K" "beyond gemma3-270m rope 64K 2"
-    "beyond gemma3-270m rope 64K 4")
+    "beyond gemma3-270m rope 64K 4" "beyond smollm2-135m vanilla 16K" "beyond smollm2-135m vanilla 32K"
+    "beyond smollm2-135m rope 16K 2" "beyond smollm2-135m smt-adapter 16K")
 for s in "${steps[@]}"; do echo "== $s"; $s; done
