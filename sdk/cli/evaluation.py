@@ -210,6 +210,19 @@ def _stem(names: list[str], adapter) -> str:
     return re.sub(r"[^A-Za-z0-9_.+@-]", "_", stem + (f"@{Path(adapter).name}" if adapter else ""))
 
 
+def _journal_stem(stack: str) -> str:
+    """The journal name a --stack writes: an @DIR stack is named by the methods its adapter brings."""
+    from lcx.evals.compare import parse_stack
+
+    names, adapter = parse_stack(stack)
+    if adapter and not names:
+        from lcx.adapters.peft_bridge import read_sidecar
+        from lcx.session import trained_methods
+
+        names = list(trained_methods(read_sidecar(adapter)))
+    return _stem(names, adapter)
+
+
 def _included(paths, model: str, want_dtype: str, cfg, grid, tok, taken: set[str], ours: set[Path]) -> dict[str, dict]:
     """--include: each finished journal's row, read from it (never generated or written); checked against this
     command's model, grid and dtype before any stack runs, so a mismatch costs nothing.  ``ours``: the journals
@@ -410,7 +423,7 @@ def eval_compare(suite, model, stacks, includes, options, lengths, depths, sampl
         grid = passkey if suite == "passkey" else ruler
         stems: dict[str, str] = {}  # journal name -> the adapter folder it is for
 
-        ours = {out / f"compare-{suite}.{_stem(*cmp.parse_stack(s))}.samples.jsonl" for s in stacks}
+        ours = {out / f"compare-{suite}.{_journal_stem(s)}.samples.jsonl" for s in stacks}
         included = _included(includes, model, dtype_name(model_dtype(hf_model)), cfg, grid, tok, taken=set(stacks),
                              ours=ours)
 
