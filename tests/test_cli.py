@@ -142,6 +142,9 @@ def test_eval_compare_loads_an_adapter_for_its_stack_only(tiny_dir, tmp_path):
         assert r.exit_code == 0, r.output
     journals = sorted(p.name for p in (tmp_path / "twins").glob("*.samples.jsonl"))
     assert len(journals) == 2 and "compare-passkey.streaming@ad.samples.jsonl" in journals, journals
+    hashed = next(tmp_path / "twins" / j for j in journals if "@ad-" in j)  # the second twin's
+    r = run(*args, "--include", str(hashed))
+    assert r.exit_code != 0 and "a --stack of this command writes that journal" in r.output, r.output
     # @DIR writes the journal of its adapter's methods, which it refuses to --include as well
     own = tmp_path / "twins" / "compare-passkey.streaming@ad.samples.jsonl"
     r = run("eval", "compare", "passkey", "-m", str(tiny_dir), "--stack", f"@{adapter}", "--include", str(own),

@@ -210,8 +210,8 @@ def _stem(names: list[str], adapter) -> str:
     return re.sub(r"[^A-Za-z0-9_.+@-]", "_", stem + (f"@{Path(adapter).name}" if adapter else ""))
 
 
-def _journal_stem(stack: str) -> str:
-    """The journal name a --stack writes: an @DIR stack is named by the methods its adapter brings."""
+def _stack_methods(stack: str) -> tuple[list[str], str | None]:
+    """A --stack's methods and adapter folder; an @DIR stack's methods are those its adapter brings."""
     from lcx.evals.compare import parse_stack
 
     names, adapter = parse_stack(stack)
@@ -219,11 +219,25 @@ def _journal_stem(stack: str) -> str:
         from lcx.adapters.peft_bridge import read_sidecar
         from lcx.session import trained_methods
 
-        names = list(trained_methods(read_sidecar(adapter)))
-    return _stem(names, adapter)
+        try:
+            names = list(trained_methods(read_sidecar(adapter)))
+        except LcxError as e:
+            raise LcxError(f"stack {stack!r}: {e}") from None
+    return names, adapter
 
 
-def _included(paths, model: str, want_dtype: str, cfg, grid, tok, taken: set[str], ours: set[Path]) -> dict[str, dict]:
+def _journal_stem(names: list[str], adapter, taken: dict[str, str]) -> str:
+    """A stack's journal name (``_stem``), with a hash of its folder where an earlier stack's adapter folder has
+    the same name (.../a/adapter, .../b/adapter); ``taken`` (name -> folder) records it."""
+    stem = _stem(names, adapter)
+    where = str(Path(adapter).resolve()) if adapter else ""
+    if taken.setdefault(stem, where) != where:
+        stem += "-" + hashlib.sha256(where.encode()).hexdigest()[:8]
+        taken[stem] = where
+    return stem
+
+
+def _included(paths, model: str, want_dtype: str, cfg, grid, tok, taken: set[str], ours: list[Path]) -> dict[str, dict]:
     """--include: each finished journal's row, read from it (never generated or written); checked against this
     command's model, grid and dtype before any stack runs, so a mismatch costs nothing.  ``ours``: the journals
     this command's stacks write, which an included one must not be."""
@@ -421,18 +435,15 @@ def eval_compare(suite, model, stacks, includes, options, lengths, depths, sampl
                                     depths=depths, seed=seed, haystack=_haystack(haystack) or "",
                                     max_new_tokens=max_new_tokens)
         grid = passkey if suite == "passkey" else ruler
-        stems: dict[str, str] = {}  # journal name -> the adapter folder it is for
-
-        ours = {out / f"compare-{suite}.{_journal_stem(s)}.samples.jsonl" for s in stacks}
+        seen: dict[str, str] = {}  # the journals the stacks will write, in the order they run
+        ours = [out / f"compare-{suite}.{_journal_stem(*_stack_methods(s), seen)}.samples.jsonl" for s in stacks]
         included = _included(includes, model, dtype_name(model_dtype(hf_model)), cfg, grid, tok, taken=set(stacks),
                              ours=ours)
 
+        stems: dict[str, str] = {}
+
         def ev(run, adapter):
-            stem = _stem([m.name for m in run.methods], adapter)
-            where = str(Path(adapter).resolve()) if adapter else ""
-            if stems.setdefault(stem, where) != where:  # two adapter folders of one name (.../a/adapter, .../b/adapter)
-                stem += "-" + hashlib.sha256(where.encode()).hexdigest()[:8]
-                stems[stem] = where
+            stem = _journal_stem([m.name for m in run.methods], adapter, stems)
             journal = _journal(out / f"compare-{suite}.{stem}.samples.jsonl", model, run, adapter, cfg, resume)
             return grid.evaluate(_grid_generator(run, progress=not as_json), tok, cfg, progress=not as_json,
                                  journal=journal)
