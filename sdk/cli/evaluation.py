@@ -440,11 +440,10 @@ def eval_compare(suite, model, stacks, includes, options, lengths, depths, sampl
         included = _included(includes, model, dtype_name(model_dtype(hf_model)), cfg, grid, tok, taken=set(stacks),
                              ours=ours)
 
-        stems: dict[str, str] = {}
+        journals = iter(ours)  # compare evaluates each stack once, in the order given
 
         def ev(run, adapter):
-            stem = _journal_stem([m.name for m in run.methods], adapter, stems)
-            journal = _journal(out / f"compare-{suite}.{stem}.samples.jsonl", model, run, adapter, cfg, resume)
+            journal = _journal(next(journals), model, run, adapter, cfg, resume)
             return grid.evaluate(_grid_generator(run, progress=not as_json), tok, cfg, progress=not as_json,
                                  journal=journal)
     else:
