@@ -71,5 +71,5 @@ steps=("$@")
     "beyond smollm2-135m focusllm 16K,32K" "beyond smollm2-135m focusllm-adapter 16K,32K"
     "bare gemma3-270m 16K" "beyond gemma3-270m vanilla 64K" "beyond gemma3-270m rope 64K 2"
     "beyond gemma3-270m rope 64K 4" "beyond smollm2-135m vanilla 16K" "beyond smollm2-135m vanilla 32K"
-    "beyond smollm2-135m rope 16K 2" "beyond smollm2-135m smt-adapter 16K")
+    "beyond smollm2-135m rope 16K 2" "beyond smollm2-135m rope 16K 4" "beyond smollm2-135m smt-adapter 16K")
 for s in "${steps[@]}"; do echo "== $s"; $s; done
