@@ -1,7 +1,8 @@
 """The RULER tables of results/ruler from the journals `run.sh` writes (finished or not): per model, each stack's
 mean score at each length (every task weighs the same), the number of samples behind it, and the headline of
 issue 51: that mean as a fraction of the bare model's mean at the largest length inside its window.  Then each
-task's score.  Writes results/ruler/summary.md, summary.json and summary.png.
+task's score, and each pair of stacks that ran the same prompts compared prompt by prompt (a sign-flip test: how
+often the gap would be as large if which stack scored which were a coin's toss).  Writes results/ruler/summary.md, summary.json and summary.png.
 
     .venv/bin/python results/ruler/summarize.py
 """
@@ -9,10 +10,13 @@ task's score.  Writes results/ruler/summary.md, summary.json and summary.png.
 from __future__ import annotations
 
 import json
+import random
 from collections import defaultdict
+from itertools import combinations
 from pathlib import Path
 
 HERE = Path(__file__).parent
+FLIPS = 20000  # sign-flip draws per pair (seeded): p to about +-0.005
 
 
 def _samples(folder: Path) -> list[dict]:
@@ -41,6 +45,33 @@ def _table(samples: list[dict]) -> dict:
     return {"mean": mean, "by_task": by_task}
 
 
+def _paired(a: dict[str, float], b: dict[str, float]) -> dict:
+    """Stack a against stack b on the same prompts (id -> score): the mean gap, prompts won and lost, and the
+    two-sided sign-flip p of the gap."""
+    d = [a[i] - b[i] for i in sorted(a)]
+    gap = sum(d)
+    rng = random.Random(0)
+    nonzero = [x for x in d if x]
+    hits = sum(abs(sum(x if rng.random() < 0.5 else -x for x in nonzero)) >= abs(gap) - 1e-9 for _ in range(FLIPS))
+    return {"gap": gap / len(d), "won": sum(x > 0 for x in d), "lost": sum(x < 0 for x in d),
+            "p": (hits + 1) / (FLIPS + 1), "prompts": len(d)}
+
+
+def _pairs(samples: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """{length: every pair of stacks that scored the same prompts there, compared prompt by prompt}."""
+    by: dict[str, dict[str, dict[str, float]]] = defaultdict(dict)
+    for name, ss in samples.items():
+        for n in {str(s["length"]) for s in ss}:
+            by[n][name] = {s["id"]: s["score"] for s in ss if str(s["length"]) == n}
+    out = {}
+    for n, stacks in sorted(by.items(), key=lambda kv: int(kv[0])):
+        rows = [{"a": a, "b": b, **_paired(stacks[a], stacks[b])} for a, b in combinations(sorted(stacks), 2)
+                if stacks[a].keys() == stacks[b].keys()]
+        if rows:
+            out[n] = rows
+    return out
+
+
 def main() -> None:
     from lcx.io import pyplot, token_label
     from lcx.known_models import KNOWN_MODELS
@@ -50,15 +81,18 @@ def main() -> None:
              "of `bash results/ruler/run.sh` (unfinished cells included, with their sample counts).", ""]
     for model_dir in sorted(p for p in HERE.iterdir() if p.is_dir() and p.name in KNOWN_MODELS):
         window = KNOWN_MODELS[model_dir.name].window
-        stacks = {p.name: _table(_samples(p)) for p in sorted(model_dir.iterdir())
-                  if p.is_dir() and not p.name.startswith("crosscheck") and _samples(p)}
+        samples = {p.name: _samples(p) for p in sorted(model_dir.iterdir())
+                   if p.is_dir() and not p.name.startswith("crosscheck") and _samples(p)}
+        stacks = {name: _table(ss) for name, ss in samples.items()}
+        pairs = _pairs(samples)
         if not stacks:
             continue
         bare = stacks.get("none", {}).get("mean", {})
         inside = [n for n in bare if int(n) <= window]
         ref = bare[max(inside, key=int)][0] if inside else None
         summary[model_dir.name] = {"window": window, "reference": ref,
-                                   "reference_length": max(inside, key=int) if inside else None, "stacks": stacks}
+                                   "reference_length": max(inside, key=int) if inside else None, "stacks": stacks,
+                                   "paired": pairs}
         lengths = sorted({n for t in stacks.values() for n in t["mean"]}, key=int)
         lines += [f"## {model_dir.name} (window {token_label(window)})", "",
                   "Mean score over tasks (samples, tasks) and, after the slash, as a fraction of the bare model's "
@@ -85,6 +119,14 @@ def main() -> None:
                        if n in t["by_task"].get(task, {}) else "" for task in tasks]
                 if any(row):
                     lines.append(f"| {name} | {token_label(int(n))} | " + " | ".join(row) + " |")
+        if pairs:
+            lines += ["", "Stacks that ran the same prompts, prompt by prompt (a minus b: mean gap, prompts won-lost, "
+                      "sign-flip p; p above 0.05: the samples cannot tell the two apart):", "",
+                      "| length | a | b | gap | won-lost | p |", "|---|---|---|---|---|---|"]
+            for n, rows in pairs.items():
+                for r in rows:
+                    lines.append(f"| {token_label(int(n))} | {r['a']} | {r['b']} | {r['gap']:+.1%} | "
+                                 f"{r['won']}-{r['lost']} | {r['p']:.3f} |")
         lines.append("")
     (HERE / "summary.md").write_text("\n".join(lines) + "\n")
     (HERE / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
