@@ -2,7 +2,8 @@
 mean score at each length (every task weighs the same), the number of samples behind it, and the headline of
 issue 51: that mean as a fraction of the bare model's mean at the largest length inside its window.  Then each
 task's score, and each pair of stacks that ran the same prompts compared prompt by prompt (a sign-flip test: how
-often the gap would be as large if which stack scored which were a coin's toss).  Writes results/ruler/summary.md, summary.json and summary.png.
+often the gap would be as large if which stack scored which were a coin's toss).  Writes results/ruler/summary.md,
+summary.json and summary.png.
 
     .venv/bin/python results/ruler/summarize.py
 """
