@@ -82,8 +82,9 @@ def main() -> None:
              "of `bash results/ruler/run.sh` (unfinished cells included, with their sample counts).", ""]
     for model_dir in sorted(p for p in HERE.iterdir() if p.is_dir() and p.name in KNOWN_MODELS):
         window = KNOWN_MODELS[model_dir.name].window
-        samples = {p.name: _samples(p) for p in sorted(model_dir.iterdir())
-                   if p.is_dir() and not p.name.startswith("crosscheck") and _samples(p)}
+        read = {p.name: _samples(p) for p in sorted(model_dir.iterdir())
+                if p.is_dir() and not p.name.startswith("crosscheck")}
+        samples = {name: ss for name, ss in read.items() if ss}
         stacks = {name: _table(ss) for name, ss in samples.items()}
         pairs = _pairs(samples)
         if not stacks:
