@@ -34,6 +34,6 @@ def test_method_tables_list_what_each_method_requires(doc):
     methods = Registry(load_entrypoints=False).methods
     assert set(methods) <= set(rows), f"{doc} has no row for {sorted(set(methods) - set(rows))}"
     for name, cls in methods.items():
-        want = sorted(NEEDS[r] for r in cls.requires)
+        want = sorted(NEEDS.get(r, f"<{r}: add it to NEEDS>") for r in cls.requires)
         got = sorted(p.strip() for p in rows[name].split(",")) if cls.requires else [rows[name]]
         assert got == (want or ["any model"]), f"{doc}: {name} needs {want or 'nothing'}, the table says {rows[name]!r}"

@@ -443,7 +443,10 @@ def eval_compare(suite, model, stacks, includes, options, lengths, depths, sampl
         journals = iter(ours)  # compare evaluates each stack once, in the order given
 
         def ev(run, adapter):
-            journal = _journal(next(journals), model, run, adapter, cfg, resume)
+            path = next(journals, None)
+            if path is None:  # an error that says what broke, not a bare StopIteration
+                raise RuntimeError(f"compare evaluated more stacks than the {len(ours)} it was given")
+            journal = _journal(path, model, run, adapter, cfg, resume)
             return grid.evaluate(_grid_generator(run, progress=not as_json), tok, cfg, progress=not as_json,
                                  journal=journal)
     else:
