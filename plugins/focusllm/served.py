@@ -50,16 +50,17 @@ class FocusServed(ServedAttention):
     @classmethod
     def step_bytes(cls, method, config, window, max_model_len, memory):
         """A whole prompt read in one step (vLLM's batch holds up to --max-model-len tokens): its causal mask,
-        the candidates' keys/values put in the placeholders' stead (and in float32 for their scores), what
-        ``sdpa`` holds (a piece with no more candidates than ``topk``) or a block of ``topk_sdpa``'s queries,
-        and the outputs."""
+        the candidates' keys/values put in the placeholders' stead (and in float32 for their scores), and what
+        ``sdpa`` holds (a piece with no more candidates than ``topk``; its outputs included) or a block of
+        ``topk_sdpa``'s queries beside the blocks' outputs and their concatenation."""
         heads, kv, dim = head_dims(config)
         n = min(window, max_model_len)
         candidates = max(0, n - method.local)
         read = sdpa_bytes(heads, kv, n, n, dim)
         if candidates > method.topk:
-            read = max(read, block_bytes(n, topk_row_bytes(heads, n, candidates, method.topk, dim)))
-        return n * n + read + 7 * kv * n * dim * 4 + 2 * heads * n * dim * 4
+            read = max(read, block_bytes(n, topk_row_bytes(heads, n, candidates, method.topk, dim))
+                       + 2 * heads * n * dim * 4)
+        return n * n + read + 7 * kv * n * dim * 4
 
     def start_request(self, req, s):
         from safetensors.torch import load_file
