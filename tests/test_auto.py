@@ -198,9 +198,11 @@ def test_lcx_methods_on_a_model_shows_what_auto_comes_to_there(folder, probes, t
 
     from lcx.cli import main
 
-    def on(path) -> dict:
-        r = CliRunner().invoke(main, ["methods", "-m", str(path), "--json"])
+    def on(path, dtype: str = "float32") -> dict:
+        asked = ["--dtype", dtype] if dtype != "float32" else []
+        r = CliRunner().invoke(main, ["methods", "-m", str(path), "--json", *asked])
         assert r.exit_code == 0, r.output
+        assert json.loads(r.stdout)["dtype"] == dtype  # the tests' LCX_DTYPE unless --dtype says otherwise
         return {m["name"]: m["on_model"] for m in json.loads(r.stdout)["methods"]}
 
     llama = on(folder)
@@ -212,6 +214,7 @@ def test_lcx_methods_on_a_model_shows_what_auto_comes_to_there(folder, probes, t
     assert "512" in llama["rope"]["factor"] and llama["smt"] == {}
     gemma = make_tiny_model_dir(tmp_path / "gemma", family="gemma3_text", max_position_embeddings=512)
     assert on(gemma)["fot"]["memory_layers"] == "1" and probes == [512]  # its full-attention layer
+    assert on(folder, "bfloat16")["fot"]["memory_layers"] == "1" and probes == [512, 512]  # measured in that dtype too
 
 
 # ---------------------------------------------------------------------- fot's gate=auto (calibrate.py)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from lcx.cli.base import CONTEXT, _echo_json, main
+from lcx.cli.base import CONTEXT, _dtype, _echo_json, dtype_option, main
 
 
 @main.command("methods", context_settings=CONTEXT)
@@ -12,6 +12,7 @@ from lcx.cli.base import CONTEXT, _echo_json, main
 @click.option("--model", "-m", default=None, metavar="MODEL",
               help="Also show what each method's model-dependent options (auto) come to on MODEL (a known name or "
                    "a local folder): measured on it the first time, then read from beside it.")
+@dtype_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def methods_cmd(verbose: bool, model: str | None, as_json: bool) -> None:
     """List installed long-context methods and the stages they implement.
@@ -24,7 +25,7 @@ def methods_cmd(verbose: bool, model: str | None, as_json: bool) -> None:
     from lcx.registry import registry
 
     reg = registry()
-    on = _resolved_on(model, sorted(reg.methods)) if model else {}
+    on, dtype = _resolved_on(model, sorted(reg.methods)) if model else ({}, None)
     rows = []
     for name, cls in sorted(reg.methods.items()):
         rows.append({
@@ -34,20 +35,21 @@ def methods_cmd(verbose: bool, model: str | None, as_json: bool) -> None:
             **({"on_model": on[name]} if model else {}),
         })
     if as_json:
-        return _echo_json({"model": model, "methods": rows} if model else rows)
+        return _echo_json({"model": model, "dtype": dtype, "methods": rows} if model else rows)
     for r in rows:
         click.echo(f"{r['name']:<12} {r['description']}")
         click.echo(f"{'':<12} stages: {', '.join(r['stages']) or '-'}   served: {r['served'] or 'no'}   "
                    f"plugin: {r['plugin']}")
         for option, value in r.get("on_model", {}).items():
-            click.echo(f"{'':<12} on {model}: {option}={value}")
+            click.echo(f"{'':<12} on {model} ({dtype}): {option}={value}")
         if verbose:
             for o in r["options"]:
                 click.echo(f"{'':<14}{o['name']}={o['default']!r}  {o['help']}")
 
 
-def _resolved_on(model: str, names: list[str]) -> dict[str, dict]:
-    """Each method at its defaults, its ``auto`` options resolved on ``model`` (loaded only if one is measured)."""
+def _resolved_on(model: str, names: list[str]) -> tuple[dict[str, dict], str]:
+    """Each method at its defaults, its ``auto`` options resolved on ``model`` in the command's dtype (loaded only
+    if one is measured), and that dtype's name."""
     import json
 
     from lcx import auto
@@ -57,7 +59,7 @@ def _resolved_on(model: str, names: list[str]) -> dict[str, dict]:
 
     folder = resolve_model_path(model)
     instances = [registry().methods[n]() for n in names]
-    dtype = resolve_dtype()  # what lcx generate loads the model in by default
+    dtype = resolve_dtype(_dtype())  # measured in the dtype lcx generate would run it in
     auto.resolve(instances, folder, lambda: load_model(str(folder), dtype=dtype), dtype_name(dtype))
     config = json.loads((folder / "config.json").read_text())
     out = {}
@@ -66,7 +68,7 @@ def _resolved_on(model: str, names: list[str]) -> dict[str, dict]:
             out[m.name] = m.resolved(config)
         except LcxError as e:  # e.g. a window the config does not give: said, not fatal to the listing
             out[m.name] = {"error": str(e)}
-    return out
+    return out, dtype_name(dtype)
 
 
 @main.command("plugins", context_settings=CONTEXT)
