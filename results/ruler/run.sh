@@ -3,10 +3,10 @@
 # Output: results/ruler/MODEL/STACK/LENGTHS/ (a journal per run; summarize.py reads them all).
 #   bash results/ruler/run.sh crosscheck gemma3-270m      # chosen steps (every step journals: rerun continues)
 #   bash results/ruler/run.sh                             # every step, cheapest first
-# Cells (planned at ~6 hours a model's table; results/ruler/README.md says what they took): the bare model at the largest length
-# inside its window (the headline's denominator) and below it; every memory method (fot, focusllm, streaming) at 2x
-# the window; truncation (vanilla) and YaRN x2 / x4 at 2x the window after those; on SmolLM2 also the adapters
-# lcx trained for it (focusllm-adapter: results/focusllm; smt-adapter: results/smt, YaRN x4 + SMT).
+# Cells (planned at ~6 hours a model's table; results/ruler/README.md says what they took): the bare model at the
+# largest length inside its window (the headline's denominator) and below it; every memory method (fot, focusllm,
+# streaming) at 2x the window; truncation (vanilla) and YaRN x2 / x4 at 2x the window after those; on SmolLM2 also the
+# adapters lcx trained for it (focusllm-adapter: results/focusllm; smt-adapter: results/smt, YaRN x4 + SMT).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 LCX=${LCX:-.venv/bin/lcx}
