@@ -202,8 +202,9 @@ def test_lcx_methods_on_a_model_shows_what_auto_comes_to_there(folder, probes, t
         asked = ["--dtype", dtype] if dtype != "float32" else []
         r = CliRunner().invoke(main, ["methods", "-m", str(path), "--json", *asked])
         assert r.exit_code == 0, r.output
-        assert json.loads(r.stdout)["dtype"] == dtype  # the tests' LCX_DTYPE unless --dtype says otherwise
-        return {m["name"]: m["on_model"] for m in json.loads(r.stdout)["methods"]}
+        listing = json.loads(r.stdout)
+        assert listing["dtype"] == dtype  # the tests' LCX_DTYPE unless --dtype says otherwise
+        return {m["name"]: m["on_model"] for m in listing["methods"]}
 
     llama = on(folder)
     gate = json.loads((folder / auto.AUTO_FILE).read_text())["entries"]["fot.gate"]["value"]["gate"]  # calibrated

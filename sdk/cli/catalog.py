@@ -59,8 +59,9 @@ def _resolved_on(model: str, names: list[str]) -> tuple[dict[str, dict], str]:
 
     folder = resolve_model_path(model)
     instances = [registry().methods[n]() for n in names]
-    dtype = resolve_dtype(_dtype())  # measured in the dtype lcx generate would run it in
-    auto.resolve(instances, folder, lambda: load_model(str(folder), dtype=dtype), dtype_name(dtype))
+    dtype = resolve_dtype(_dtype())  # --dtype, else what lcx generate loads the model in by default
+    named = dtype_name(dtype)
+    auto.resolve(instances, folder, lambda: load_model(str(folder), dtype=dtype), named)
     config = json.loads((folder / "config.json").read_text())
     out = {}
     for m in instances:
@@ -68,7 +69,7 @@ def _resolved_on(model: str, names: list[str]) -> tuple[dict[str, dict], str]:
             out[m.name] = m.resolved(config)
         except LcxError as e:  # e.g. a window the config does not give: said, not fatal to the listing
             out[m.name] = {"error": str(e)}
-    return out, dtype_name(dtype)
+    return out, named
 
 
 @main.command("plugins", context_settings=CONTEXT)
