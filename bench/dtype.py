@@ -4,6 +4,7 @@ model's long prefill as a fraction of them, and each method's prefill and decode
     .venv/bin/python bench/dtype.py                      # SmolLM2-135M, 16K tokens, the five inference paths
     .venv/bin/python bench/dtype.py --tokens 4K --methods none,fot --rounds 2
     python bench/dtype.py --device cuda --random-weights --model DIR  # a GPU: the peaks are the GPU's
+    .venv/bin/python bench/dtype.py --peaks-only --sizes 512,1024  # the roofline alone (a CPU that emulates bf16)
 
 Per method and dtype: the prompt's prefill (every window the method feeds, up to the first new token) and the
 median decode step of the next ``--new`` tokens.  The two dtypes alternate within a round (the first one
@@ -30,6 +31,7 @@ from lcx.session import parse_options
 from provenance import environment  # bench/provenance.py (scripts here run as `python bench/NAME.py`)
 
 OUT = Path(__file__).parent / "results" / "dtype.json"
+PEAKS_OUT = OUT.with_name("dtype-peaks.json")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # fot at its defaults before issue 52, pinned (dtype.json measured them); -o fot.KEY=VALUE still overrides
 FOT_BEFORE = ("fot.local=2048", "fot.chunk=0", "fot.sinks=0", "fot.positions=first", "fot.fixed_distance=0",
@@ -128,6 +130,29 @@ def run_once(model, method: str, options: dict, ids: torch.Tensor, new: int) -> 
             "tokens": out[0].tolist()}
 
 
+def peak_sizes(sizes: str | None, gpu: bool) -> tuple[int, ...]:
+    """The n of the peak products: ``--sizes`` where given, else a range that reaches each device's peak."""
+    if sizes:
+        return tuple(int(n) for n in sizes.split(","))
+    return (4096, 8192, 16384) if gpu else (1024, 2048, 3072, 4096)
+
+
+def peaks_only(args: argparse.Namespace) -> None:
+    """``--peaks-only``: both dtypes' matrix-product peaks and their ratio, written to ``--out``."""
+    device = torch.device(args.device or "cpu")
+    sizes = {name: matmul_peak(dt, peak_sizes(args.sizes, device.type == "cuda"), device=device)
+             for name, dt in DTYPES.items()}
+    ratio = sizes["float32"]["peak"] / sizes["bfloat16"]["peak"]
+    result = {"benchmark": "dtype-peaks", **environment(),
+              "cpu_bf16_flags": sorted({"amx_bf16", "amx_tile", "avx512_bf16"} & cpu_flags()),
+              "matmul_flop_per_s_by_size": sizes, "fp32_over_bf16_peak": ratio}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    for name, s in sizes.items():
+        print(f"{name:>8}: " + ", ".join(f"{k} {v / 1e9:.2f} GFLOP/s" for k, v in s.items()))
+    print(f"bf16 takes {ratio:.1f}x float32's time per product at the peaks; wrote {args.out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -140,16 +165,23 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="where the models run: cpu (default), cuda (or LCX_DEVICE)")
     ap.add_argument("--random-weights", action="store_true",
                     help="the model's architecture with random weights (from its config.json; speed only)")
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--sizes", default=None,
+                    help="comma-separated n of the n x n x n peak products (default 1024-4096, 4096-16384 on a GPU)")
+    ap.add_argument("--peaks-only", action="store_true",
+                    help="the matrix-product peaks alone, no model (where one bf16 product takes minutes)")
+    ap.add_argument("--out", type=Path, default=None, help=f"default {OUT} ({PEAKS_OUT.name} with --peaks-only)")
     args = ap.parse_args()
+    if args.peaks_only:
+        args.out = args.out or PEAKS_OUT
+        return peaks_only(args)
+    args.out = args.out or OUT
     tokens = token_counts(args.tokens)[0]
     options = parse_options((*FOT_BEFORE, *args.option))
 
     models = {name: bench_model(args.model, args.device, args.random_weights, name)[0] for name in DTYPES}
     device = models["float32"].device
     gpu = device.type == "cuda"
-    sizes = {name: matmul_peak(dt, (4096, 8192, 16384) if gpu else (1024, 2048, 3072, 4096), device=device)
-             for name, dt in DTYPES.items()}
+    sizes = {name: matmul_peak(dt, peak_sizes(args.sizes, gpu), device=device) for name, dt in DTYPES.items()}
     peaks = {name: s["peak"] for name, s in sizes.items()}
     print(f"matrix-product peak ({device_name(models['float32'])}{'' if gpu else f', {torch.get_num_threads()} threads'}): "
           f"fp32 {peaks['float32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bfloat16'] / 1e9:.0f} GFLOP/s", flush=True)
