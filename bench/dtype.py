@@ -25,7 +25,7 @@ import torch
 import lcx
 from lcx.generation import generate
 from lcx.io import token_counts
-from lcx.models import cpu_flags
+from lcx.models import cpu_flags, resolve_device
 from loading import bench_model, device_name, sync, sync_device
 from lcx.session import parse_options
 from provenance import environment  # bench/provenance.py (scripts here run as `python bench/NAME.py`)
@@ -44,8 +44,20 @@ def random_prompt(tokens: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- the roofline
-def matmul_peak(dtype: torch.dtype, sizes: tuple[int, ...] = (1024, 2048, 3072, 4096),
-                seconds: float = 1.0, device: torch.device = torch.device("cpu")) -> dict[str, float]:
+def peak_sizes(sizes: str | None, gpu: bool) -> tuple[int, ...]:
+    """The n of the peak products: ``--sizes`` where given, else a range that reaches each device's peak."""
+    if sizes:
+        return tuple(int(n) for n in sizes.split(","))
+    return (4096, 8192, 16384) if gpu else (1024, 2048, 3072, 4096)
+
+
+def bf16_flags() -> list[str]:
+    """This CPU's flags that make bfloat16 products native (every JSON here records them)."""
+    return sorted({"amx_bf16", "amx_tile", "avx512_bf16"} & cpu_flags())
+
+
+def matmul_peak(dtype: torch.dtype, sizes: tuple[int, ...], seconds: float = 1.0,
+                device: torch.device = torch.device("cpu")) -> dict[str, float]:
     """FLOP/s of n x n x n matrix products in ``dtype`` per size n (the best of at least ``seconds`` of repeats,
     after as long a warm-up: AMX units and clocks take a moment to reach speed), and their maximum, "peak"."""
     out: dict[str, float] = {}
@@ -130,24 +142,17 @@ def run_once(model, method: str, options: dict, ids: torch.Tensor, new: int) -> 
             "tokens": out[0].tolist()}
 
 
-def peak_sizes(sizes: str | None, gpu: bool) -> tuple[int, ...]:
-    """The n of the peak products: ``--sizes`` where given, else a range that reaches each device's peak."""
-    if sizes:
-        return tuple(int(n) for n in sizes.split(","))
-    return (4096, 8192, 16384) if gpu else (1024, 2048, 3072, 4096)
-
-
 def peaks_only(args: argparse.Namespace) -> None:
     """``--peaks-only``: both dtypes' matrix-product peaks and their ratio, written to ``--out``."""
-    device = torch.device(args.device or "cpu")
+    device = resolve_device(args.device)
     sizes = {name: matmul_peak(dt, peak_sizes(args.sizes, device.type == "cuda"), device=device)
              for name, dt in DTYPES.items()}
     ratio = sizes["float32"]["peak"] / sizes["bfloat16"]["peak"]
     result = {"benchmark": "dtype-peaks", **environment(),
-              "cpu_bf16_flags": sorted({"amx_bf16", "amx_tile", "avx512_bf16"} & cpu_flags()),
+              "cpu_bf16_flags": bf16_flags(),
               "matmul_flop_per_s_by_size": sizes, "fp32_over_bf16_peak": ratio}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
     for name, s in sizes.items():
         print(f"{name:>8}: " + ", ".join(f"{k} {v / 1e9:.2f} GFLOP/s" for k, v in s.items()))
     print(f"bf16 takes {ratio:.1f}x float32's time per product at the peaks; wrote {args.out}")
@@ -223,11 +228,11 @@ def main() -> None:
     result = {"benchmark": "dtype", **environment(),
               "model": args.model, "device": device_name(models["float32"]), "random_weights": args.random_weights,
               "tokens": tokens, "new_tokens": args.new, "rounds": args.rounds,
-              "cpu_bf16_flags": sorted({"amx_bf16", "amx_tile", "avx512_bf16"} & cpu_flags()),
+              "cpu_bf16_flags": bf16_flags(),
               "matmul_peak_flop_per_s": peaks, "matmul_flop_per_s_by_size": sizes, "bare_prefill_flops": flops,
               "bare_prefill_flops_attention": attention_flops, "options": options, "methods": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\n{'method':>10} | {'fp32 prefill':>12} | {'bf16 prefill':>12} | ratio | {'fp32 step':>9} | "
           f"{'bf16 step':>9} | ratio")
     for method, row in rows.items():
