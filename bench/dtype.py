@@ -44,13 +44,6 @@ def random_prompt(tokens: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- the roofline
-def peak_sizes(sizes: str | None, gpu: bool) -> tuple[int, ...]:
-    """The n of the peak products: ``--sizes`` where given, else a range that reaches each device's peak."""
-    if sizes:
-        return tuple(int(n) for n in sizes.split(","))
-    return (4096, 8192, 16384) if gpu else (1024, 2048, 3072, 4096)
-
-
 def bf16_flags() -> list[str]:
     """This CPU's flags that make bfloat16 products native (every JSON here records them)."""
     return sorted({"amx_bf16", "amx_tile", "avx512_bf16"} & cpu_flags())
@@ -77,6 +70,14 @@ def matmul_peak(dtype: torch.dtype, sizes: tuple[int, ...], seconds: float = 1.0
         out[str(n)] = 2 * n ** 3 / best
     out["peak"] = max(out.values())
     return out
+
+
+def matmul_peaks(device: torch.device, sizes: str | None = None) -> dict[str, dict[str, float]]:
+    """:func:`matmul_peak` in each of ``DTYPES`` on ``device``, at ``--sizes`` (comma-separated n) where given, else
+    at sizes that reach the device's peak."""
+    ns = (tuple(int(n) for n in sizes.split(",")) if sizes
+          else (4096, 8192, 16384) if device.type == "cuda" else (1024, 2048, 3072, 4096))
+    return {name: matmul_peak(dt, ns, device=device) for name, dt in DTYPES.items()}
 
 
 def attention_seconds(model, tokens: int, dtype: torch.dtype) -> float:
@@ -144,9 +145,7 @@ def run_once(model, method: str, options: dict, ids: torch.Tensor, new: int) -> 
 
 def peaks_only(args: argparse.Namespace) -> None:
     """``--peaks-only``: both dtypes' matrix-product peaks and their ratio, written to ``--out``."""
-    device = resolve_device(args.device)
-    sizes = {name: matmul_peak(dt, peak_sizes(args.sizes, device.type == "cuda"), device=device)
-             for name, dt in DTYPES.items()}
+    sizes = matmul_peaks(resolve_device(args.device), args.sizes)
     ratio = sizes["float32"]["peak"] / sizes["bfloat16"]["peak"]
     result = {"benchmark": "dtype-peaks", **environment(),
               "cpu_bf16_flags": bf16_flags(),
@@ -186,7 +185,7 @@ def main() -> None:
     models = {name: bench_model(args.model, args.device, args.random_weights, name)[0] for name in DTYPES}
     device = models["float32"].device
     gpu = device.type == "cuda"
-    sizes = {name: matmul_peak(dt, peak_sizes(args.sizes, gpu), device=device) for name, dt in DTYPES.items()}
+    sizes = matmul_peaks(device, args.sizes)
     peaks = {name: s["peak"] for name, s in sizes.items()}
     print(f"matrix-product peak ({device_name(models['float32'])}{'' if gpu else f', {torch.get_num_threads()} threads'}): "
           f"fp32 {peaks['float32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bfloat16'] / 1e9:.0f} GFLOP/s", flush=True)
