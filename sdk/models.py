@@ -581,7 +581,7 @@ def resolve_dtype(dtype: "torch.dtype | str | None" = None, device: "torch.devic
     """The torch dtype a model is loaded in: ``dtype`` (a torch dtype or a name in ``DTYPE_NAMES``), else
     ``LCX_DTYPE``, else auto.  auto: bfloat16 where ``device`` runs it natively (:func:`native_bf16`), float32
     elsewhere.  A half dtype asked for where the device only emulates it is said (once a process on stderr, or
-    to ``warn`` each call): it runs, but far slower than float32."""
+    to ``warn`` each call): it runs, but slower than float32."""
     import torch
 
     dev = resolve_device(device) if not isinstance(device, torch.device) else device
@@ -600,7 +600,7 @@ def resolve_dtype(dtype: "torch.dtype | str | None" = None, device: "torch.devic
         if not native and (warn is not None or name not in _emulated_said):
             flag = "amx_bf16 or avx512_bf16" if name == "bfloat16" else "amx_fp16"
             (warn or _stderr)(f"note: this CPU has no native {name} ({flag}): its matrix products are emulated, "
-                              f"far slower than float32; use --dtype auto or float32")
+                              f"several times slower than float32; use --dtype auto or float32")
             if warn is None:
                 _emulated_said.add(name)
     return getattr(torch, name)
